@@ -1,0 +1,197 @@
+"""The `hetloco` section of a DeepSpeed JSON, typed and validated once, at the edge.
+
+A run's configuration is one DeepSpeed JSON file. DeepSpeed reads its own keys; ours live
+under `"hetloco"`. `load_config` splits the two, validates ours with pydantic
+(`extra="forbid"`: an unknown key is one error naming the key and the file), checks the
+DeepSpeed settings we depend on, and hands typed objects inward.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the bad value and where it came from."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SparseLoCoConfig(_Section):
+    enabled: bool = True
+    """False runs plain data parallelism: a gradient all-reduce every step (the AdamW DDP baseline)."""
+    inner_steps: int = Field(50, ge=1)
+    """H: optimizer steps each replica takes between outer syncs."""
+    outer_lr: float = Field(1.0, gt=0)
+    """Outer SGD learning rate; multiplies the aggregated pseudo-gradient once."""
+    error_decay: float = Field(0.95, ge=0, le=1)
+    """beta in e = beta * e + delta."""
+    chunk_size: int = Field(4096, ge=1, le=4096)
+    """Largest chunk in elements; 2-D tensors are tiled sqrt(chunk_size) square. <= 4096 so indices fit 12 bits."""
+    topk: int = Field(32, ge=1)
+    """Values kept per chunk of `chunk_size` elements (scaled for smaller chunks, at least 1)."""
+    quant_bits: Literal[2, 4, 8] | None = None
+    """Quantise the selected values to this many bits with a per-tensor lookup table; null sends float32."""
+    aggregation: Literal["mean", "selected_count"] = "mean"
+    """mean: divide the sum by the replicas that contributed (paper eq. 2). selected_count: by how many selected each coordinate."""
+
+
+class SubspaceConfig(_Section):
+    ratio: int = Field(1, ge=1)
+    """d / k for compressed replicas; 1 means no compression."""
+    compressed_replicas: list[int] | Literal["all", "none"] = "none"
+    """Which replicas send subspace-projected tensors over their stage boundaries."""
+    replica_ratios: dict[int, int] = Field(default_factory=dict)
+    """Per-replica override of `ratio` for compressed replicas, e.g. {"1": 64}."""
+    seed: int = 1234
+    """Seed of the Gaussian matrix whose QR gives U; every rank builds the same U from it."""
+    embedding_adaptation: bool = True
+    """Paper eqs. 3-4 after every outer sync (Table 5a ablation when false)."""
+    project_residual_weights: bool = False
+    """Project o_proj/down_proj outputs onto Col(U) after each inner step (Table 5b ablation)."""
+
+    @field_validator("replica_ratios")
+    @classmethod
+    def _ratios_positive(cls, v: dict[int, int]) -> dict[int, int]:
+        for replica, ratio in v.items():
+            if ratio < 1:
+                raise ValueError(f"replica_ratios[{replica}] = {ratio} must be >= 1")
+        return v
+
+    def compressed(self, replica: int, num_replicas: int) -> bool:
+        if self.compressed_replicas == "all":
+            return True
+        if self.compressed_replicas == "none":
+            return False
+        return replica in self.compressed_replicas
+
+    def ratio_for(self, replica: int, num_replicas: int) -> int:
+        """d/k on this replica's boundaries; 1 for uncompressed replicas."""
+        if not self.compressed(replica, num_replicas):
+            return 1
+        return self.replica_ratios.get(replica, self.ratio)
+
+    @property
+    def any_compressed(self) -> bool:
+        return self.compressed_replicas != "none" and (self.compressed_replicas == "all" or bool(self.compressed_replicas))
+
+
+class TrainConfig(_Section):
+    seq_len: int = Field(256, ge=2)
+    """Tokens per sample (context length)."""
+    eval_interval: int = Field(50, ge=0)
+    """Optimizer steps between validation-loss evaluations (0: only at the end)."""
+    eval_batches: int = Field(4, ge=1)
+    """Micro-batches of held-out data per validation."""
+    checkpoint_interval: int = Field(0, ge=0)
+    """Save every this many outer steps (0: only at the end). Checkpoints are taken at outer-step boundaries."""
+    seed: int = 0
+    """Seed for model initialisation and data order."""
+    vocab_size: int = Field(8192, ge=256)
+    """Vocabulary of the BPE tokenizer trained on the embedded default corpus."""
+
+
+class HetlocoConfig(_Section):
+    sparseloco: SparseLoCoConfig = Field(default_factory=SparseLoCoConfig)
+    subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What the rest of the package receives: DeepSpeed's dict (ours removed) and our typed section."""
+
+    ds: dict[str, Any]
+    hetloco: HetlocoConfig
+    source: str
+    stages: int
+
+
+def _format_pydantic(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        where = "hetloco." + ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key '{where}'")
+        else:
+            lines.append(f"{source}: {where}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    """Validate a DeepSpeed JSON dict with a `hetloco` section."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: top level must be a JSON object")
+    ds = json.loads(json.dumps(raw))  # deep copy; we edit DeepSpeed's part below
+    section = ds.pop("hetloco", {}) or {}
+    try:
+        hetloco = HetlocoConfig.model_validate(section)
+    except ValidationError as err:
+        raise ConfigError(_format_pydantic(err, source)) from None
+
+    pipeline = ds.setdefault("pipeline", {})
+    stages = pipeline.get("stages", 1)
+    if stages == "auto":
+        stages = 1
+    if not isinstance(stages, int) or stages < 1:
+        raise ConfigError(f"{source}: pipeline.stages must be a positive integer, got {stages!r}")
+    pipeline["stages"] = stages
+
+    zero = ds.get("zero_optimization", {}) or {}
+    if int(zero.get("stage", 0)) != 0:
+        raise ConfigError(
+            f"{source}: zero_optimization.stage = {zero.get('stage')} shards state across replicas, "
+            "which defeats independent local steps; use stage 0"
+        )
+    if ds.get("fp16", {}).get("enabled"):
+        raise ConfigError(f"{source}: fp16.enabled is not supported; use bf16 (autocast with fp32 master weights per replica)")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = ds.get(key, 1)
+        if value == "auto":
+            ds[key] = 1
+        elif not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if ds.get("train_batch_size") == "auto":
+        ds.pop("train_batch_size")
+    clip = ds.get("gradient_clipping", 1.0)
+    if not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError(f"{source}: gradient_clipping must be a non-negative number, got {clip!r}")
+    return RunConfig(ds=ds, hetloco=hetloco, source=source, stages=stages)
+
+
+def load_config(path: str | os.PathLike | None) -> RunConfig:
+    """Read and validate a DeepSpeed JSON file (None: the packaged default CPU config)."""
+    if path is None:
+        path = default_config_path()
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON: {err}") from None
+    return parse_config(raw, source=path)
+
+
+def default_config_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(here, "configs", "cpu_tiny.json")
+
+
+def check_topology(world_size: int, stages: int, source: str, num_layers: int | None = None) -> int:
+    """Replicas M = world / S, or one error showing both numbers."""
+    if stages > world_size or world_size % stages != 0:
+        raise ConfigError(
+            f"{source}: world size {world_size} is not divisible by pipeline.stages = {stages}; "
+            f"replicas M = world / stages must be a whole number"
+        )
+    if num_layers is not None and stages > num_layers:
+        raise ConfigError(f"{source}: pipeline.stages = {stages} exceeds the model's {num_layers} decoder layers")
+    return world_size // stages

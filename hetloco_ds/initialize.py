@@ -1,0 +1,123 @@
+"""Our entry point: builds a HetlocoEngine from the same DeepSpeed JSON.
+
+`deepspeed.initialize` always builds the stock PipelineEngine for a PipelineModule, so this
+mirrors what it does for that case (DeepSpeedConfig + engine constructor) with our engine,
+after taking out of DeepSpeed's hands the settings we implement per replica: bf16 (autocast
+over fp32 master weights), gradient clipping (over the replica's stages) and the optimizer
+(a plain torch AdamW, so no fused op has to be JIT-built).
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+
+import patches
+
+from .config import ConfigError, RunConfig, check_topology
+
+
+def init_distributed() -> None:
+    """Process group from the launcher's environment (deepspeed, torchrun, or our --nproc)."""
+    patches.apply_all()
+    import deepspeed
+    from deepspeed import comm as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+@dataclass
+class Built:
+    engine: "HetlocoEngine"  # noqa: F821
+    module: "HetlocoPipelineModule"  # noqa: F821
+    replica: int
+    num_replicas: int
+    stage: int
+
+
+def build_optimizer(params, ds: dict) -> torch.optim.Optimizer:
+    """torch.optim.AdamW from DeepSpeed's `optimizer` section (paper defaults otherwise)."""
+    section = ds.get("optimizer") or {"type": "AdamW", "params": {}}
+    kind = str(section.get("type", "AdamW")).lower()
+    if kind not in ("adamw", "adam"):
+        raise ConfigError(f"optimizer.type = {section.get('type')!r}: the inner optimizer is AdamW")
+    p = dict(section.get("params", {}))
+    return torch.optim.AdamW(
+        params,
+        lr=float(p.get("lr", 1e-3)),
+        betas=tuple(p.get("betas", (0.9, 0.95))),
+        eps=float(p.get("eps", 1e-8)),
+        weight_decay=float(p.get("weight_decay", 0.1)),
+    )
+
+
+def build_engine(run: RunConfig, module, seq_len: int):
+    """A HetlocoEngine over an already built HetlocoPipelineModule."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from .engine import HetlocoEngine
+
+    ds = copy.deepcopy(run.ds)
+    bf16 = bool(ds.pop("bf16", {}).get("enabled", False))
+    ds["bf16"] = {"enabled": False}
+    clip = float(ds.pop("gradient_clipping", 1.0))
+    ds["gradient_clipping"] = 0.0
+    ds.pop("train_batch_size", None)
+    ds.setdefault("steps_per_print", 10**9)
+    optimizer_section = ds.pop("optimizer", None)
+    ds.setdefault("train_micro_batch_size_per_gpu", 1)
+    ds.setdefault("gradient_accumulation_steps", 1)
+    if "scheduler" in ds:
+        _fill_auto_scheduler(ds["scheduler"], optimizer_section)
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    module.to(device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, {"optimizer": optimizer_section} if optimizer_section else {})
+    mpu = module.mpu()
+    engine = HetlocoEngine(
+        args=None,
+        model=module,
+        optimizer=optimizer,
+        model_parameters=params,
+        mpu=mpu,
+        dist_init_required=False,
+        config=ds,
+        config_class=DeepSpeedConfig(ds, mpu),
+        hetloco=run.hetloco,
+        bf16=bf16,
+        seq_len=seq_len,
+        clip=clip,
+    )
+    return engine
+
+
+def _fill_auto_scheduler(section: dict, optimizer_section: dict | None) -> None:
+    """Resolve "auto" values in the scheduler params that HF users write."""
+    params = section.setdefault("params", {})
+    lr = float(((optimizer_section or {}).get("params") or {}).get("lr", 1e-3))
+    for key in ("warmup_max_lr",):
+        if params.get(key) == "auto":
+            params[key] = lr
+    for key in ("warmup_min_lr",):
+        if params.get(key) == "auto":
+            params[key] = 0.0
+
+
+def build_module(run: RunConfig, llama_config, hf_dir: str | None = None):
+    """This rank's stage of the PipelineModule: from an HF directory (only this stage's
+    tensors) or freshly initialised with per-layer seeds (the same model whatever S is)."""
+    from deepspeed import comm as dist
+
+    from .pipe.module import HetlocoPipelineModule
+
+    world = dist.get_world_size()
+    check_topology(world, run.stages, run.source, llama_config.num_hidden_layers)
+    return HetlocoPipelineModule(llama_config, run.stages, world, seed=run.hetloco.train.seed, hf_dir=hf_dir)

@@ -1,0 +1,128 @@
+"""LLaMA as a sequence of stage layers.
+
+These modules know nothing of pipelines, replicas or compression. Each one maps 1:1 onto a
+block of `transformers`' LlamaForCausalLM so that weights keep their HF names under a
+per-layer prefix (see `convert.KEY_MAP`). Between layers the activation is a pair
+`(hidden, ids)`: the token ids ride along because a compressed stage boundary needs them to
+rebuild the high-rank embedding component T_perp[x]; an uncompressed boundary drops them.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+
+def stage_config(config: LlamaConfig) -> LlamaConfig:
+    """A copy of `config` fixed to SDPA attention, which is causal without a mask tensor.
+
+    No mask travels between stages, so attention must be causal by construction; eager
+    attention with `attention_mask=None` would silently attend to the future.
+    """
+    config = copy.deepcopy(config)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    return config
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding TE = weight + perp.
+
+    `weight` is the trainable part (T_S once a subspace split is made; all of TE otherwise).
+    `perp` is T_perp, a fixed high-rank buffer that `subspace.split_embedding` fills; it is
+    None for models that never compress.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        nn.init.normal_(self.weight, std=config.initializer_range)
+        # A None buffer stays out of state_dict until a split assigns a tensor to it.
+        self.register_buffer("perp", None)
+
+    def table(self) -> torch.Tensor:
+        """The full embedding table TE."""
+        return self.weight if self.perp is None else self.weight + self.perp
+
+    def forward(self, ids: torch.Tensor):
+        hidden = F.embedding(ids, self.weight)
+        if self.perp is not None:
+            hidden = hidden + F.embedding(ids, self.perp)
+        return hidden, ids
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied LM head: logits = hidden @ TE^T."""
+        return F.linear(hidden, self.table())
+
+
+def tied_head_forward(module: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """`forward_fn` for the tied LM head (a function, so DeepSpeed can pickle-free call it)."""
+    return module.head(hidden)
+
+
+class DecoderLayer(nn.Module):
+    """One `transformers` LlamaDecoderLayer with the rotary table it needs.
+
+    Rotary positions are recomputed on every layer from the sequence length, so nothing
+    positional has to cross a stage boundary.
+    """
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        config = stage_config(config)
+        self.layer = LlamaDecoderLayer(config, layer_idx)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    @torch.no_grad()
+    def reset_nonpersistent_buffers(self) -> None:
+        """Recompute the rotary tables (`inv_freq`), which no state dict carries.
+
+        A layer built on the meta device and then `to_empty`'d holds uninitialised memory here;
+        loading weights never touches these buffers, so they must be rebuilt from the config.
+        """
+        with torch.device("cpu"):
+            fresh = LlamaRotaryEmbedding(self.rotary.config)
+        for name, buffer in fresh.named_buffers():
+            self.rotary.get_buffer(name).copy_(buffer)
+        self.rotary.attention_scaling = fresh.attention_scaling
+
+    def forward(self, inputs):
+        hidden, ids = inputs
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        cos_sin = self.rotary(hidden, positions)
+        hidden = self.layer(hidden, position_embeddings=cos_sin, position_ids=positions)
+        return hidden, ids
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, inputs):
+        hidden, _ = inputs
+        return self.norm(hidden)
+
+
+class LMHead(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, mean over predicted positions, as LlamaForCausalLM computes it."""
+    logits = logits[:, :-1].float()
+    target = labels[:, 1:].long()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)

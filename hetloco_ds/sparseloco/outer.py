@@ -1,0 +1,355 @@
+"""SparseLoCo's outer step for the parameters of one pipeline stage of one replica (eq. 2).
+
+    delta = theta_prev - theta_m             e = beta * e + delta
+    c     = Q(TOPK(e))                       e = e - dequant(c)
+    avg   = (1 / contributors) * sum_m dequant(c_m)
+    theta = theta_prev - outer_lr * avg      (written into the parameters; theta_prev = theta)
+
+Pure logic, no process group: the collective is injected by the caller, in two phases,
+
+    payload = state.prepare(params)          # this replica's compact uint8 buffer
+    gathered = all_gather(payload)           # caller's collective, rank order = replica order
+    report = state.finish(params, gathered)
+
+so a test drives M fake replicas in one process by passing the list of their payloads.
+
+One payload per stage and outer step (one collective, not one per tensor):
+
+    header  16 bytes, little-endian: b"SLC1", version u8 (=1), flags u8 (bit 0: finite, i.e.
+            this replica contributes), u16 zero, u32 crc32 fingerprint of (version, config,
+            parameter shapes in order), u32 total payload length
+    body    parameters grouped by shape, groups in order of first appearance, members of a
+            group in parameter order; each parameter is one `TensorCodec` payload
+            (see compress.py), each a multiple of 4 bytes.
+
+The layout depends only on the configuration and the parameter shapes, so every replica of a
+stage group produces a buffer of the same length (`payload_nbytes`) and the all-gather cannot
+mismatch. A replica whose pseudo-gradient holds a NaN/Inf sends the same length with the finite
+flag cleared and a zero body; its error buffer is left as it was, and `finish` averages over the
+others only and restores every replica, the faulty one included, to the same synced theta.
+
+Determinism: every replica decodes the same bytes, accumulates them in fp32 in replica order
+with gather/add/scatter on distinct positions (no atomics), and applies the same update, so
+all replicas end bitwise identical (on the same kind of device).
+
+Cost (dense passes over the stage's fp32 state, the rest is O(selected)): prepare reads
+theta_prev, params and e and writes the new e (the new buffer replaces the old one, no copy)
+plus one |.|/tiling pass that top-k reads; finish writes the parameters from theta_prev and
+touches theta_prev only at the selected coordinates. Memory: prepare holds the old and new
+error buffers until it knows the replica is finite; finish keeps a zeroed fp32 scratch the
+size of the largest same-shape parameter group.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field, fields
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from .compress import QUANT_BITS, VALUE_DTYPES, TensorCodec
+
+HEADER = struct.Struct("<4sBBHII")
+MAGIC = b"SLC1"
+VERSION = 1
+FLAG_FINITE = 1
+AGGREGATIONS = ("mean", "selected_count")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer step's settings (field names match `config.SparseLoCoConfig`)."""
+
+    error_decay: float = 0.95
+    """beta in e = beta * e + delta."""
+    outer_lr: float = 1.0
+    """Outer SGD learning rate; multiplies the aggregate once (never the error buffer)."""
+    chunk_size: int = 4096
+    """Largest chunk in elements; 2-D tensors are tiled isqrt(chunk_size) square."""
+    topk: int = 32
+    """Values kept per chunk of chunk_size elements (scaled for smaller chunks, at least 1)."""
+    quant_bits: int | None = None
+    """None sends value_dtype values; 2/4/8 sends codes plus a per-tensor lookup table."""
+    value_dtype: torch.dtype = torch.float32
+    """Wire type of unquantised values: float32 or bfloat16."""
+    aggregation: str = "mean"
+    """mean: sum / contributing replicas (paper). selected_count: per coordinate, sum / replicas that selected it."""
+
+    def __post_init__(self):
+        if not 0.0 <= self.error_decay <= 1.0:
+            raise ValueError(f"error_decay must be in [0, 1], got {self.error_decay}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if self.chunk_size < 1 or self.topk < 1:
+            raise ValueError(f"chunk_size and topk must be >= 1, got {self.chunk_size}, {self.topk}")
+        if self.quant_bits is not None and self.quant_bits not in QUANT_BITS:
+            raise ValueError(f"quant_bits must be None or one of {QUANT_BITS}, got {self.quant_bits}")
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+
+    @classmethod
+    def from_any(cls, cfg=None) -> "OuterConfig":
+        """From None (defaults), an OuterConfig, or any object with these attribute names
+        (e.g. the pydantic `config.SparseLoCoConfig`; its other fields are ignored)."""
+        if cfg is None:
+            return cls()
+        if isinstance(cfg, cls):
+            return cfg
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
+
+    def codec(self, shape) -> TensorCodec:
+        return TensorCodec(tuple(shape), self.chunk_size, self.topk, self.quant_bits, self.value_dtype)
+
+
+def payload_nbytes(shapes: Iterable[Sequence[int]], cfg=None) -> int:
+    """Bytes of one replica's payload for parameters of `shapes`: a pure function of the config."""
+    cfg = OuterConfig.from_any(cfg)
+    return HEADER.size + sum(cfg.codec(s).nbytes for s in shapes)
+
+
+def _fingerprint(shapes: Sequence[tuple[int, ...]], cfg: OuterConfig) -> int:
+    settings = tuple(str(getattr(cfg, f.name)) for f in fields(cfg))
+    return zlib.crc32(repr((VERSION, settings, tuple(shapes))).encode())
+
+
+@dataclass(frozen=True)
+class OuterReport:
+    """What one outer step did on this replica."""
+
+    bytes_per_replica: int
+    """Payload length every replica sent (header included)."""
+    contributors: tuple[int, ...]
+    """Replica indices (positions in the gathered list) whose pseudo-gradients were averaged."""
+    excluded: tuple[int, ...]
+    """Replica indices excluded for a non-finite pseudo-gradient."""
+    averages: dict[int, Tensor] = field(default_factory=dict)
+    """Parameter index -> dense fp32 average `avg`, only for the indices asked via `keep_average`."""
+
+
+@dataclass
+class _Group:
+    """Parameters of one shape: their state stacked, [G, *shape], and their place in the payload."""
+
+    shape: tuple[int, ...]
+    members: list[int]
+    codec: TensorCodec
+    offset: int
+    theta_prev: Tensor
+    error: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.members) * self.codec.nbytes
+
+    def rows(self, payload: Tensor) -> Tensor:
+        return payload[self.offset: self.offset + self.nbytes].view(len(self.members), self.codec.nbytes)
+
+
+class SparseLoCoState:
+    """theta_prev and error-feedback buffers of one stage of one replica, and its outer step.
+
+    `params` fixes the parameter order and shapes for the life of the state; every replica
+    of the stage group must pass the same shapes in the same order, starting from identical
+    values (the state snapshots them as theta_prev).
+    """
+
+    def __init__(self, params: Sequence[Tensor], cfg=None):
+        params = list(params)
+        if not params:
+            raise ValueError("SparseLoCoState needs at least one parameter")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters of a stage must be on one device, got {sorted(map(str, devices))}")
+        self.cfg = OuterConfig.from_any(cfg)
+        self.device = params[0].device
+        self.shapes = [tuple(p.shape) for p in params]
+        self.nbytes = payload_nbytes(self.shapes, self.cfg)
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(self.shapes):
+            by_shape.setdefault(s, []).append(i)
+        self._groups: list[_Group] = []
+        self._where: list[tuple[int, int]] = [(0, 0)] * len(params)
+        offset = HEADER.size
+        with torch.no_grad():
+            for shape, members in by_shape.items():
+                tp = torch.stack([params[i].detach().to(torch.float32) for i in members])
+                group = _Group(shape, members, self.cfg.codec(shape), offset, tp, torch.zeros_like(tp))
+                for j, i in enumerate(members):
+                    self._where[i] = (len(self._groups), j)
+                self._groups.append(group)
+                offset += group.nbytes
+        assert offset == self.nbytes
+        fp = _fingerprint(self.shapes, self.cfg)
+        self._fingerprint = fp
+        self._headers = {
+            ok: torch.tensor(list(HEADER.pack(MAGIC, VERSION, FLAG_FINITE if ok else 0, 0, fp, self.nbytes)),
+                             dtype=torch.uint8, device=self.device)
+            for ok in (True, False)
+        }
+        self._scratch: Tensor | None = None  # zeroed between uses
+        self._count: Tensor | None = None  # zeroed between uses; selected_count only
+        self._pending = False
+
+    # ------------------------------------------------------------------ views
+    def _view(self, which: str, i: int) -> Tensor:
+        g, j = self._where[i]
+        return getattr(self._groups[g], which)[j]
+
+    @property
+    def theta_prev(self) -> list[Tensor]:
+        """fp32 parameters at the last sync, per parameter (views into the state)."""
+        return [self._view("theta_prev", i) for i in range(len(self.shapes))]
+
+    @property
+    def error(self) -> list[Tensor]:
+        """fp32 error-feedback buffers, per parameter (views into the state)."""
+        return [self._view("error", i) for i in range(len(self.shapes))]
+
+    @torch.no_grad()
+    def rebase(self, i: int, value: Tensor) -> None:
+        """Set theta_prev of parameter i to `value` (after an in-place change of the synced
+        parameter outside the outer step, e.g. the T_S projection of eqs. 3-4)."""
+        self._view("theta_prev", i).copy_(value)
+
+    def _check(self, params: Sequence[Tensor]) -> list[Tensor]:
+        params = list(params)
+        shapes = [tuple(p.shape) for p in params]
+        if shapes != self.shapes:
+            raise ValueError(f"parameters changed since the state was built: {len(shapes)} tensors {shapes[:4]}..., "
+                             f"expected {len(self.shapes)} tensors {self.shapes[:4]}...")
+        return params
+
+    # ------------------------------------------------------------------ phase 1
+    @torch.no_grad()
+    def prepare(self, params: Sequence[Tensor]) -> Tensor:
+        """Error feedback and compression; returns this replica's uint8 payload of `self.nbytes`."""
+        params = self._check(params)
+        if self._pending:
+            raise RuntimeError("prepare() called twice without finish(): the error buffer would absorb delta twice")
+        beta = self.cfg.error_decay
+        staged = []
+        finite = []
+        for g in self._groups:
+            e_new = torch.empty_like(g.theta_prev)
+            for j, i in enumerate(g.members):
+                torch.sub(g.theta_prev[j], params[i], out=e_new[j])  # delta
+            if beta != 0:
+                e_new.add_(g.error, alpha=beta)
+            sel = g.codec.select(e_new)
+            # A NaN/Inf anywhere in a chunk ranks first in its top-k, so checking the selected
+            # values is checking the whole pseudo-gradient (test_topk_selects_nonfinite_first).
+            finite.append(torch.isfinite(sel.values).all())
+            staged.append((e_new, sel))
+        ok = bool(torch.stack(finite).all())  # the one host sync of prepare
+        payload = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        payload[: HEADER.size] = self._headers[ok]
+        if ok:
+            for g, (e_new, sel) in zip(self._groups, staged):
+                sent = g.codec.pack_(g.rows(payload), sel)
+                # e = e - dequant(c): only the selected coordinates change.
+                e_new.view(len(g.members), -1).scatter_(1, sel.pos, sel.values - sent)
+                g.error = e_new
+        # else: error buffers stay as they were, the body stays zero, the flag says excluded.
+        self._pending = True
+        return payload
+
+    # ------------------------------------------------------------------ phase 2
+    def _flags(self, payloads: Sequence[Tensor]) -> list[bool]:
+        if not payloads:
+            raise ValueError("finish() needs the payloads of all replicas, got none")
+        for m, p in enumerate(payloads):
+            if p.dtype != torch.uint8 or p.dim() != 1 or p.numel() != self.nbytes:
+                raise ValueError(f"payload of replica {m} is {p.dtype} {tuple(p.shape)}; expected uint8 "
+                                 f"({self.nbytes},): replicas disagree on the stage's parameters or config")
+        heads = torch.stack([p[: HEADER.size].to(self.device) for p in payloads]).cpu()
+        flags = []
+        for m, raw in enumerate(heads.tolist()):
+            magic, version, flag, _, fp, length = HEADER.unpack(bytes(raw))
+            if magic != MAGIC or version != VERSION or length != self.nbytes:
+                raise ValueError(f"payload of replica {m} is not a version-{VERSION} SparseLoCo payload of "
+                                 f"{self.nbytes} bytes (magic {magic!r}, version {version}, length {length})")
+            if fp != self._fingerprint:
+                raise ValueError(f"payload of replica {m} was built with another config or parameter list "
+                                 f"(fingerprint {fp:#010x}, this replica {self._fingerprint:#010x})")
+            flags.append(bool(flag & FLAG_FINITE))
+        return flags
+
+    def _buffer(self, name: str, numel: int) -> Tensor:
+        buf = getattr(self, name)
+        if buf is None:
+            buf = torch.zeros(max(g.theta_prev.numel() for g in self._groups), device=self.device)
+            setattr(self, name, buf)
+        return buf[:numel]
+
+    @torch.no_grad()
+    def finish(self, params: Sequence[Tensor], payloads: Sequence[Tensor],
+               keep_average: bool | Iterable[int] = False) -> OuterReport:
+        """Aggregate the gathered payloads (in list order), apply the outer step, write the
+        synced theta into `params` in place.
+
+        `keep_average`: True, or the parameter indices, for which the report carries the dense
+        fp32 `avg` (the embedding resync needs the averaged T_S pseudo-gradient).
+        """
+        params = self._check(params)
+        if not self._pending:
+            raise RuntimeError("finish() called without prepare()")
+        flags = self._flags(payloads)
+        payloads = [p.to(self.device) for p in payloads]
+        contributors = tuple(m for m, f in enumerate(flags) if f)
+        excluded = tuple(m for m, f in enumerate(flags) if not f)
+        keep = set(range(len(params))) if keep_average is True else set(keep_average or ())
+        lr, n = self.cfg.outer_lr, len(contributors)
+        by_count = self.cfg.aggregation == "selected_count"
+        averages: dict[int, Tensor] = {}
+        for g in self._groups:
+            size, numel = len(g.members), g.theta_prev[0].numel()
+            if n == 0:
+                averages.update({i: torch.zeros(g.shape, device=self.device) for i in g.members if i in keep})
+                continue
+            acc = self._buffer("_scratch", size * numel).view(size, numel)
+            cnt = self._buffer("_count", size * numel).view(size, numel) if by_count else None
+            seen = []
+            for m in contributors:  # fixed order: bitwise identical sums on every replica
+                pos, values = g.codec.unpack(g.rows(payloads[m]))
+                acc.scatter_(1, pos, acc.gather(1, pos) + values)
+                if cnt is not None:
+                    cnt.scatter_(1, pos, cnt.gather(1, pos) + 1)
+                seen.append(pos)
+            pos = torch.cat(seen, 1) if len(seen) > 1 else seen[0]  # duplicates write equal values
+            avg = acc.gather(1, pos)
+            avg = avg / cnt.gather(1, pos) if cnt is not None else avg / n
+            theta = g.theta_prev.view(size, numel)
+            theta.scatter_(1, pos, torch.sub(theta.gather(1, pos), avg, alpha=lr))
+            acc.scatter_(1, pos, 0.0)
+            if cnt is not None:
+                cnt.scatter_(1, pos, 0.0)
+            for j, i in enumerate(g.members):
+                if i in keep:
+                    dense = torch.zeros(numel, device=self.device)
+                    averages[i] = dense.scatter_(0, pos[j], avg[j]).view(g.shape)
+        for i, p in enumerate(params):
+            p.copy_(self._view("theta_prev", i))  # every replica, the excluded ones too
+        self._pending = False
+        return OuterReport(self.nbytes, contributors, excluded, averages)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """theta_prev and error buffers per parameter (views: serialise before the next prepare)."""
+        if self._pending:
+            raise RuntimeError("state_dict() between prepare() and finish(): checkpoint at an outer-step boundary")
+        return {"shapes": list(self.shapes), "theta_prev": self.theta_prev, "error": self.error}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        shapes = [tuple(s) for s in state["shapes"]]
+        if shapes != self.shapes:
+            raise ValueError(f"checkpointed SparseLoCo state has {len(shapes)} parameters {shapes[:4]}..., "
+                             f"this stage has {len(self.shapes)} {self.shapes[:4]}...")
+        for i in range(len(self.shapes)):
+            self._view("theta_prev", i).copy_(state["theta_prev"][i])
+            self._view("error", i).copy_(state["error"][i])
+        self._pending = False

@@ -1,0 +1,20 @@
+"""Skip DeepSpeed's JIT build of its CPU shared-memory collective op.
+
+Replaces: `deepspeed.comm.torch.build_shm_op` (checked against DeepSpeed 0.19.8).
+
+Why: on the CPU accelerator, `TorchBackend.__init__` compiles `deepspeed_shm_comm` at
+process-group creation (~80 s on 2 cores, fails without a compiler, and concurrent ranks race
+on the build cache). We use gloo for every CPU collective, which does not need that op.
+On GPU the CUDA accelerator reports the op incompatible and the original returns None anyway.
+"""
+import deepspeed.comm.torch as ds_torch_comm
+
+_ORIGINAL = ds_torch_comm.build_shm_op
+
+
+def _no_shm_op():
+    return None
+
+
+def apply() -> None:
+    ds_torch_comm.build_shm_op = _no_shm_op
