@@ -443,7 +443,10 @@ class _Tokenised:
             chunk = [i for i in indices[pos : pos + batch] if i not in self.done]
             texts = self.docs.texts(chunk)
             nonempty = [j for j, t in enumerate(texts) if t]
-            ids = self.tokenizer([texts[j] for j in nonempty], add_special_tokens=False, verbose=False)["input_ids"] if nonempty else []
+            ids = []
+            if nonempty:
+                batch_texts = [texts[j] for j in nonempty]
+                ids = self.tokenizer(batch_texts, add_special_tokens=False, verbose=False)["input_ids"]
             for i in chunk:
                 self.done[i] = np.empty(0, np.int32)
             for j, row in zip(nonempty, ids):

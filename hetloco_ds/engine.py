@@ -41,7 +41,19 @@ class StepRecord:
     extra: dict = field(default_factory=dict)
 
 
+def _dispatch(name: str):
+    def call(self, **kwargs):
+        return getattr(self, name)(**kwargs)
+
+    call.__name__ = name
+    return call
+
+
 class HetlocoEngine(PipelineEngine):
+    # The stock map holds PipelineEngine's own functions, so subclass overrides would never
+    # run; dispatching by name makes every instruction go through normal method lookup.
+    _INSTRUCTION_MAP = {cmd: _dispatch(fn.__name__) for cmd, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+
     def __init__(self, *args, hetloco: HetlocoConfig, bf16: bool, seq_len: int, clip: float, **kwargs):
         self.hetloco = hetloco
         self.clip_norm = clip

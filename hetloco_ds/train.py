@@ -66,6 +66,17 @@ def prepare_inputs(args: TrainArgs, world_size: int):
     return run, llama_config, tokenizer, corpus
 
 
+def validation_batches(blocks: torch.Tensor, micro: int):
+    """The held-out blocks in order, `micro` at a time, cycling: the same batches at every validation."""
+    n = blocks.shape[0]
+    start = 0
+    while True:
+        idx = torch.arange(start, start + micro) % n
+        ids = blocks[idx].long()
+        yield ids, ids.clone()
+        start = (start + micro) % n
+
+
 def run_rank(args: TrainArgs) -> int:
     """Body of one rank (launched by deepspeed, torchrun or our --nproc)."""
     from deepspeed import comm as dist
@@ -118,8 +129,8 @@ def run_rank(args: TrainArgs) -> int:
         # The synced model is the same on every replica, so replica 0 alone evaluates it.
         if engine.replica != 0:
             return
-        val = data.ReplicaBatches(corpus.val, 0, 1, micro, seed=0, position=0, shuffle=False)
-        loss = engine.evaluate(val if needs_data else None, run.hetloco.train.eval_batches)
+        loss = engine.evaluate(validation_batches(corpus.val, micro) if needs_data else None,
+                               run.hetloco.train.eval_batches)
         if engine.is_last_stage():
             writer.write({"kind": "validation", "step": step, "replica": 0, "loss": loss, "time": time.time()})
         loss_t = torch.tensor([loss or 0.0], dtype=torch.float64, device=engine.device)

@@ -7,9 +7,10 @@ process-group creation (~80 s on 2 cores, fails without a compiler, and concurre
 on the build cache). We use gloo for every CPU collective, which does not need that op.
 On GPU the CUDA accelerator reports the op incompatible and the original returns None anyway.
 """
-import deepspeed.comm.torch as ds_torch_comm
+import importlib
 
-_ORIGINAL = ds_torch_comm.build_shm_op
+# `deepspeed.comm.torch` is shadowed by the `torch` attribute of `deepspeed.comm`.
+ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
 
 
 def _no_shm_op():

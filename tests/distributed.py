@@ -7,6 +7,7 @@ at the timeout instead of blocking the suite.
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -32,7 +33,11 @@ def _child(fn, rank, world, port, args, queue):
 
         init_distributed()
         result = fn(rank, *args)
-        queue.put((rank, "ok", result))
+        # Serialised here: tensors sent through the queue would share memory with a process
+        # that is about to exit.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -59,7 +64,9 @@ def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S) -> list:
         for _ in range(world):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break

@@ -281,8 +281,9 @@ def unpack_codes(packed: Tensor, n: int, bits: int) -> Tensor:
 def bytes_as(b: Tensor, dtype: torch.dtype) -> Tensor:
     """Reinterpret uint8 [..., m] as dtype [..., m / size]: a view when aligned, else a copy."""
     size = torch.empty((), dtype=dtype).element_size()
-    if b.data_ptr() % size or b.stride(-1) != 1 or any(s % size for s in b.stride()[:-1]):
-        b = b.contiguous()
+    if (b.data_ptr() % size or b.storage_offset() % size or b.stride(-1) != 1
+            or any(s % size for s in b.stride()[:-1])):
+        b = b.clone(memory_format=torch.contiguous_format)
     return b.view(dtype)
 
 

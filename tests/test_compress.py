@@ -1,0 +1,304 @@
+"""SparseLoCo's one-tensor compressor against an independent float64 reference.
+
+The reference below follows METHOD.md literally with plain loops over tiles and chunks and
+numpy float64 arithmetic; it shares no code with `hetloco_ds.sparseloco.compress`. Only the
+per-chunk selection calls torch.topk, on float64 magnitudes, so that the rare tie is broken
+the same way and indices compare equal.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from hetloco_ds.sparseloco.compress import (
+    ChunkLayout,
+    TensorCodec,
+    largest_divisor,
+    pack_codes,
+    pack_indices,
+    quantise,
+    topk_per_chunk,
+    unpack_codes,
+    unpack_indices,
+)
+
+SHAPES = [(1,), (7,), (4097,), (10000,), (3, 5), (65, 130), (64, 64), (128, 96), (1, 300), (2, 3, 5)]
+CONFIGS = [(4096, 32), (64, 8)]  # (chunk_size, topk): the paper's, and one with several values per small chunk
+
+
+# ------------------------------------------------------------------ float64 reference
+def ref_divisor(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def ref_chunk_positions(shape, chunk_size):
+    """Flat positions of every chunk, tile by tile, each tile read row by row."""
+    if len(shape) == 2:
+        rows, cols = shape
+        side = math.isqrt(chunk_size)
+        tr, tc = ref_divisor(rows, side), ref_divisor(cols, side)
+        chunks = []
+        for bi in range(rows // tr):
+            for bj in range(cols // tc):
+                chunks.append(np.array([r * cols + c for r in range(bi * tr, (bi + 1) * tr)
+                                        for c in range(bj * tc, (bj + 1) * tc)]))
+        return chunks
+    n = math.prod(shape)
+    length = ref_divisor(n, chunk_size)
+    return [np.arange(c * length, (c + 1) * length) for c in range(n // length)]
+
+
+def ref_quantise(v: np.ndarray, bits: int, edge_codes: np.ndarray | None = None):
+    """(codes, lut, ambiguous): ambiguous marks values within 1e-4 bins of a bin edge.
+
+    Float32 rounding may put such a value on either side; where `edge_codes` (the
+    implementation's codes) is given, an ambiguous value takes it if it is one of the two bins
+    that meet at that edge, so the comparison stays exact everywhere else.
+    """
+    levels = 2 ** bits
+    centre, std = v.mean(), v.std()  # population std
+    width = 6 * std / levels
+    x = (v - centre) / (width if width > 0 else 1.0) + levels / 2
+    codes = np.clip(np.floor(x), 0, levels - 1).astype(np.int64)
+    edge = np.round(x)
+    # with width == 0 all values are equal, and whichever bin they land in decodes to them
+    ambiguous = (np.abs(x - edge) < 1e-4) & (edge > 0) & (edge < levels) & (width > 0)
+    if edge_codes is not None and ambiguous.any():
+        assert np.isin(edge_codes[ambiguous] - edge[ambiguous], [-1, 0]).all(), "code off by more than one edge"
+        codes[ambiguous] = edge_codes[ambiguous]
+    lut = np.array([v[codes == b].mean() if (codes == b).any() else centre + (b - levels / 2 + 0.5) * width
+                    for b in range(levels)])
+    return codes, lut, ambiguous
+
+
+def ref_encode(x: np.ndarray, chunk_size, topk, bits, value_dtype=torch.float32, edge_codes=None):
+    """(dense sent float64, per-chunk sorted selected indices); `edge_codes`: flat position -> code."""
+    flat = x.reshape(-1)
+    chunks = ref_chunk_positions(x.shape, chunk_size)
+    length = len(chunks[0])
+    k = min(length, max(1, round(topk * length / chunk_size)))
+    positions, values, selected = [], [], []
+    for pos in chunks:
+        vals = flat[pos]
+        _, j = torch.topk(torch.from_numpy(np.abs(vals)), k)
+        j = j.numpy()
+        selected.append(np.sort(j))
+        positions.extend(pos[j])
+        values.extend(vals[j])
+    values = np.array(values)
+    if bits is None:
+        sent = torch.from_numpy(values).to(value_dtype).double().numpy()
+    else:
+        hints = None if edge_codes is None else np.array([edge_codes[p] for p in positions])
+        codes, lut, _ = ref_quantise(values, bits, hints)
+        sent = lut[codes]
+    dense = np.zeros(flat.size)
+    dense[np.array(positions)] = sent
+    return dense.reshape(x.shape), selected
+
+
+def randn(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------ chunking
+@pytest.mark.parametrize("shape, chunk_len, tile", [
+    ((1,), 1, None), ((7,), 7, None), ((4097,), 241, None), ((10000,), 2500, None), ((2, 3, 5), 30, None),
+    ((3, 5), 15, (3, 5)), ((65, 130), 338, (13, 26)), ((64, 64), 4096, (64, 64)), ((128, 96), 3072, (64, 48)),
+    ((1, 300), 60, (1, 60)),
+])
+def test_chunk_layout_uses_largest_divisors_up_to_64_tiles_and_4096(shape, chunk_len, tile):
+    """Guards METHOD.md's chunking rule: a wrong divisor or tile side changes which k values are sent."""
+    layout = ChunkLayout.for_shape(shape)
+    assert (layout.chunk_len, layout.tile) == (chunk_len, tile)
+    assert layout.n_chunks * layout.chunk_len == math.prod(shape)
+    assert largest_divisor(4097, 4096) == 241 and largest_divisor(4099, 4096) == 1
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("chunk_size", [4096, 64])
+def test_to_chunks_reads_tiles_row_major_and_from_chunks_inverts(shape, chunk_size):
+    """Guards the vectorised tiling against the loop definition; a wrong permute scrambles indices."""
+    t = randn(shape, 0)
+    layout = ChunkLayout.for_shape(shape, chunk_size)
+    chunks = layout.to_chunks(t)
+    expected = np.stack([t.reshape(-1).numpy()[pos] for pos in ref_chunk_positions(shape, chunk_size)])
+    np.testing.assert_array_equal(chunks.numpy(), expected)
+    assert torch.equal(layout.from_chunks(chunks), t)
+    batch = torch.stack([t, -t])  # leading batch dimension
+    assert torch.equal(layout.to_chunks(batch)[1], -chunks)
+    assert torch.equal(layout.from_chunks(layout.to_chunks(batch)), batch)
+
+
+def test_k_per_chunk_scales_with_chunk_length_and_is_at_least_one():
+    """Guards the density: 32 of 4096, proportionally fewer in smaller chunks, never zero or > chunk."""
+    assert topk_per_chunk(4096) == 32
+    assert topk_per_chunk(2048) == 16
+    assert topk_per_chunk(338) == 3  # 2.64 rounds to 3
+    assert topk_per_chunk(60) == 1 and topk_per_chunk(1) == 1
+    assert topk_per_chunk(7, topk=4096) == 7
+
+
+# ------------------------------------------------------------------ top-k + quantisation vs reference
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bits", [None, 2, 4, 8])
+@pytest.mark.parametrize("chunk_size, topk", CONFIGS)
+def test_encode_matches_float64_reference(shape, bits, chunk_size, topk):
+    """Guards selection (same indices per chunk) and what is sent (values or lut[code]) against the
+    literal reference; also that the payload decodes to exactly the `sent` the sender reports."""
+    e = randn(shape, zlib.crc32(repr((shape, bits, chunk_size)).encode()) % 1000)
+    codec = TensorCodec(shape, chunk_size, topk, bits)
+    payload, sent = codec.encode(e)
+    sel = codec.select(e)
+    edge_codes = None if bits is None else dict(zip(sel.pos[0].tolist(), quantise(sel.values, bits)[0][0].tolist()))
+    ref_sent, ref_selected = ref_encode(e.double().numpy(), chunk_size, topk, bits, edge_codes=edge_codes)
+
+    idx = sel.idx.reshape(codec.layout.n_chunks, codec.k)
+    got_selected = np.sort(idx.numpy(), axis=1)
+    np.testing.assert_array_equal(got_selected, np.stack(ref_selected))
+    if bits is None:
+        np.testing.assert_array_equal(sent.double().numpy(), ref_sent)
+    else:
+        np.testing.assert_allclose(sent.double().numpy(), ref_sent, rtol=1e-5, atol=1e-6)
+    assert payload.dtype == torch.uint8 and payload.shape == (codec.nbytes,)
+    decoded = torch.zeros(shape)
+    codec.decode_add_(payload, decoded)
+    assert torch.equal(decoded, sent)
+
+
+def test_bf16_values_travel_as_bfloat16():
+    """Guards value_dtype: sent values are the bf16-rounded ones, and the payload halves its value bytes."""
+    e = randn((65, 130), 3)
+    f32, b16 = TensorCodec((65, 130)), TensorCodec((65, 130), value_dtype=torch.bfloat16)
+    payload, sent = b16.encode(e)
+    ref_sent, _ = ref_encode(e.double().numpy(), 4096, 32, None, torch.bfloat16)
+    np.testing.assert_array_equal(sent.double().numpy(), ref_sent)
+    n = f32.n_selected
+    assert b16.nbytes == -(-(2 * n + 3 * ((n + 1) // 2)) // 4) * 4 < f32.nbytes
+    decoded = torch.zeros(65, 130)
+    b16.decode_add_(payload, decoded)
+    assert torch.equal(decoded, sent)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantise_codes_and_lut_follow_the_reference(bits):
+    """Guards Q: centre/population std/width, floor+clamp codes, lut = mean per bin, empty bin = its centre."""
+    v = randn((2, 301), bits) ** 3  # heavy tails: some bins empty, clamping used
+    codes, lut = quantise(v, bits)
+    assert codes.dtype == torch.uint8 and lut.dtype == torch.float32 and lut.shape == (2, 2 ** bits)
+    for row in range(2):
+        x = v[row].double().numpy()
+        ref_codes, ref_lut, ambiguous = ref_quantise(x, bits)
+        np.testing.assert_array_equal(codes[row].numpy()[~ambiguous], ref_codes[~ambiguous])
+        # bin means given the implementation's own codes (robust to an edge value landing either side)
+        got = codes[row].numpy().astype(np.int64)
+        levels = 2 ** bits
+        width = 6 * x.std() / levels
+        expect = np.array([x[got == b].mean() if (got == b).any() else x.mean() + (b - levels / 2 + 0.5) * width
+                           for b in range(levels)])
+        np.testing.assert_allclose(lut[row].double().numpy(), expect, rtol=1e-6, atol=1e-6)
+        assert bits != 8 or (np.bincount(got, minlength=levels) == 0).any()  # empty bins exercised
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("value", [0.0, 0.1, -3.0])
+def test_quantise_equal_values_give_no_nan(bits, n, value):
+    """Guards std == 0 (one selected value, or all equal): a zero bin width must not yield NaN codes/lut."""
+    v = torch.full((n,), value)
+    codes, lut = quantise(v, bits)
+    assert torch.isfinite(lut).all()
+    torch.testing.assert_close(lut.gather(-1, codes.long()), v, rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------------------ packing
+@pytest.mark.parametrize("bits, limit", [(12, 4096), (16, 65536), (32, 2 ** 31)])
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 32, 4097])
+def test_index_packing_round_trips_exactly_including_odd_counts(bits, limit, n):
+    """Guards the 12-bit wire format (two indices in three bytes, odd count padded) and its wider fallbacks."""
+    idx = torch.randint(0, limit, (3, n), generator=torch.Generator().manual_seed(n))
+    idx[0, 0], idx[-1, -1] = 0, limit - 1  # both extremes
+    packed = pack_indices(idx, bits)
+    expected_bytes = 3 * ((n + 1) // 2) if bits == 12 else n * bits // 8
+    assert packed.dtype == torch.uint8 and packed.shape == (3, expected_bytes)
+    assert torch.equal(unpack_indices(packed, n, bits), idx)
+    assert torch.equal(unpack_indices(pack_indices(idx[1], bits), n, bits), idx[1])  # unbatched
+
+
+def test_twelve_bit_layout_is_two_indices_in_three_bytes():
+    """Guards the documented bit order, so a receiver written elsewhere decodes the same indices."""
+    packed = pack_indices(torch.tensor([0xABC, 0x123, 0xFFF]), 12)
+    assert packed.tolist() == [0xBC, 0x3A, 0x12, 0xFF, 0x0F, 0x00]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 9, 1001])
+def test_code_packing_round_trips_exactly_at_its_bit_width(bits, n):
+    """Guards code packing: 4/2/1 codes per byte, partial last byte, exact inverse."""
+    codes = torch.randint(0, 2 ** bits, (2, n), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (2, math.ceil(n * bits / 8))
+    assert torch.equal(unpack_codes(packed, n, bits), codes)
+    assert pack_codes(torch.tensor([1, 2, 3, 0, 1], dtype=torch.uint8), 2).tolist() == [0b00111001, 0b01]
+
+
+# ------------------------------------------------------------------ payload
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bits, value_dtype", [(None, torch.float32), (None, torch.bfloat16), (2, torch.float32),
+                                               (4, torch.float32), (8, torch.float32)])
+def test_payload_length_equals_analytic_nbytes(shape, bits, value_dtype):
+    """Guards `nbytes` as a pure function of the config (the all-gather length) against the sections."""
+    codec = TensorCodec(shape, quant_bits=bits, value_dtype=value_dtype)
+    layout = ChunkLayout.for_shape(shape)
+    n = layout.n_chunks * topk_per_chunk(layout.chunk_len)
+    head = n * (4 if value_dtype == torch.float32 else 2) if bits is None else 4 * 2 ** bits
+    body = head + 3 * ((n + 1) // 2) + (0 if bits is None else math.ceil(n * bits / 8))
+    assert codec.nbytes == body + (-body) % 4
+    payload, _ = codec.encode(randn(shape, 1))
+    assert payload.numel() == codec.nbytes
+
+
+def test_payload_for_a_full_4096_chunk_is_176_bytes():
+    """Guards the wire cost of the paper's setting: 32 float32 values + 32 12-bit indices per 64x64 tile."""
+    assert TensorCodec((64, 64)).nbytes == 32 * 4 + 48
+    assert TensorCodec((64, 64), quant_bits=2).nbytes == 16 + 48 + 8
+
+
+@pytest.mark.parametrize("bits", [None, 2])
+def test_batched_encode_equals_per_tensor_and_decode_add_accumulates(bits):
+    """Guards the batched path the outer step uses (same bytes as one-by-one) and decode_add_ as a sum."""
+    codec = TensorCodec((65, 130), chunk_size=64, topk=8, quant_bits=bits)
+    batch = torch.stack([randn((65, 130), 5), randn((65, 130), 6)])
+    payload, sent = codec.encode(batch)
+    for b in range(2):
+        p, s = codec.encode(batch[b])
+        assert torch.equal(payload[b], p) and torch.equal(sent[b], s)
+    out = torch.zeros(2, 65, 130)
+    codec.decode_add_(payload, out)
+    codec.decode_add_(payload, out)
+    assert torch.equal(out, sent + sent)
+
+
+def test_misaligned_payload_still_decodes():
+    """Guards decoding a payload that does not start on a 4-byte boundary (falls back to a copy)."""
+    codec = TensorCodec((10000,))
+    payload, sent = codec.encode(randn((10000,), 2))
+    buf = torch.zeros(codec.nbytes + 1, dtype=torch.uint8)
+    buf[1:] = payload
+    out = torch.zeros(10000)
+    codec.decode_add_(buf[1:], out)
+    assert torch.equal(out, sent)
+
+
+def test_topk_selects_nonfinite_first():
+    """Guards the assumption behind the outer step's cheap NaN guard: a NaN or Inf anywhere in a
+    chunk is among that chunk's selected values (else a poisoned replica would go unnoticed)."""
+    e = randn((128, 96), 7) * 1e30
+    e[70, 5] = float("nan")
+    e[3, 90] = float("-inf")
+    values = TensorCodec((128, 96)).select(e).values
+    assert torch.isnan(values).sum() == 1 and torch.isinf(values).sum() == 1
