@@ -181,8 +181,9 @@ def load_config(path: str | os.PathLike | None) -> RunConfig:
 
 
 def default_config_path() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(here, "configs", "cpu_tiny.json")
+    """`configs/cpu_tiny.json` of the repository (the package is installed editable from it)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(repo, "configs", "cpu_tiny.json")
 
 
 def check_topology(world_size: int, stages: int, source: str, num_layers: int | None = None) -> int:

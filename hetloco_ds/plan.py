@@ -361,9 +361,9 @@ def predict(
     *,
     stages: int = 4,
     replicas: int = 8,
-    stage_bw: float = 1e9,
+    stage_bw: float | str = 1e9,
     stage_latency: float = 0.0,
-    replica_bw: float = 1e9,
+    replica_bw: float | str = 1e9,
     replica_latency: float = 0.0,
     tflops: float = 989.0,
     mfu: float = 0.45,
@@ -381,10 +381,11 @@ def predict(
     overlap: bool = True,
     seq_len: int | None = None,
     k: int | None = None,
+    link_efficiency: float = 1.0,
 ) -> Prediction:
     """Predict one replica's inner step and the outer sync (see the module docstring).
 
-    Args (rates in bits/s, latencies in s):
+    Args (rates in bits/s, or strings such as "100mbit"; latencies in s):
         model: preset name ("178M", "512M", "1B", "70B") or a ModelShape.
         stages, replicas: S pipeline stages, M SparseLoCo replicas.
         stage_bw, stage_latency: each link between adjacent stages (per direction).
@@ -399,18 +400,24 @@ def predict(
         ids_bytes: bytes per token id; None = 2 for vocab <= 65536 else 4.
         overlap: whether transfers overlap compute (see module docstring).
         seq_len: override the model's sequence length.
+        link_efficiency: goodput / link rate on every link. 1.0 = bytes move at the nominal
+            rate; TCP/IPv4 over Ethernet at MTU 1500 gives ~0.957 (1448 payload bytes per
+            1514-byte frame), which is what `netlab` measures under tc shaping.
         k: subspace width given directly (1 <= k <= d), for ratios that do not divide d
             (e.g. k/d ~ 1/24 at d = 8192); leave ratio at 1 when using it.
     """
     m = resolve_model(model)
     L = m.seq_len if seq_len is None else seq_len
+    stage_bw, replica_bw = parse_rate(stage_bw), parse_rate(replica_bw)
+    if not (isinstance(link_efficiency, (int, float)) and 0 < link_efficiency <= 1):
+        raise ValueError(f"link_efficiency must be in (0, 1], got {link_efficiency!r}")
     inputs = dict(model=m.name, stages=stages, replicas=replicas, stage_bw=stage_bw,
                   stage_latency=stage_latency, replica_bw=replica_bw,
                   replica_latency=replica_latency, tflops=tflops, mfu=mfu,
                   micro_batch=micro_batch, n_mb=n_mb, H=H, topk=topk, chunk=chunk,
                   quant_bits=quant_bits, value_bytes=value_bytes, index_bits=index_bits,
                   ratio=ratio, act_bytes=act_bytes, ids_bytes=ids_bytes, overlap=overlap,
-                  seq_len=L)
+                  seq_len=L, link_efficiency=link_efficiency)
     for name in ("stages", "replicas", "micro_batch", "n_mb", "H", "topk", "chunk",
                  "value_bytes", "index_bits", "act_bytes", "seq_len"):
         _check_positive(name, inputs[name], integer=True)
@@ -448,8 +455,8 @@ def predict(
         fwd = bwd = 0
         t_f = t_b = 0.0
     else:
-        t_f = fwd * 8 / stage_bw + stage_latency
-        t_b = bwd * 8 / stage_bw + stage_latency
+        t_f = fwd * 8 / (stage_bw * link_efficiency) + stage_latency
+        t_b = bwd * 8 / (stage_bw * link_efficiency) + stage_latency
     slot = max(t_c, t_f, t_b) if overlap else t_c + t_f + t_b
     schedule = (n_mb + stages - 1) * slot
 
@@ -459,7 +466,8 @@ def predict(
     dense = [4 * sum(_numel(s) for _, s in ts) for ts in tensors]
     sync = 0.0
     if replicas > 1:
-        sync = max((replicas - 1) * (p * 8 / replica_bw + replica_latency) for p in payload)
+        sync = max((replicas - 1) * (p * 8 / (replica_bw * link_efficiency) + replica_latency)
+                   for p in payload)
 
     breakdown = {
         "compute": n_mb * t_c,
@@ -477,7 +485,7 @@ def predict(
     if stages > 1:
         budget = t_c - stage_latency if overlap else t_c - 2 * stage_latency
         sent = max(fwd, bwd) if overlap else fwd + bwd
-        bw_needed = sent * 8 / budget if budget > 0 else None
+        bw_needed = sent * 8 / budget / link_efficiency if budget > 0 else None
 
     p = Prediction(
         model=m, inputs=inputs, params_total=m.n_params(),

@@ -9,6 +9,7 @@ import pytest
 from hetloco_ds import netlab
 
 OK, WHY = netlab.available()
+TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at MTU 1500 with timestamps
 needs_netns = pytest.mark.skipif(not OK, reason=f"shaped namespaces unavailable: {WHY}")
 
 # Rank 0 sends NBYTES to rank 1 (a stage link) and then to rank 2 (a replica link); each
@@ -98,8 +99,11 @@ def test_shaped_stage_link_runs_at_its_rate_and_replica_link_is_faster(tmp_path)
                 rate[m["peer"]] = m["bps"]
     print(f"measured goodput: stage link {rate[1] / 1e6:.2f} Mbit/s (shaped 8), "
           f"replica link {rate[2] / 1e6:.1f} Mbit/s (shaped 200)")
-    # Goodput is ~95% of the shaped L2 rate (TCP/IP/Ethernet headers).
     assert 0.75 * stage_bps <= rate[1] <= 1.25 * stage_bps
+    # The cost model's link term, with TCP/IPv4/Ethernet framing (plan's link_efficiency), is
+    # what the shaped link delivers.
+    modelled = nbytes * 8 / (stage_bps * TCP_EFFICIENCY)
+    assert nbytes * 8 / rate[1] == pytest.approx(modelled, rel=0.15)
     assert rate[2] > 5 * rate[1]
     assert counted[(0, 1)] >= nbytes and counted[(0, 2)] >= nbytes
     assert not [n for n in netlab.list_namespaces() if n.startswith(net.name)]
