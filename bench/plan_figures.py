@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         "n_mb=16 (512K tokens global = 64K per replica)": claim(**{**base, "n_mb": 16}),
         "8 H100 per stage (one node)": claim(**{**base, "tflops": 8 * H100_TFLOPS}),
         "MFU 0.30 (stock DeepSpeed, ANCHORS.md)": claim(**{**base, "mfu": 0.30}),
-        "replica link = stage link (100 Mbit/s)": claim(**{**base, "replica_bw": 1e8}),
+        "replica links at 100 Mbit/s (instead of 1 Gbit/s)": claim(**{**base, "replica_bw": 1e8}),
         "50 ms stage latency": claim(**{**base, "stage_latency": 0.05}),
     }
     result = {

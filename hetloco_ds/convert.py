@@ -204,11 +204,17 @@ def read_hf_config(hf_dir: str | os.PathLike) -> LlamaConfig:
     return LlamaConfig.from_pretrained(str(Path(hf_dir)))
 
 
-def _safetensors_keys(path: Path) -> list[str]:
-    """Tensor names from a safetensors header, without mapping the file."""
+def _safetensors_header(path: Path) -> dict[str, dict]:
+    """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors header, without mapping the file."""
     with open(path, "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return [k for k in header if k != "__metadata__"]
+    header.pop("__metadata__", None)
+    return header
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    """Tensor names from a safetensors header, without mapping the file."""
+    return list(_safetensors_header(path))
 
 
 def _hf_weight_map(hf_dir: Path) -> dict[str, str]:
@@ -222,6 +228,38 @@ def _hf_weight_map(hf_dir: Path) -> dict[str, str]:
     hint = " (found pytorch_model.bin weights; re-save with safe_serialization)" if any(
         hf_dir.glob("pytorch_model*.bin")) else ""
     raise ConversionError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {hf_dir}{hint}")
+
+
+def check_hf_dir(hf_dir: str | os.PathLike, config: LlamaConfig) -> None:
+    """Every tensor the pipeline loads from `hf_dir` exists there with the shape `config` gives it.
+
+    Reads only safetensors headers (no tensor data, no model built), so a launcher can reject a
+    checkpoint of another shape before any rank starts. Same messages as `load_hf_into_layers`.
+    """
+    hf_dir = Path(hf_dir)
+    weight_map = _hf_weight_map(hf_dir)
+    headers: dict[str, dict[str, dict]] = {}
+    for idx in range(num_pipe_layers(config)):
+        for pipe_key, shape in _expected_shapes(config, idx).items():
+            hf_key, is_addend = _pipe_to_hf(config, idx, pipe_key, exporting=False)
+            if is_addend:
+                continue
+            label = f"pipe layer {idx} {pipe_key!r}"
+            if hf_key not in weight_map:
+                raise ConversionError(f"{hf_dir} lacks 1 needed tensor(s): {hf_key} (for {label})")
+            file_name = weight_map[hf_key]
+            if file_name not in headers:
+                path = hf_dir / file_name
+                if not path.is_file():
+                    raise ConversionError(f"{path} is named by {hf_dir / SAFE_INDEX} but does not exist")
+                headers[file_name] = _safetensors_header(path)
+            entry = headers[file_name].get(hf_key)
+            if entry is None:
+                raise ConversionError(f"{hf_key} is mapped to {hf_dir / file_name} but is not in it")
+            found = tuple(entry["shape"])
+            if found != tuple(shape):
+                raise ConversionError(
+                    f"{hf_key}: expected shape {tuple(shape)} ({label}), found {found} in {hf_dir / file_name}")
 
 
 def load_hf_into_layers(

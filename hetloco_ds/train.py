@@ -44,6 +44,7 @@ def prepare_inputs(args: TrainArgs, world_size: int):
         if not os.path.isdir(args.model):
             raise ConfigError(f"--model {args.model}: not a directory (expected a save_pretrained directory)")
         llama_config = convert.read_hf_config(args.model)
+        convert.check_hf_dir(args.model, llama_config)  # shapes from headers, before any rank loads
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -125,7 +126,11 @@ def run_rank(args: TrainArgs) -> int:
     next_eval = (engine.local_steps // eval_every + 1) * eval_every if eval_every else None
     ckpt_every = run.hetloco.train.checkpoint_interval * H
 
+    validated_at = None
+
     def validate(step: int) -> None:
+        nonlocal validated_at
+        validated_at = step
         # The synced model is the same on every replica, so replica 0 alone evaluates it.
         if engine.replica != 0:
             return
@@ -152,7 +157,7 @@ def run_rank(args: TrainArgs) -> int:
                 next_eval = (rec.step // eval_every + 1) * eval_every
             if ckpt_every and at_boundary and rec.step % ckpt_every == 0 and rec.step < args.steps:
                 checkpoint.save(engine, ckpt_dir, rec.step, batches.position)
-        if next_eval is None or engine.local_steps % eval_every != 0:
+        if validated_at != engine.local_steps:  # also at --steps 0
             validate(engine.local_steps)
         checkpoint.save(engine, ckpt_dir, engine.local_steps, batches.position)
     finally:

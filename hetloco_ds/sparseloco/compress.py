@@ -145,13 +145,17 @@ class ChunkLayout:
         nbj = cols // tc
         return (c // nbj) * (tr * cols) + (c % nbj) * tc
 
+    def element_offsets(self, device=None) -> Tensor:
+        """int64 [chunk_len]: flat position of each in-chunk index relative to the chunk's first element."""
+        j = torch.arange(self.chunk_len, device=device, dtype=torch.int64)
+        if self.tile is None:
+            return j
+        tc, cols = self.tile[1], self.shape[1]
+        return (j // tc) * cols + j % tc
+
     def positions(self, idx: Tensor) -> Tensor:
         """Flat positions in the tensor of in-chunk indices `idx` [*batch, n_chunks, k]."""
-        base = self.chunk_offsets(idx.device).unsqueeze(-1)
-        if self.tile is None:
-            return base + idx
-        tc, cols = self.tile[1], self.shape[1]
-        return base + torch.div(idx, tc, rounding_mode="floor") * cols + idx % tc
+        return self.chunk_offsets(idx.device).unsqueeze(-1) + self.element_offsets(idx.device)[idx]
 
 
 # --------------------------------------------------------------------------- top-k
@@ -314,6 +318,7 @@ class TensorCodec:
     n_selected: int = field(init=False)
     index_bits: int = field(init=False)
     nbytes: int = field(init=False)
+    _tables: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         if self.chunk_size < 1 or self.topk < 1:
@@ -350,6 +355,14 @@ class TensorCodec:
     def _code_nbytes(self) -> int:
         return 0 if self.quant_bits is None else packed_code_nbytes(self.n_selected, self.quant_bits)
 
+    def _positions(self, idx: Tensor) -> Tensor:
+        """[B, n_chunks, k] in-chunk indices -> [B, n_selected] flat positions in each tensor."""
+        key = idx.device
+        if key not in self._tables:  # two small int64 tables per device, built once
+            self._tables[key] = (self.layout.chunk_offsets(key).unsqueeze(-1), self.layout.element_offsets(key))
+        base, offs = self._tables[key]
+        return (offs[idx] + base).reshape(idx.shape[0], -1)
+
     def _as_batch(self, t: Tensor) -> tuple[Tensor, bool]:
         if tuple(t.shape) == self.shape:
             return t.unsqueeze(0), False
@@ -370,7 +383,7 @@ class TensorCodec:
             torch.abs(view, out=mag.view(view.shape))
         _, idx = torch.topk(mag, self.k, dim=-1, largest=True, sorted=False)
         del mag
-        pos = lay.positions(idx).reshape(bsz, -1)
+        pos = self._positions(idx)
         values = e.reshape(bsz, -1).gather(1, pos).float()
         return Selection(idx.reshape(bsz, -1), pos, values)
 
@@ -416,7 +429,7 @@ class TensorCodec:
             raise ValueError(f"expected uint8 payload rows of {self.nbytes} bytes, got {rows.dtype} {tuple(rows.shape)}")
         head, ib, n = self._head_nbytes, self._index_nbytes, self.n_selected
         idx = unpack_indices(rows[:, head: head + ib], n, self.index_bits)
-        pos = self.layout.positions(idx.reshape(rows.shape[0], self.layout.n_chunks, self.k)).reshape(rows.shape[0], n)
+        pos = self._positions(idx.view(rows.shape[0], self.layout.n_chunks, self.k))
         if self.quant_bits is None:
             values = bytes_as(rows[:, :head], self.value_dtype).float()
         else:

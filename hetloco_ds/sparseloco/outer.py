@@ -145,6 +145,12 @@ class _Group:
     def nbytes(self) -> int:
         return len(self.members) * self.codec.nbytes
 
+    @property
+    def row_offsets(self) -> Tensor:
+        """int64 [G]: where each member starts in the group's flattened state."""
+        numel = self.theta_prev[0].numel()
+        return torch.arange(0, len(self.members) * numel, numel, device=self.theta_prev.device)
+
     def rows(self, payload: Tensor) -> Tensor:
         return payload[self.offset: self.offset + self.nbytes].view(len(self.members), self.codec.nbytes)
 
@@ -310,29 +316,33 @@ class SparseLoCoState:
             if n == 0:
                 averages.update({i: torch.zeros(g.shape, device=self.device) for i in g.members if i in keep})
                 continue
-            acc = self._buffer("_scratch", size * numel).view(size, numel)
-            cnt = self._buffer("_count", size * numel).view(size, numel) if by_count else None
-            seen = []
-            for m in contributors:  # fixed order: bitwise identical sums on every replica
-                pos, values = g.codec.unpack(g.rows(payloads[m]))
-                acc.scatter_(1, pos, acc.gather(1, pos) + values)
+            # Decode all contributors at once: [n * size, nbytes] rows -> [n, size * n_selected]
+            # positions in the group's flattened [size * numel] state.
+            rows = torch.stack([g.rows(payloads[m]) for m in contributors])
+            pos, values = g.codec.unpack(rows.view(n * size, g.codec.nbytes))
+            pos = (pos.view(n, size, -1) + g.row_offsets.view(1, size, 1)).view(n, -1)
+            values = values.reshape(n, -1)
+            acc = self._buffer("_scratch", size * numel)
+            cnt = self._buffer("_count", size * numel) if by_count else None
+            for r in range(n):  # contributor order: bitwise identical sums on every replica
+                acc.scatter_(0, pos[r], acc.gather(0, pos[r]) + values[r])  # distinct positions: no atomics
                 if cnt is not None:
-                    cnt.scatter_(1, pos, cnt.gather(1, pos) + 1)
-                seen.append(pos)
-            pos = torch.cat(seen, 1) if len(seen) > 1 else seen[0]  # duplicates write equal values
-            avg = acc.gather(1, pos)
-            avg = avg / cnt.gather(1, pos) if cnt is not None else avg / n
-            theta = g.theta_prev.view(size, numel)
-            theta.scatter_(1, pos, torch.sub(theta.gather(1, pos), avg, alpha=lr))
-            acc.scatter_(1, pos, 0.0)
+                    cnt.scatter_(0, pos[r], cnt.gather(0, pos[r]) + 1)
+            union = pos.view(-1)  # a coordinate chosen by several replicas repeats; all write equal values
+            avg = acc.gather(0, union)
+            avg = avg / cnt.gather(0, union) if cnt is not None else avg / n
+            theta = g.theta_prev.view(-1)
+            theta.scatter_(0, union, torch.sub(theta.gather(0, union), avg, alpha=lr))
+            acc.scatter_(0, union, 0.0)
             if cnt is not None:
-                cnt.scatter_(1, pos, 0.0)
+                cnt.scatter_(0, union, 0.0)
             for j, i in enumerate(g.members):
                 if i in keep:
+                    mine = pos.view(n, size, -1)[:, j].reshape(-1) - j * numel
                     dense = torch.zeros(numel, device=self.device)
-                    averages[i] = dense.scatter_(0, pos[j], avg[j]).view(g.shape)
-        for i, p in enumerate(params):
-            p.copy_(self._view("theta_prev", i))  # every replica, the excluded ones too
+                    averages[i] = dense.scatter_(0, mine, avg.view(n, size, -1)[:, j].reshape(-1)).view(g.shape)
+        # every replica, the excluded ones too, leaves with the synced theta
+        torch._foreach_copy_(params, self.theta_prev)
         self._pending = False
         return OuterReport(self.nbytes, contributors, excluded, averages)
 

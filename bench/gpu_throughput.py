@@ -1,0 +1,455 @@
+"""Inner-step throughput on one GPU: our engine vs stock DeepSpeed vs a plain transformers loop.
+
+Systems (all in this one process, one after another, memory freed in between):
+  ours        HetlocoEngine, S = 1, M = 1, SparseLoCo enabled, bf16 = autocast over fp32 weights.
+              Timed steps never include the outer step (H is set out of reach); the outer step is
+              then timed on its own (`engine.outer_step()`, M = 1, no collective).
+  ds          stock DeepSpeed PipelineEngine (deepspeed.initialize) on the same LayerSpecs in a
+              plain deepspeed.pipe.PipelineModule, bf16.enabled (bf16 weights, BF16_Optimizer with
+              fp32 master copies), a torch AdamW passed in (no fused-op JIT build).
+  hf          transformers LlamaForCausalLM, fp32 weights + bf16 autocast, torch AdamW(fused=True).
+  hf_compile  the same model under torch.compile (default mode).
+
+Every system: random tokens, `--micro` x `--seq` tokens per step, no gradient accumulation,
+gradient clipping at 1.0 (each system's own way), AdamW(lr 1e-3, betas (0.9, 0.95), wd 0.1).
+A step is timed from before the call to after a device synchronisation (every system reads the
+loss back to the host once per step); the reported step time is the median of `--steps` steps
+after `--warmup` warm-up steps.
+
+MFU = flops / step_time / peak, flops per token = 6 * N + 12 * L * d * seq (PaLM's convention:
+N counts every parameter, the input embedding included; attention counted as non-causal), the
+convention of shared/ANCHORS.md. `mfu_no_embed` drops the input embedding from N. Peak:
+989e12 (H100/H200 SXM dense bf16).
+
+    python bench/gpu_throughput.py --out $OUT/gpu_throughput.json
+    python bench/gpu_throughput.py --cpu-smoke          # tiny shapes on the CPU, end to end
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import itertools
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+PEAK_FLOPS = 989e12
+ALL_SYSTEMS = ("ours", "ds", "hf", "hf_compile")
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="178M,512M", help="comma-separated hetloco_ds.presets names")
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma-separated subset of {ALL_SYSTEMS}")
+    p.add_argument("--micro", default="178M=8,512M=8", help="micro-batch per shape, NAME=B,...; others use --micro-default")
+    p.add_argument("--micro-default", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile happens here)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--outer-repeats", type=int, default=3, help="outer steps timed for `ours`")
+    p.add_argument("--time-budget", type=float, default=240.0,
+                   help="seconds; a (shape, system) pair that would start after this is skipped")
+    p.add_argument("--no-bf16", action="store_true", help="fp32 everywhere (CPU smoke fallback)")
+    p.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_throughput.json or bench/results/)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="preset tiny, vocab 1024, seq 64, micro 2, 1+2 steps, on the CPU")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.shapes, args.vocab, args.seq = "tiny", 1024, 64
+        args.micro, args.micro_default = "", 2
+        args.warmup, args.steps, args.outer_repeats = 1, 2, 2
+    return args
+
+
+# ----------------------------------------------------------------------------- helpers
+def setup_process_group():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    from hetloco_ds.initialize import init_distributed
+
+    init_distributed()
+
+
+def device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory():
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def mem_gib(kind: str) -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    value = torch.cuda.max_memory_allocated() if kind == "peak" else torch.cuda.memory_allocated()
+    return round(value / 2**30, 3)
+
+
+def llama_config(shape: str, vocab: int, seq: int):
+    from hetloco_ds.presets import model_config_for
+
+    cfg = model_config_for(shape, vocab)
+    cfg.max_position_embeddings = max(cfg.max_position_embeddings, seq)
+    return cfg
+
+
+def flops_per_token(cfg, seq: int, n_params: int, with_embedding: bool = True) -> float:
+    n = n_params if with_embedding else n_params - cfg.vocab_size * cfg.hidden_size
+    return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq
+
+
+def batches(cfg, micro: int, seq: int, n: int = 4):
+    """An endless cycle of `n` random (ids, labels) batches already on the device."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    data = []
+    for _ in range(n):
+        ids = torch.randint(0, cfg.vocab_size, (micro, seq), generator=g).to(device())
+        data.append((ids, ids))
+    return itertools.cycle(data)
+
+
+def time_steps(step_fn, warmup: int, steps: int) -> tuple[list[float], list[float], float]:
+    """(warm-up step seconds, timed step seconds, last loss)."""
+    warm, timed, loss = [], [], float("nan")
+    for i in range(warmup + steps):
+        sync()
+        t = time.perf_counter()
+        loss = step_fn()
+        sync()
+        (warm if i < warmup else timed).append(time.perf_counter() - t)
+    return warm, timed, loss
+
+
+def summarize(cfg, seq: int, micro: int, n_params: int, warm, timed, loss) -> dict:
+    step = statistics.median(timed)
+    tokens = micro * seq
+    tps = tokens / step
+    f = flops_per_token(cfg, seq, n_params)
+    f0 = flops_per_token(cfg, seq, n_params, with_embedding=False)
+    return {
+        "step_s_median": step,
+        "step_s_min": min(timed),
+        "step_s_max": max(timed),
+        "step_s_all": [round(x, 6) for x in timed],
+        "warmup_s_all": [round(x, 4) for x in warm],
+        "tokens_per_step": tokens,
+        "tokens_per_s": tps,
+        "tflops_per_s": f * tps / 1e12,
+        "mfu": f * tps / PEAK_FLOPS,
+        "mfu_no_embed": f0 * tps / PEAK_FLOPS,
+        "last_loss": loss,
+        "peak_mem_gib": mem_gib("peak"),
+    }
+
+
+# ----------------------------------------------------------------------------- systems
+def run_ours(cfg, shape, micro, seq, args, result):
+    import torch
+    from deepspeed import comm as dist
+
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.initialize import build_engine, build_module
+
+    raw = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "pipeline": {"stages": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]),
+                                                  "eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"]}},
+        "bf16": {"enabled": not args.no_bf16},
+        "hetloco": {
+            # H out of reach: timed steps never run the outer step; it is timed below on its own.
+            "sparseloco": {"enabled": True, "inner_steps": 10**9, "outer_lr": 1.0, "error_decay": 0.95,
+                           "topk": 32, "chunk_size": 4096},
+            "subspace": {"compressed_replicas": "none"},
+            "train": {"seq_len": seq, "vocab_size": max(256, cfg.vocab_size)},
+        },
+    }
+    run = parse_config(raw, source="bench/gpu_throughput.py")
+    torch.manual_seed(0)
+    module = build_module(run, cfg)
+    engine = build_engine(run, module, seq_len=seq)
+    assert engine.num_stages == 1 and engine.num_replicas == 1 and engine.outer is not None
+    n_params = sum(p.numel() for p in engine.trainable_params())
+    data = batches(cfg, micro, seq)
+
+    def step():
+        return engine.train_batch(data).loss
+
+    warm, timed, loss = time_steps(step, args.warmup, args.steps)
+    result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
+    result["n_params"] = n_params
+    result["outer_steps_in_timed"] = engine.outer_steps
+    outer = []
+    for _ in range(args.outer_repeats):
+        engine.train_batch(data)  # a fresh pseudo-gradient for each outer step
+        sync()
+        t = time.perf_counter()
+        rec = engine.outer_step()
+        sync()
+        outer.append(time.perf_counter() - t)
+    if outer:
+        steady = outer[1:] or outer
+        result["outer_step_s_all"] = [round(x, 6) for x in outer]
+        result["outer_step_s_median"] = statistics.median(steady)
+        result["outer_step_note"] = ("engine.outer_step(): prepare + finish, M = 1 (no collective); "
+                                     "median excludes the first call (allocations)")
+        result["outer_payload_bytes"] = rec["payload_bytes"]
+        result["outer_over_H50_inner"] = result["outer_step_s_median"] / (50 * result["step_s_median"])
+    result["peak_mem_gib_incl_outer"] = mem_gib("peak")
+    result["optimizer"] = type(engine.optimizer).__name__
+    for g in engine.optimizer.param_groups:
+        result["optimizer_foreach"] = g.get("foreach")
+        result["optimizer_fused"] = g.get("fused")
+        break
+    with contextlib.suppress(Exception):
+        engine.destroy()
+    del engine, module, data
+    _ = dist  # process group stays for the next system
+
+
+def run_ds(cfg, shape, micro, seq, args, result):
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+
+    from hetloco_ds.model import causal_lm_loss
+    from hetloco_ds.pipe.module import layer_specs
+
+    torch.manual_seed(0)
+    module = PipelineModule(layers=layer_specs(cfg), loss_fn=causal_lm_loss, num_stages=1,
+                            partition_method="uniform", activation_checkpoint_interval=0)
+    params = [p for p in module.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    # A torch optimizer passed in: DeepSpeed wraps it (BF16_Optimizer under bf16) and builds no op.
+    optimizer = torch.optim.AdamW(params, **ADAMW)
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": not args.no_bf16},
+        "zero_optimization": {"stage": 0},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params,
+                                           config=config, dist_init_required=False)
+    data = batches(cfg, micro, seq)
+
+    def step():
+        return float(engine.train_batch(data))
+
+    warm, timed, loss = time_steps(step, args.warmup, args.steps)
+    result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
+    result["n_params"] = n_params
+    result["optimizer"] = type(engine.optimizer).__name__
+    result["param_dtype"] = str(next(module.parameters()).dtype)
+    with contextlib.suppress(Exception):
+        engine.destroy()
+    del engine, module, optimizer, params, data
+
+
+def run_hf(cfg, shape, micro, seq, args, result, compile_: bool):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hetloco_ds.model import stage_config
+
+    torch.manual_seed(0)
+    hcfg = stage_config(cfg)  # sdpa attention, no cache
+    dev = device()
+    with dev:
+        model = LlamaForCausalLM(hcfg)
+    model.to(dev).float().train()
+    n_params = sum(p.numel() for p in model.parameters())
+    params = list(model.parameters())
+    fused = dev.type == "cuda"
+    optimizer = torch.optim.AdamW(params, fused=fused, **ADAMW)
+    fwd = torch.compile(model) if compile_ else model
+    data = batches(cfg, micro, seq)
+    autocast = (torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if not args.no_bf16
+                else contextlib.nullcontext())
+
+    def step():
+        ids, labels = next(data)
+        with autocast:
+            loss = fwd(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    warm, timed, loss = time_steps(step, args.warmup, args.steps)
+    result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
+    result["n_params"] = n_params
+    result["optimizer"] = f"torch.optim.AdamW(fused={fused})"
+    result["attn_implementation"] = hcfg._attn_implementation
+    del fwd, model, optimizer, params, data
+    if compile_:
+        torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- main
+def versions() -> dict:
+    import torch
+    import transformers
+
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+           "cuda": torch.version.cuda}
+    try:
+        import deepspeed
+
+        out["deepspeed"] = deepspeed.__version__
+    except Exception as err:  # noqa: BLE001
+        out["deepspeed"] = f"unavailable: {err}"
+    return out
+
+
+def card() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"name": "cpu", "peak_flops_assumed": PEAK_FLOPS}
+    p = torch.cuda.get_device_properties(0)
+    return {"name": torch.cuda.get_device_name(0), "total_mem_gib": round(p.total_memory / 2**30, 1),
+            "sms": p.multi_processor_count, "peak_flops_assumed": PEAK_FLOPS}
+
+
+def default_out() -> str:
+    if os.environ.get("OUT"):
+        return os.path.join(os.environ["OUT"], "gpu_throughput.json")
+    return os.path.join(REPO, "bench", "results", "gpu_throughput.json")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    out_path = args.out or default_out()
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    import torch
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    setup_process_group()
+    shapes = [s for s in args.shapes.split(",") if s]
+    systems = [s for s in args.systems.split(",") if s]
+    bad = [s for s in systems if s not in ALL_SYSTEMS]
+    if bad:
+        raise SystemExit(f"unknown systems {bad}; choose from {ALL_SYSTEMS}")
+    micro_by_shape = dict(kv.split("=") for kv in args.micro.split(",") if kv)
+    report = {
+        "card": card(),
+        "versions": versions(),
+        "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
+        "settings": {k: v for k, v in vars(args).items()},
+        "flops_convention": "6*N_all_params + 12*L*d*seq per token (PaLM, non-causal attention); "
+                            "mfu_no_embed drops the input embedding from N",
+        "results": [],
+    }
+    # compile last: it costs the most set-up time and is the first to drop under the budget.
+    pairs = [(sh, sy) for sy in systems if sy != "hf_compile" for sh in shapes]
+    pairs += [(sh, "hf_compile") for sh in shapes if "hf_compile" in systems]
+    for shape, system in pairs:
+        micro = int(micro_by_shape.get(shape, args.micro_default))
+        cfg = llama_config(shape, args.vocab, args.seq)
+        result = {"shape": shape, "system": system, "micro_batch": micro, "seq": args.seq,
+                  "vocab": cfg.vocab_size, "bf16": not args.no_bf16}
+        elapsed = time.perf_counter() - t0
+        if elapsed > args.time_budget:
+            result["skipped"] = f"time budget: {elapsed:.0f} s elapsed > {args.time_budget:.0f} s"
+            report["results"].append(result)
+            print(f"[bench] skip {shape} {system}: {result['skipped']}", flush=True)
+            continue
+        free_memory()
+        result["mem_before_gib"] = mem_gib("now")
+        start = time.perf_counter()
+        print(f"[bench] {shape} {system} micro {micro} ...", flush=True)
+        try:
+            if system == "ours":
+                run_ours(cfg, shape, micro, args.seq, args, result)
+            elif system == "ds":
+                run_ds(cfg, shape, micro, args.seq, args, result)
+            else:
+                run_hf(cfg, shape, micro, args.seq, args, result, compile_=(system == "hf_compile"))
+        except Exception as err:  # noqa: BLE001 - one failing system must not lose the others
+            result["error"] = f"{type(err).__name__}: {err}"
+            result["traceback"] = traceback.format_exc()[-4000:]
+            print(result["traceback"], flush=True)
+        result["wall_s"] = time.perf_counter() - start
+        free_memory()
+        result["mem_after_gib"] = mem_gib("now")
+        report["results"].append(result)
+        report["elapsed_s"] = time.perf_counter() - t0
+        with open(out_path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+        if "tokens_per_s" in result:
+            extra = ""
+            if "outer_step_s_median" in result:
+                extra = f"  outer {result['outer_step_s_median'] * 1e3:.1f} ms"
+            print(f"[bench] {shape} {system}: {result['tokens_per_s'] / 1e3:.1f}K tok/s  "
+                  f"step {result['step_s_median'] * 1e3:.1f} ms  MFU {100 * result['mfu']:.1f}%  "
+                  f"peak {result['peak_mem_gib']} GiB  wall {result['wall_s']:.0f} s{extra}", flush=True)
+    report["elapsed_s"] = time.perf_counter() - t0
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+
+    print(f"\n{report['card']['name']}  torch {report['versions']['torch']}  transformers "
+          f"{report['versions']['transformers']}  deepspeed {report['versions']['deepspeed']}")
+    print(f"{'shape':6} {'system':11} {'micro':>5} {'tok/s':>10} {'step ms':>9} {'MFU':>6} {'peakGiB':>8} {'outer ms':>9}")
+    for r in report["results"]:
+        if "tokens_per_s" not in r:
+            why = r.get("skipped") or r.get("error", "?")
+            print(f"{r['shape']:6} {r['system']:11} {r['micro_batch']:>5}  -- {why[:80]}")
+            continue
+        outer = f"{r['outer_step_s_median'] * 1e3:9.1f}" if "outer_step_s_median" in r else f"{'':9}"
+        print(f"{r['shape']:6} {r['system']:11} {r['micro_batch']:>5} {r['tokens_per_s']:10.0f} "
+              f"{r['step_s_median'] * 1e3:9.1f} {100 * r['mfu']:5.1f}% {str(r['peak_mem_gib']):>8} {outer}")
+    print(f"[bench] wrote {out_path} ({report['elapsed_s']:.0f} s)", flush=True)
+    with contextlib.suppress(Exception):
+        from deepspeed import comm as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0 if all("error" not in r for r in report["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
