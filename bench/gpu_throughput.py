@@ -314,7 +314,7 @@ def run_hf(cfg, shape, micro, seq, args, result, compile_: bool):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     warm, timed, loss = time_steps(step, args.warmup, args.steps)
     result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))

@@ -184,10 +184,13 @@ def quantise(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     width = v.std(-1, correction=0, keepdim=True) * (6.0 / levels)
     safe = torch.where(width > 0, width, torch.ones_like(width))
     codes = torch.floor((v - centre) / safe + levels / 2).clamp_(0, levels - 1).to(torch.int64)
+    # Per-row histograms as one bincount over row-offset codes (a shared-memory histogram on
+    # CUDA; a scatter_add into 4 bins would serialise on atomics).
     shape = (*v.shape[:-1], levels)
-    sums = torch.zeros(shape, dtype=torch.float64, device=v.device).scatter_add_(-1, codes, v.double())
-    counts = torch.zeros(shape, dtype=torch.float64, device=v.device).scatter_add_(
-        -1, codes, torch.ones_like(v, dtype=torch.float64))
+    rows = math.prod(shape[:-1])
+    flat = (codes.reshape(rows, -1) + torch.arange(rows, device=v.device).unsqueeze(1) * levels).reshape(-1)
+    sums = torch.bincount(flat, weights=v.double().reshape(-1), minlength=rows * levels).view(shape)
+    counts = torch.bincount(flat, minlength=rows * levels).view(shape)
     offsets = torch.arange(levels, device=v.device, dtype=torch.float64) - (levels / 2 - 0.5)
     empty = centre.double() + offsets * width.double()
     lut = torch.where(counts > 0, sums / counts.clamp(min=1), empty).float()

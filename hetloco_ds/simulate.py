@@ -1,0 +1,420 @@
+"""`hetloco-ds simulate`: M replicas x S virtual stages in one process on one device.
+
+The paper measures loss this way. The simulator runs the same stage layers, the same
+boundary codec (so compressed replicas see exactly the truncation the real pipeline
+applies), the same AdamW + clipping + DeepSpeed LR schedule, the same SparseLoCoState per
+(replica, stage) and the same embedding resync as HetlocoEngine, only without processes:
+per-step losses match a real multi-process run with the same seeds and data (a test checks).
+Bytes are not measured here but computed from the shapes that would cross each link.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from . import subspace
+from .config import ConfigError, HetlocoConfig, RunConfig, load_config, parse_config
+from .model import DecoderLayer, TokenEmbedding, causal_lm_loss
+from .pipe.module import BoundaryCodec, id_dtype_for, layer_specs, stage_parts
+from .sparseloco.outer import SparseLoCoState, payload_nbytes
+
+
+def build_layers(config, seed: int) -> list[nn.Module]:
+    """All layers, each seeded by its index exactly as the pipeline seeds it (so the same model)."""
+    from deepspeed.pipe import TiedLayerSpec
+    from deepspeed.runtime import utils as ds_utils
+
+    layers: list[nn.Module] = []
+    tied: dict[str, nn.Module] = {}
+    for idx, spec in enumerate(layer_specs(config)):
+        if isinstance(spec, TiedLayerSpec) and spec.key in tied:
+            layers.append(tied[spec.key])  # the tied head: the same module, gradients add up
+            continue
+        ds_utils.set_random_seed(seed + idx)
+        module = spec.build()
+        if isinstance(spec, TiedLayerSpec):
+            tied[spec.key] = module
+        layers.append(module)
+    return layers
+
+
+def scheduler_from_ds(ds: dict, optimizer):
+    """DeepSpeed's scheduler from the JSON's `scheduler` section, as its engine builds it."""
+    section = ds.get("scheduler")
+    if not section:
+        return None
+    from deepspeed.runtime import lr_schedules
+
+    return getattr(lr_schedules, section["type"])(optimizer, **section.get("params", {}))
+
+
+@dataclass
+class Variant:
+    """One row of a sweep."""
+
+    name: str
+    mode: str = "sparseloco"  # or "adamw" (H = 1, dense gradient averaging every step)
+    ratio: int = 1
+    compressed: int = 0  # how many replicas compress (the last ones)
+    embedding_adaptation: bool = True
+    project_residual_weights: bool = False
+    seed: int = 0
+
+    def hetloco(self, base: HetlocoConfig, replicas: int) -> HetlocoConfig:
+        cfg = base.model_copy(deep=True)
+        cfg.sparseloco.enabled = self.mode == "sparseloco"
+        ids = list(range(replicas - self.compressed, replicas))
+        cfg.subspace.compressed_replicas = ids if (self.ratio > 1 and ids) else "none"
+        cfg.subspace.ratio = self.ratio
+        cfg.subspace.embedding_adaptation = self.embedding_adaptation
+        cfg.subspace.project_residual_weights = self.project_residual_weights
+        cfg.train.seed = self.seed
+        return cfg
+
+
+class SimReplica:
+    """One replica: its own copy of every layer, optimizer, schedule and per-stage outer state."""
+
+    def __init__(self, layers, run: RunConfig, hetloco: HetlocoConfig, replica: int, num_replicas: int,
+                 stages: int, perp, split_basis, device, wire_dtype, bf16: bool):
+        self.replica = replica
+        self.layers = copy.deepcopy(layers)
+        self.hetloco = hetloco
+        self.bf16 = bf16
+        config = self.layers[1].layer.self_attn.config
+        n = config.num_hidden_layers
+        self.parts = stage_parts(n, stages)
+        cfg = hetloco.subspace
+        basis = None
+        if cfg.compressed(replica, num_replicas):
+            d = config.hidden_size
+            basis = subspace.make_basis(d, subspace.subspace_dim(d, cfg.ratio_for(replica, num_replicas)), cfg.seed).to(device)
+        self.codec = BoundaryCodec(basis, wire_dtype, id_dtype_for(config.vocab_size))
+        self.codec.perp = perp
+        self.embeddings = [m for m in self.layers if isinstance(m, TokenEmbedding)][:1]
+        for emb in self.embeddings:
+            emb.perp = perp
+        self.stage_params = []
+        seen: set[int] = set()
+        for s in range(stages):
+            params = []
+            for layer in self.layers[self.parts[s]:self.parts[s + 1]]:
+                for p in layer.parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+            self.stage_params.append(params)
+        self.params = [p for ps in self.stage_params for p in ps]
+        from .initialize import build_optimizer
+
+        self.optimizer = build_optimizer(self.params, {"optimizer": run.ds.get("optimizer")} if run.ds.get("optimizer") else {})
+        self.scheduler = scheduler_from_ds(run.ds, self.optimizer)
+        self.outer = [SparseLoCoState(ps, hetloco.sparseloco) for ps in self.stage_params] if hetloco.sparseloco.enabled else None
+
+    def loss(self, ids, labels):
+        x = ids
+        stages = len(self.parts) - 1
+        with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            for s in range(stages):
+                if s > 0:
+                    x = self.codec.decode(x)
+                for layer in self.layers[self.parts[s]:self.parts[s + 1]]:
+                    x = layer(x)
+                if s < stages - 1:
+                    x = self.codec.encode(x)
+            return causal_lm_loss(x, labels)
+
+    def backward(self, micro_batches) -> float:
+        total = 0.0
+        for ids, labels in micro_batches:
+            loss = self.loss(ids, labels)
+            (loss / len(micro_batches)).backward()
+            total += float(loss.detach())
+        return total / len(micro_batches)
+
+    def clip_and_step(self, max_norm: float) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        sq = torch.zeros((), device=grads[0].device, dtype=torch.float32)
+        for g in grads:
+            sq += g.detach().float().pow(2).sum()
+        norm = float(sq.sqrt())
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.detach().mul_(coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        basis = self.codec.basis
+        if basis is not None:
+            with torch.no_grad():
+                for emb in self.embeddings:
+                    emb.weight.copy_(subspace.project(emb.weight, basis))
+                if self.hetloco.subspace.project_residual_weights:
+                    for layer in self.layers:
+                        if isinstance(layer, DecoderLayer):
+                            subspace.project_rows_(layer.layer.self_attn.o_proj.weight, basis)
+                            subspace.project_rows_(layer.layer.mlp.down_proj.weight, basis)
+
+
+class Simulation:
+    """M SimReplicas meeting at outer steps, exactly as HetlocoEngine ranks do."""
+
+    def __init__(self, run: RunConfig, hetloco: HetlocoConfig, llama_config, replicas: int, stages: int, device):
+        self.run, self.hetloco, self.M, self.S, self.device = run, hetloco, replicas, stages, device
+        self.bf16 = bool(run.ds.get("bf16", {}).get("enabled", False))
+        self.clip = float(run.ds.get("gradient_clipping", 1.0))
+        self.micro = int(run.ds.get("train_micro_batch_size_per_gpu", 1))
+        self.gas = int(run.ds.get("gradient_accumulation_steps", 1))
+        layers = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed)]
+        cfg = hetloco.subspace
+        d = llama_config.hidden_size
+        self.split_basis = None
+        perp = None
+        if cfg.any_compressed:
+            ratios = [cfg.ratio_for(m, replicas) for m in range(replicas) if cfg.compressed(m, replicas)]
+            self.split_basis = subspace.make_basis(d, subspace.subspace_dim(d, max(ratios)), cfg.seed).to(device)
+            emb = layers[0]
+            t_s, perp = subspace.split_embedding(emb.table().detach().clone(), self.split_basis)
+            with torch.no_grad():
+                emb.weight.copy_(t_s)
+        wire = torch.bfloat16 if self.bf16 else torch.float32
+        self.replicas = [SimReplica(layers, run, hetloco, m, replicas, stages, perp, self.split_basis, device, wire, self.bf16)
+                         for m in range(replicas)]
+        self.perp = perp
+        self.step = 0
+        self.outer_steps = 0
+
+    def train_step(self, batches_per_replica) -> list[float]:
+        """One optimizer step of every replica; `batches_per_replica[m]` is its micro-batches."""
+        losses = [r.backward(b) for r, b in zip(self.replicas, batches_per_replica)]
+        if self.hetloco.sparseloco.enabled:
+            for r in self.replicas:
+                r.clip_and_step(self.clip)
+        else:
+            # Plain data parallelism: average the gradients, then every replica steps.
+            with torch.no_grad():
+                for ps in zip(*(r.params for r in self.replicas)):
+                    mean = torch.stack([p.grad for p in ps]).mean(0)
+                    for p in ps:
+                        p.grad.copy_(mean)
+            for r in self.replicas:
+                r.clip_and_step(self.clip)
+        self.step += 1
+        return losses
+
+    def outer_step(self) -> dict:
+        """Per stage: every replica prepares, the payloads are 'all-gathered' (a list), all finish."""
+        excluded: set[int] = set()
+        for s in range(self.S):
+            payloads = [r.outer[s].prepare(r.stage_params[s]) for r in self.replicas]
+            keep = self._embedding_indices(s)
+            reports = [r.outer[s].finish(r.stage_params[s], payloads, keep_average=keep) for r in self.replicas]
+            excluded.update(reports[0].excluded)
+            if keep:
+                self._resync_embedding(s, keep[0], reports[0].averages[keep[0]])
+        self.outer_steps += 1
+        return {"outer_step": self.outer_steps, "excluded": sorted(excluded)}
+
+    def _embedding_indices(self, stage: int) -> list[int]:
+        if self.split_basis is None or not self.hetloco.subspace.embedding_adaptation:
+            return []
+        r = self.replicas[0]
+        return [i for i, p in enumerate(r.stage_params[stage]) if any(p is e.weight for e in r.embeddings)]
+
+    def _resync_embedding(self, stage: int, index: int, avg) -> None:
+        lr = self.hetloco.sparseloco.outer_lr
+        subspace.resync_embedding_(None, self.perp, avg, lr, self.split_basis)
+        for r in self.replicas:
+            t_s = r.stage_params[stage][index]
+            with torch.no_grad():
+                t_s.copy_(subspace.project(t_s, self.split_basis))
+            r.outer[stage].rebase(index, t_s)
+
+    @torch.no_grad()
+    def validation_loss(self, batches) -> float:
+        r = self.replicas[0]
+        return float(sum(float(r.loss(ids, labels)) for ids, labels in batches) / len(batches))
+
+    def link_bytes_per_step(self, seq_len: int) -> dict:
+        """Bytes per optimizer step and replica on stage links (forward + backward) and per
+        outer step on replica links, from the shapes the real pipeline sends."""
+        d = self.replicas[0].layers[1].layer.self_attn.config.hidden_size
+        wire = 2 if self.bf16 else 4
+        rows = []
+        for m, r in enumerate(self.replicas):
+            k = d if r.codec.basis is None else r.codec.basis.shape[1]
+            ids = 0 if r.codec.basis is None else torch.empty((), dtype=r.codec.id_dtype).element_size()
+            per_mb = self.micro * seq_len * (2 * k * wire + ids)
+            rows.append(per_mb * self.gas * (self.S - 1))
+        outer = sum(payload_nbytes([tuple(p.shape) for p in ps], self.hetloco.sparseloco)
+                    for ps in self.replicas[0].stage_params)
+        return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
+
+
+def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, replicas: int, stages: int, steps: int,
+                     device, metrics_path: str | None = None, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from .data import ReplicaBatches
+    from .train import validation_batches
+
+    hetloco = variant.hetloco(run.hetloco, replicas)
+    torch.manual_seed(hetloco.train.seed)
+    sim = Simulation(run, hetloco, llama_config, replicas, stages, device)
+    seq_len = hetloco.train.seq_len
+    feeds = [ReplicaBatches(corpus.train, m, replicas, sim.micro, seed=hetloco.train.seed) for m in range(replicas)]
+    val_it = validation_batches(corpus.val, sim.micro)
+    val_batches = [tuple(t.to(device) for t in next(val_it)) for _ in range(hetloco.train.eval_batches)]
+    H = hetloco.sparseloco.inner_steps if hetloco.sparseloco.enabled else 1
+    link = sim.link_bytes_per_step(seq_len)
+    tokens_per_step = sim.micro * sim.gas * seq_len
+    history, t0 = [], time.perf_counter()
+    out = open(metrics_path, "a") if metrics_path else None
+    bar = tqdm(total=steps, desc=variant.name, disable=not progress, dynamic_ncols=True)
+    for step in range(1, steps + 1):
+        batches = [[tuple(t.to(device) for t in next(f)) for _ in range(sim.gas)] for f in feeds]
+        losses = sim.train_step(batches)
+        outer = None
+        if hetloco.sparseloco.enabled and (step % H == 0 or step == steps):
+            outer = sim.outer_step()
+        history.append(losses)
+        bar.update(1)
+        bar.set_postfix_str(f"loss {sum(losses) / len(losses):.3f}", refresh=False)
+        if out:
+            for m, loss in enumerate(losses):
+                stage_bytes = link["stage_links_per_step"][m]
+                sync = link["outer_payload_per_replica"] * stages if outer else 0
+                out.write(json.dumps({
+                    "kind": "step", "variant": variant.name, "step": step, "replica": m, "loss": loss,
+                    "tokens": tokens_per_step, "seconds": None,
+                    "bytes": {"activation": {"sent": stage_bytes // 2, "recv": stage_bytes // 2},
+                              "activation_grad": {"sent": stage_bytes // 2, "recv": stage_bytes // 2},
+                              "outer_sync": {"sent": sync, "recv": sync * (replicas - 1)}},
+                }) + "\n")
+    bar.close()
+    val = sim.validation_loss(val_batches)
+    if out:
+        out.write(json.dumps({"kind": "validation", "variant": variant.name, "step": steps, "loss": val}) + "\n")
+        out.close()
+    tail = max(1, min(H, steps) if hetloco.sparseloco.enabled else min(10, steps))
+    final_train = sum(sum(l) / len(l) for l in history[-tail:]) / tail
+    stage_bytes = sum(link["stage_links_per_step"]) / replicas
+    return {
+        "variant": asdict(variant),
+        "replicas": replicas, "stages": stages, "steps": steps, "inner_steps": H,
+        "train_losses": [sum(l) / len(l) for l in history],
+        "replica_losses": history,
+        "final_train_loss": final_train,
+        "val_loss": val,
+        "stage_link_bytes_per_token": stage_bytes / tokens_per_step,
+        "outer_sync_bytes_per_replica_per_outer_step": link["outer_payload_per_replica"],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Variant]:
+    """Rows like 'sparseloco', 'pp:8' (all compress at ratio 8), 'het:8' (half), 'adamw',
+    'adamw-pp:8', 'adamw-het:8', 'pp:8:noadapt', 'pp:8:wproj'."""
+    variants = []
+    for item, seed in itertools.product(spec, seeds):
+        parts = item.split(":")
+        head, ratio, flags = parts[0], int(parts[1]) if len(parts) > 1 else 1, set(parts[2:])
+        mode = "adamw" if head.startswith("adamw") else "sparseloco"
+        kind = head.split("-")[-1] if "-" in head else head
+        compressed = {"pp": replicas, "het": replicas // 2}.get(kind, 0)
+        if kind not in ("pp", "het", "sparseloco", "adamw"):
+            raise ConfigError(f"--variants: unknown row {item!r}")
+        variants.append(Variant(name=f"{item}@seed{seed}", mode=mode, ratio=ratio if compressed else 1,
+                                compressed=compressed, embedding_adaptation="noadapt" not in flags,
+                                project_residual_weights="wproj" in flags, seed=seed))
+    return variants
+
+
+def degradation_table(results: list[dict]) -> list[dict]:
+    """Relative degradation of each row's validation loss vs the uncompressed row of its mode and seed."""
+    base = {}
+    for r in results:
+        v = r["variant"]
+        if v["compressed"] == 0:
+            base[(v["mode"], v["seed"])] = r["val_loss"]
+    rows = []
+    for r in results:
+        v = r["variant"]
+        b = base.get((v["mode"], v["seed"]))
+        rows.append({**r, "delta_pct": None if b is None else 100.0 * (r["val_loss"] - b) / b})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'configuration':<28}{'train':>9}{'val':>9}{'delta%':>9}{'stage B/tok':>13}{'outer B/sync':>14}"]
+    for r in rows:
+        delta = "" if r["delta_pct"] is None else f"{r['delta_pct']:.2f}"
+        lines.append(f"{r['variant']['name']:<28}{r['final_train_loss']:>9.4f}{r['val_loss']:>9.4f}{delta:>9}"
+                     f"{r['stage_link_bytes_per_token']:>13.1f}{r['outer_sync_bytes_per_replica_per_outer_step']:>14,}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hetloco-ds simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="DeepSpeed JSON with a hetloco section (default: configs/cpu_tiny.json)")
+    p.add_argument("--model-config", default="tiny", help="preset or JSON of LlamaConfig fields")
+    p.add_argument("--data", help="as for train (default: the Python stdlib)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--stages", type=int, help="virtual stages (default: the config's pipeline.stages)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--variants", default="sparseloco,pp:8,het:8",
+                   help="comma-separated rows: sparseloco, pp:R, het:R, adamw, adamw-pp:R, adamw-het:R; suffix :noadapt or :wproj")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", help="directory for results.json and metrics.jsonl")
+    args = p.parse_args(argv)
+    try:
+        run = load_config(args.config)
+        stages = args.stages or run.stages
+        if args.replicas < 1 or args.steps < 1:
+            raise ConfigError(f"--replicas {args.replicas} and --steps {args.steps} must be >= 1")
+        seeds = [int(s) for s in args.seeds.split(",")]
+        variants = parse_variants(args.variants.split(","), args.replicas, seeds)
+        from . import data
+        from .presets import model_config_for
+
+        tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
+        llama_config = model_config_for(args.model_config, len(tokenizer))
+        stage_parts(llama_config.num_hidden_layers, stages)
+        for v in variants:
+            if v.ratio > 1:
+                subspace.subspace_dim(llama_config.hidden_size, v.ratio)
+        corpus = data.load_corpus(args.data, tokenizer, run.hetloco.train.seq_len)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"hetloco-ds simulate: error: {err}", file=sys.stderr)
+        return 2
+    metrics = None
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        metrics = os.path.join(args.out, "metrics.jsonl")
+    device = torch.device(args.device)
+    results = [simulate_variant(run, v, llama_config, corpus, args.replicas, stages, args.steps, device, metrics)
+               for v in variants]
+    rows = degradation_table(results)
+    print(format_table(rows))
+    if args.out:
+        tmp = os.path.join(args.out, "results.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"config": run.source, "model": llama_config.to_dict(), "device": str(device),
+                       "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       "rows": rows}, f, indent=1, default=str)
+        os.replace(tmp, os.path.join(args.out, "results.json"))
+    return 0
