@@ -9,6 +9,14 @@ Systems (all in this one process, one after another, memory freed in between):
               fp32 master copies), a torch AdamW passed in (no fused-op JIT build).
   hf          transformers LlamaForCausalLM, fp32 weights + bf16 autocast, torch AdamW(fused=True).
   hf_compile  the same model under torch.compile (default mode).
+  ours_fastopt  (diagnostic, not a product setting) `ours` with two step-time fixes patched in
+              from outside the engine: torch AdamW(fused=True) instead of the foreach AdamW, and a
+              sync-free foreach gradient clip instead of the per-parameter loop + host read. The
+              gap between `ours` and this is what those two cost.
+
+`--profile-shapes` (default 178M): after its timed steps, each system runs one more step under
+torch.profiler; the JSON gets the kernel time by category (GEMM, attention, elementwise/copy,
+optimizer, ...), the top kernels and aten ops, launches per step, and kernel time / step time.
 
 Every system: random tokens, `--micro` x `--seq` tokens per step, no gradient accumulation,
 gradient clipping at 1.0 (each system's own way), AdamW(lr 1e-3, betas (0.9, 0.95), wd 0.1).
@@ -44,14 +52,17 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 PEAK_FLOPS = 989e12
-ALL_SYSTEMS = ("ours", "ds", "hf", "hf_compile")
+ALL_SYSTEMS = ("ours", "ds", "hf", "hf_compile", "ours_fastopt")
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="178M,512M", help="comma-separated hetloco_ds.presets names")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma-separated subset of {ALL_SYSTEMS}")
+    p.add_argument("--systems", default="ours,ds,hf,hf_compile", help=f"comma-separated subset of {ALL_SYSTEMS}")
+    p.add_argument("--extra", default="ours_fastopt:178M",
+                   help="diagnostic SYSTEM:SHAPE pairs run after the compile pairs, budget permitting ('' for none)")
+    p.add_argument("--profile-shapes", default="178M", help="shapes whose systems get one profiled step ('' for none)")
     p.add_argument("--micro", default="178M=8,512M=8", help="micro-batch per shape, NAME=B,...; others use --micro-default")
     p.add_argument("--micro-default", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
@@ -70,6 +81,7 @@ def parse_args(argv=None):
         args.shapes, args.vocab, args.seq = "tiny", 1024, 64
         args.micro, args.micro_default = "", 2
         args.warmup, args.steps, args.outer_repeats = 1, 2, 2
+        args.extra, args.profile_shapes = "ours_fastopt:tiny", "tiny"
     return args
 
 
@@ -177,8 +189,73 @@ def summarize(cfg, seq: int, micro: int, n_params: int, warm, timed, loss) -> di
     }
 
 
+KERNEL_CATEGORIES = (
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "sm90_")),
+    ("attention", ("flash", "fmha", "attention", "efficient_attention")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "fused_adam")),
+    ("reduce_norm", ("reduce", "norm", "softmax", "cross_entropy", "nll")),
+    ("elementwise_copy", ("elementwise", "copy", "cast", "vectorized", "unrolled", "fill", "index", "scatter",
+                          "gather", "cat", "embedding")),
+)
+
+
+def _dev_time(evt, self_=True) -> float:
+    names = ("self_device_time_total", "self_cuda_time_total") if self_ else ("device_time_total", "cuda_time_total")
+    for n in names:
+        v = getattr(evt, n, None)
+        if v is not None:
+            return float(v)
+    return 0.0
+
+
+def profile_step(step_fn, step_s: float) -> dict:
+    """One step under torch.profiler: where the device time goes (microsecond sums -> ms)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step_fn()
+        sync()
+    wall = time.perf_counter() - t
+    events = prof.key_averages()
+    kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+    total_us = sum(_dev_time(e) for e in kernels)
+    cats = {name: 0.0 for name, _ in KERNEL_CATEGORIES}
+    cats["other"] = 0.0
+    for e in kernels:
+        low = e.key.lower()
+        for name, keys in KERNEL_CATEGORIES:
+            if any(k in low for k in keys):
+                cats[name] += _dev_time(e)
+                break
+        else:
+            cats["other"] += _dev_time(e)
+    top_k = sorted(kernels, key=_dev_time, reverse=True)[:12]
+    cpu_ops = [e for e in events if getattr(e, "device_type", None) != DeviceType.CUDA and e.key.startswith("aten::")]
+    if kernels:
+        top_ops = sorted(cpu_ops, key=lambda e: _dev_time(e, self_=False), reverse=True)[:12]
+        op_rows = [{"op": e.key, "calls": e.count, "device_ms": round(_dev_time(e, self_=False) / 1e3, 3)} for e in top_ops]
+    else:
+        top_ops = sorted(cpu_ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+        op_rows = [{"op": e.key, "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in top_ops]
+    return {
+        "profiled_wall_s": wall,
+        "kernel_ms": total_us / 1e3,
+        "kernel_launches": sum(e.count for e in kernels),
+        "kernel_time_over_step_time": (total_us / 1e6) / step_s if step_s else None,
+        "kernel_ms_by_category": {k: round(v / 1e3, 3) for k, v in cats.items()},
+        "top_kernels": [{"kernel": e.key[:120], "calls": e.count, "ms": round(_dev_time(e) / 1e3, 3)} for e in top_k],
+        "top_aten_ops_inclusive": op_rows,
+        "note": "one step after the timed ones; categories by kernel-name substrings (first match wins)",
+    }
+
+
 # ----------------------------------------------------------------------------- systems
-def run_ours(cfg, shape, micro, seq, args, result):
+def run_ours(cfg, shape, micro, seq, args, result, fast: bool = False):
     import torch
     from deepspeed import comm as dist
 
@@ -208,6 +285,20 @@ def run_ours(cfg, shape, micro, seq, args, result):
     engine = build_engine(run, module, seq_len=seq)
     assert engine.num_stages == 1 and engine.num_replicas == 1 and engine.outer is not None
     n_params = sum(p.numel() for p in engine.trainable_params())
+    if fast:
+        # Diagnostic only, patched from outside (engine.py is untouched): fused AdamW and a clip
+        # with no per-parameter loop and no host read of the norm.
+        params = engine.trainable_params()
+        engine.optimizer = torch.optim.AdamW(params, fused=torch.cuda.is_available(), **ADAMW)
+        max_norm = engine.clip_norm
+
+        def clip():
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+            return norm
+
+        engine._clip_gradients = clip
     data = batches(cfg, micro, seq)
 
     def step():
@@ -215,6 +306,7 @@ def run_ours(cfg, shape, micro, seq, args, result):
 
     warm, timed, loss = time_steps(step, args.warmup, args.steps)
     result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
+    maybe_profile(step, shape, args, result)
     result["n_params"] = n_params
     result["outer_steps_in_timed"] = engine.outer_steps
     outer = []
@@ -243,6 +335,15 @@ def run_ours(cfg, shape, micro, seq, args, result):
         engine.destroy()
     del engine, module, data
     _ = dist  # process group stays for the next system
+
+
+def maybe_profile(step_fn, shape, args, result) -> None:
+    if shape not in [x for x in args.profile_shapes.split(",") if x]:
+        return
+    try:
+        result["profile"] = profile_step(step_fn, result.get("step_s_median"))
+    except Exception as err:  # noqa: BLE001 - the profile is extra
+        result["profile"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
 
 
 def run_ds(cfg, shape, micro, seq, args, result):
@@ -277,6 +378,7 @@ def run_ds(cfg, shape, micro, seq, args, result):
 
     warm, timed, loss = time_steps(step, args.warmup, args.steps)
     result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
+    maybe_profile(step, shape, args, result)
     result["n_params"] = n_params
     result["optimizer"] = type(engine.optimizer).__name__
     result["param_dtype"] = str(next(module.parameters()).dtype)
@@ -318,7 +420,9 @@ def run_hf(cfg, shape, micro, seq, args, result, compile_: bool):
 
     warm, timed, loss = time_steps(step, args.warmup, args.steps)
     result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
+    maybe_profile(step, shape, args, result)
     result["n_params"] = n_params
+    result["param_dtype"] = str(next(model.parameters()).dtype)
     result["optimizer"] = f"torch.optim.AdamW(fused={fused})"
     result["attn_implementation"] = hcfg._attn_implementation
     del fwd, model, optimizer, params, data
@@ -361,6 +465,10 @@ def default_out() -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
+    if args.cpu_smoke:
+        import torch
+
+        torch.set_num_threads(1)  # 2 shared cores here: oversubscribed OpenMP is far slower
     out_path = args.out or default_out()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     import torch
@@ -385,8 +493,14 @@ def main(argv=None) -> int:
         "results": [],
     }
     # compile last: it costs the most set-up time and is the first to drop under the budget.
-    pairs = [(sh, sy) for sy in systems if sy != "hf_compile" for sh in shapes]
+    pairs = [(sh, sy) for sy in systems if sy not in ("hf_compile", "ours_fastopt") for sh in shapes]
+    pairs += [(sh, "ours_fastopt") for sh in shapes if "ours_fastopt" in systems]
     pairs += [(sh, "hf_compile") for sh in shapes if "hf_compile" in systems]
+    for item in [x for x in args.extra.split(",") if x]:
+        sy, sh = item.split(":")
+        if sy not in ALL_SYSTEMS:
+            raise SystemExit(f"--extra {item}: unknown system")
+        pairs.append((sh, sy))
     for shape, system in pairs:
         micro = int(micro_by_shape.get(shape, args.micro_default))
         cfg = llama_config(shape, args.vocab, args.seq)
@@ -403,8 +517,8 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         print(f"[bench] {shape} {system} micro {micro} ...", flush=True)
         try:
-            if system == "ours":
-                run_ours(cfg, shape, micro, args.seq, args, result)
+            if system in ("ours", "ours_fastopt"):
+                run_ours(cfg, shape, micro, args.seq, args, result, fast=(system == "ours_fastopt"))
             elif system == "ds":
                 run_ds(cfg, shape, micro, args.seq, args, result)
             else:
@@ -442,6 +556,12 @@ def main(argv=None) -> int:
         outer = f"{r['outer_step_s_median'] * 1e3:9.1f}" if "outer_step_s_median" in r else f"{'':9}"
         print(f"{r['shape']:6} {r['system']:11} {r['micro_batch']:>5} {r['tokens_per_s']:10.0f} "
               f"{r['step_s_median'] * 1e3:9.1f} {100 * r['mfu']:5.1f}% {str(r['peak_mem_gib']):>8} {outer}")
+    for r in report["results"]:
+        prof = r.get("profile")
+        if prof and "kernel_ms" in prof and prof["kernel_launches"]:
+            cats = "  ".join(f"{k} {v:.1f}" for k, v in prof["kernel_ms_by_category"].items())
+            print(f"profile {r['shape']} {r['system']}: kernels {prof['kernel_ms']:.1f} ms / step "
+                  f"{1e3 * r['step_s_median']:.1f} ms ({prof['kernel_launches']} launches): {cats}")
     print(f"[bench] wrote {out_path} ({report['elapsed_s']:.0f} s)", flush=True)
     with contextlib.suppress(Exception):
         from deepspeed import comm as dist

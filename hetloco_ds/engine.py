@@ -352,4 +352,5 @@ class HetlocoEngine(PipelineEngine):
             loss = float(torch.stack([l.float() for l in self.fwd_outputs]).mean())
         self.set_dataiterator(train_iter)
         self.module.train()
+        self.meter.since_mark()  # validation traffic stays out of the next step's row (totals keep it)
         return loss

@@ -21,6 +21,7 @@ from hetloco_ds.sparseloco.compress import (
     pack_codes,
     pack_indices,
     quantise,
+    topk_abs,
     topk_per_chunk,
     unpack_codes,
     unpack_indices,
@@ -160,6 +161,9 @@ def test_encode_matches_float64_reference(shape, bits, chunk_size, topk):
     idx = sel.idx.reshape(codec.layout.n_chunks, codec.k)
     got_selected = np.sort(idx.numpy(), axis=1)
     np.testing.assert_array_equal(got_selected, np.stack(ref_selected))
+    values, plain_idx = topk_abs(codec.layout.to_chunks(e), codec.k)  # the unfused one-tensor form
+    assert torch.equal(plain_idx.sort(1).values, torch.from_numpy(got_selected))
+    assert torch.equal(values.sort(1).values, sel.values.view(codec.layout.n_chunks, codec.k).sort(1).values)
     if bits is None:
         np.testing.assert_array_equal(sent.double().numpy(), ref_sent)
     else:

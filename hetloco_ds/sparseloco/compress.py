@@ -153,10 +153,6 @@ class ChunkLayout:
         tc, cols = self.tile[1], self.shape[1]
         return (j // tc) * cols + j % tc
 
-    def positions(self, idx: Tensor) -> Tensor:
-        """Flat positions in the tensor of in-chunk indices `idx` [*batch, n_chunks, k]."""
-        return self.chunk_offsets(idx.device).unsqueeze(-1) + self.element_offsets(idx.device)[idx]
-
 
 # --------------------------------------------------------------------------- top-k
 def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = 4096) -> int:
@@ -165,7 +161,10 @@ def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = 4096) -> in
 
 
 def topk_abs(chunks: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Per chunk (last axis) the k entries of largest magnitude: (signed values, int64 indices)."""
+    """Per chunk (last axis) the k entries of largest magnitude: (signed values, int64 indices).
+
+    The one-tensor form of what `TensorCodec.select` does (which fuses tiling and |.| into one pass).
+    """
     _, idx = torch.topk(chunks.abs(), k, dim=-1, largest=True, sorted=False)
     return chunks.gather(-1, idx), idx
 
