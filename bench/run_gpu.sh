@@ -2,7 +2,7 @@
 # One batched GPU call: throughput of the three systems, then the outer step's cost.
 #
 # Device tool:  command "bash bench/run_gpu.sh", carry [".whl"], timeout_s 570.
-# Worst case ~8 min (hard per-script timeouts below), expected ~5 min after the machine starts.
+# Worst case ~8 min (hard per-script timeouts 320 s + 130 s), expected ~5 min after the machine starts.
 # Writes into $OUT (at most 7 files): nvidia-smi.txt, env.txt, gpu_throughput.{json,log},
 # outer_step.{json,log}, run_gpu.log.
 #
@@ -37,7 +37,7 @@ else
   fi
   export PYTHONPATH=/tmp/site:.
   nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
-  TP_ARGS="--time-budget 200"; OS_ARGS=""; TP_TIMEOUT=300; OS_TIMEOUT=150
+  TP_ARGS="--time-budget 190"; OS_ARGS=""; TP_TIMEOUT=320; OS_TIMEOUT=130
 fi
 
 stamp "environment"

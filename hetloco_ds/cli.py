@@ -17,6 +17,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per replica (0: load, convert, save)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
     p.add_argument("--nproc", type=int, help="spawn this many local ranks (default: 2 x pipeline stages when not under a launcher)")
+    # The `deepspeed` launcher appends --local_rank=N; the environment's LOCAL_RANK says the same.
+    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
 
 
 def _export_parser(sub) -> None:
