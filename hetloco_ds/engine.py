@@ -20,7 +20,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from . import subspace
+from . import optim, subspace
 from .config import HetlocoConfig
 from .meter import ByteMeter, get_meter, nbytes
 from .model import DecoderLayer, TokenEmbedding
@@ -183,25 +183,15 @@ class HetlocoEngine(PipelineEngine):
         with self._autocast():
             super()._exec_forward_pass(buffer_id)
 
-    def _clip_gradients(self) -> float:
-        max_norm = self.clip_norm
+    def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.trainable_params() if p.grad is not None]
-        sq = torch.zeros((), device=self.device, dtype=torch.float32)
-        for p in params:
-            if self._owned(p):
-                sq += p.grad.detach().float().pow(2).sum()
+        # A tied copy on a stage that is not its owner is counted once, by the owner.
+        sq = optim.grad_sq_norm([p.grad for p in params if self._owned(p)]).to(self.device)
         if self.num_stages > 1:
             dist.all_reduce(sq, group=self.pipe_group)
             self.meter.add("sent", nbytes(sq), "control")
             self.meter.add("recv", nbytes(sq), "control")
-        norm = float(sq.sqrt())
-        if max_norm > 0:
-            # torch.nn.utils.clip_grad_norm_'s rule, with the norm of the whole replica.
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for p in params:
-                    p.grad.detach().mul_(coef)
-        return norm
+        return optim.clip_([p.grad for p in params], sq, self.clip_norm)
 
     def _exec_optimizer_step(self, lr_kwargs=None):
         self.last_grad_norm = self._clip_gradients()
@@ -249,7 +239,7 @@ class HetlocoEngine(PipelineEngine):
             seconds=seconds,
             bytes=ByteMeter.from_vector(values[1:]),
             outer=outer,
-            extra={"grad_norm": getattr(self, "last_grad_norm", float("nan")), "lr": self.get_lr()[0]},
+            extra={"grad_norm": float(getattr(self, "last_grad_norm", float("nan"))), "lr": self.get_lr()[0]},
         )
 
     def outer_step(self) -> dict:

@@ -16,7 +16,8 @@ import torch
 
 import patches
 
-from .config import ConfigError, RunConfig, check_topology
+from .config import RunConfig, check_topology
+from .optim import build_optimizer
 
 
 def init_distributed() -> None:
@@ -42,22 +43,6 @@ class Built:
     stage: int
 
 
-def build_optimizer(params, ds: dict) -> torch.optim.Optimizer:
-    """torch.optim.AdamW from DeepSpeed's `optimizer` section (paper defaults otherwise)."""
-    section = ds.get("optimizer") or {"type": "AdamW", "params": {}}
-    kind = str(section.get("type", "AdamW")).lower()
-    if kind not in ("adamw", "adam"):
-        raise ConfigError(f"optimizer.type = {section.get('type')!r}: the inner optimizer is AdamW")
-    p = dict(section.get("params", {}))
-    return torch.optim.AdamW(
-        params,
-        lr=float(p.get("lr", 1e-3)),
-        betas=tuple(p.get("betas", (0.9, 0.95))),
-        eps=float(p.get("eps", 1e-8)),
-        weight_decay=float(p.get("weight_decay", 0.1)),
-    )
-
-
 def build_engine(run: RunConfig, module, seq_len: int):
     """A HetlocoEngine over an already built HetlocoPipelineModule."""
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -80,7 +65,7 @@ def build_engine(run: RunConfig, module, seq_len: int):
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     module.to(device)
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, {"optimizer": optimizer_section} if optimizer_section else {})
+    optimizer = build_optimizer(params, optimizer_section)
     mpu = module.mpu()
     engine = HetlocoEngine(
         args=None,

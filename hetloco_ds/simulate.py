@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from . import subspace
+from . import optim, subspace
 from .config import ConfigError, HetlocoConfig, RunConfig, load_config, parse_config
 from .model import DecoderLayer, TokenEmbedding, causal_lm_loss
 from .pipe.module import BoundaryCodec, id_dtype_for, layer_specs, stage_parts
@@ -115,9 +115,7 @@ class SimReplica:
                         params.append(p)
             self.stage_params.append(params)
         self.params = [p for ps in self.stage_params for p in ps]
-        from .initialize import build_optimizer
-
-        self.optimizer = build_optimizer(self.params, {"optimizer": run.ds.get("optimizer")} if run.ds.get("optimizer") else {})
+        self.optimizer = optim.build_optimizer(self.params, run.ds.get("optimizer"))
         self.scheduler = scheduler_from_ds(run.ds, self.optimizer)
         self.outer = [SparseLoCoState(ps, hetloco.sparseloco) for ps in self.stage_params] if hetloco.sparseloco.enabled else None
 
@@ -144,15 +142,7 @@ class SimReplica:
 
     def clip_and_step(self, max_norm: float) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
-        sq = torch.zeros((), device=grads[0].device, dtype=torch.float32)
-        for g in grads:
-            sq += g.detach().float().pow(2).sum()
-        norm = float(sq.sqrt())
-        if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.detach().mul_(coef)
+        optim.clip_(grads, optim.grad_sq_norm(grads), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:

@@ -147,7 +147,8 @@ def test_steps_zero_exports_the_input_checkpoint_bitwise(run_inputs, tmp_path):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     hf_dir, data_dir, cache = run_inputs
-    cfg = write_config(tmp_path / "cfg.json")
+    # A periodic eval_interval (step 0 is a multiple of it) must not suppress the final validation.
+    cfg = write_config(tmp_path / "cfg.json", {"hetloco.train.eval_interval": 50})
     out = tmp_path / "out"
     proc = run_cli("train", "--steps", 0, "--model", hf_dir, "--out", out, "--nproc", 2, "--config", cfg,
                    "--data", data_dir, cache=cache)

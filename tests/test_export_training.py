@@ -27,10 +27,10 @@ def _step_rows(rows):
 
 
 def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contract(tmp_path):
-    """2 stages x 2 replicas (replica 1 subspace-compressed, ratio 2), SparseLoCo H = 2, 4 steps,
-    validation every 2 steps, from an HF checkpoint.
+    """2 stages x 2 replicas (replica 1 subspace-compressed, ratio 2), SparseLoCo H = 4, 8 steps,
+    eval_interval 3 (so validation runs at the outer-step boundaries 4 and 8), from an HF checkpoint.
 
-    Export: transformers' loss of OUT/hf on the validation batches equals the step-4 validation
+    Export: transformers' loss of OUT/hf on the validation batches equals the step-8 validation
     row (rtol 1e-5), and the weights moved. Breaks if the export writes anything but the synced
     model that was validated (the pre-outer local model, another replica's, a stale checkpoint),
     or if T_S + T_perp is not recombined into embed_tokens.
@@ -39,9 +39,10 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
     {activation, activation_grad, outer_sync} x {sent, recv}; the activation bytes of a step are
     exactly one micro-batch's wire payload (fp32 hidden states on replica 0, the k = d/2
     projection plus token ids on replica 1); outer_sync bytes only on outer steps; outer rows at
-    steps 2 and 4 for both replicas; validation rows at 2 and 4 once each. Breaks if a field is
+    steps 4 and 8 for both replicas; validation rows at 4 and 8 once each. Breaks if a field is
     renamed or dropped, if a replica's rows are lost or doubled, if validation traffic is
-    billed to the next training step, or if compression stops shrinking the wire."""
+    billed to the next training step (step 5), if the final validation is repeated when the
+    last in-loop one fell on the last step, or if compression stops shrinking the wire."""
     from transformers import LlamaForCausalLM
 
     from hetloco_ds.pipe.module import id_dtype_for
@@ -51,19 +52,19 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
     data_dir = write_text_folder(tmp_path / "data")
     cache, out = tmp_path / "cache", tmp_path / "out"
     cfg = write_config(tmp_path / "cfg.json", {
-        "hetloco.sparseloco.inner_steps": 2,
+        "hetloco.sparseloco.inner_steps": 4,
         "hetloco.subspace.compressed_replicas": [1],
         "hetloco.subspace.ratio": 2,
-        "hetloco.train.eval_interval": 2,
+        "hetloco.train.eval_interval": 3,
     })
-    proc = run_cli("train", "--steps", 4, "--model", hf_dir, "--out", out, "--nproc", 4, "--config", cfg,
+    proc = run_cli("train", "--steps", 8, "--model", hf_dir, "--out", out, "--nproc", 4, "--config", cfg,
                    "--data", data_dir, cache=cache)
     assert proc.returncode == 0, explain(proc)
     rows = read_metrics(out)
 
     # --- metrics contract
     steps = _step_rows(rows)
-    assert Counter((r["step"], r["replica"]) for r in steps) == {(s, m): 1 for s in range(1, 5) for m in (0, 1)}
+    assert Counter((r["step"], r["replica"]) for r in steps) == {(s, m): 1 for s in range(1, 9) for m in (0, 1)}
     k = subspace_dim(HIDDEN, 2)
     id_bytes = torch.empty((), dtype=id_dtype_for(96)).element_size()
     wire = {0: {"activation": MICRO * SEQ_LEN * HIDDEN * 4, "activation_grad": MICRO * SEQ_LEN * HIDDEN * 4},
@@ -84,15 +85,15 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
             for kind, expected in wire[r["replica"]].items():
                 assert r["bytes"][kind] == {"sent": expected, "recv": expected}, (kind, where)
         synced = r["bytes"]["outer_sync"]
-        if r["step"] % 2 == 0:
+        if r["step"] % 4 == 0:
             assert synced["sent"] > 0 and synced["recv"] > 0, where
         else:
             assert synced == {"sent": 0, "recv": 0}, where
     outer = [r for r in rows if r["kind"] == "outer"]
-    assert sorted((r["step"], r["replica"]) for r in outer) == [(2, 0), (2, 1), (4, 0), (4, 1)]
+    assert sorted((r["step"], r["replica"]) for r in outer) == [(4, 0), (4, 1), (8, 0), (8, 1)]
     assert all(sorted(r["contributors"]) == [0, 1] and r["excluded"] == [] for r in outer), outer
     validation = [r for r in rows if r["kind"] == "validation"]
-    assert [r["step"] for r in validation] == [2, 4]
+    assert [r["step"] for r in validation] == [4, 8]
 
     # --- the export is the validated model
     expected = transformers_validation_loss(out / "hf", data_dir, cfg, cache)

@@ -1,0 +1,44 @@
+"""The inner optimizer's pieces shared by the engine and the simulator, so both compute the
+same numbers: AdamW from DeepSpeed's `optimizer` section and clipping by the replica's norm."""
+from __future__ import annotations
+
+import torch
+
+from .config import ConfigError
+
+
+def build_optimizer(params, section: dict | None) -> torch.optim.Optimizer:
+    """torch.optim.AdamW from DeepSpeed's `optimizer` section (paper defaults otherwise);
+    fused on CUDA, so no DeepSpeed op has to be JIT-built and the step is one kernel."""
+    section = section or {"type": "AdamW", "params": {}}
+    kind = str(section.get("type", "AdamW")).lower()
+    if kind not in ("adamw", "adam"):
+        raise ConfigError(f"optimizer.type = {section.get('type')!r}: the inner optimizer is AdamW")
+    p = dict(section.get("params", {}))
+    params = list(params)
+    fused = bool(params) and all(q.is_cuda for q in params)
+    return torch.optim.AdamW(
+        params,
+        lr=float(p.get("lr", 1e-3)),
+        betas=tuple(p.get("betas", (0.9, 0.95))),
+        eps=float(p.get("eps", 1e-8)),
+        weight_decay=float(p.get("weight_decay", 0.1)),
+        fused=fused,
+    )
+
+
+def grad_sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of the gradients, as a float32 tensor on their device (no host sync)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm([g.detach().float() if g.dtype != torch.float32 else g.detach() for g in grads])
+    return torch.stack(norms).pow(2).sum()
+
+
+def clip_(grads: list[torch.Tensor], sq_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_'s rule with a given (replica-wide) squared norm; returns the norm."""
+    norm = sq_norm.sqrt()
+    if max_norm > 0 and grads:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return norm
