@@ -204,8 +204,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
     if args.cpu_smoke:
-        import torch
-
         torch.set_num_threads(1)  # 2 shared cores here: oversubscribed OpenMP is far slower
     out_path = args.out or (os.path.join(os.environ["OUT"], "outer_step.json") if os.environ.get("OUT")
                             else os.path.join(REPO, "bench", "results", "outer_step.json"))

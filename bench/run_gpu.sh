@@ -37,7 +37,7 @@ else
   fi
   export PYTHONPATH=/tmp/site:.
   nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
-  TP_ARGS="--time-budget 190"; OS_ARGS=""; TP_TIMEOUT=320; OS_TIMEOUT=130
+  TP_ARGS="${BENCH_TP_ARGS:---time-budget 190}"; OS_ARGS=""; TP_TIMEOUT=320; OS_TIMEOUT=130
 fi
 
 stamp "environment"
@@ -67,6 +67,13 @@ timeout -k 10 "$OS_TIMEOUT" python3 bench/outer_step.py $OS_ARGS --throughput-js
   --out "$OUT/outer_step.json" 2>&1 | tee "$OUT/outer_step.log"
 rc2=$?
 stamp "outer_step.py rc=$rc2"
+
+if [ "$SMOKE" != 1 ] && [ -f .benchdata/stdlib_bpe8192_seq256.pt ]; then
+  stamp "simulator calibration for the paper tables (timeout 90 s)"
+  timeout -k 5 90 python3 bench/paper_tables.py --data .benchdata/stdlib_bpe8192_seq256.pt --rows sparseloco,het:8 \
+    --seeds 0 --steps 20 --out "$OUT/tables_calib.json" 2>&1 | grep -v WARNING
+  stamp "calibration rc=$?"
+fi
 
 ls -la "$OUT"
 stamp "done (throughput rc=$rc1, outer rc=$rc2)"

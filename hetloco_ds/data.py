@@ -43,7 +43,6 @@ from bisect import bisect_right
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import datasets
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -281,6 +280,7 @@ def _hub_offline():
     Both libraries read their offline flag from module constants at call time, so flipping them
     here turns a would-be network retry loop (~25 s without internet) into an immediate error.
     """
+    import datasets  # lazily: the simulator and benches run where it is absent
     from huggingface_hub import constants
 
     saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
@@ -303,6 +303,7 @@ def _looks_like_path(data: str) -> bool:
 
 
 def _resolve(data: str | None, split: str) -> _Source:
+    import datasets
     if data is None:
         root = stdlib_root()
         text = [root / f for f in _stdlib_sources()]
@@ -361,6 +362,7 @@ class _Documents:
 
 
 def _check_column(ds: datasets.Dataset, field: str, where: str) -> None:
+    import datasets
     if field not in ds.column_names:
         raise DataError(f"{where} has no field {field!r} (fields: {', '.join(ds.column_names)}); set text_field")
     feature = ds.features[field]
@@ -388,6 +390,7 @@ def _read(src: _Source, text_field: str, tmp: str) -> _Documents:
 
 def _read_local(src: _Source, text: list[Path], text_field: str, tmp: str) -> _Documents:
     """Documents in order: text files (sorted paths), then json rows, then parquet rows."""
+    import datasets
     groups, keys = [], []
     load = dict(split="train", cache_dir=tmp, keep_in_memory=True)
     if text:

@@ -12,7 +12,6 @@ What changes against the stock engine, and nothing else:
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -69,6 +68,7 @@ class HetlocoEngine(PipelineEngine):
         self.outer_steps = 0
         self.split_basis: torch.Tensor | None = None
         self.ratio = hetloco.subspace.ratio_for(self.replica, self.num_replicas)
+        self.module.autocast_dtype = torch.bfloat16 if bf16 else None
         self._setup_subspace()
         self.outer: SparseLoCoState | None = None
         if hetloco.sparseloco.enabled:
@@ -174,15 +174,6 @@ class HetlocoEngine(PipelineEngine):
         return torch.zeros((), device=self.device)
 
     # ---------------------------------------------------------------- compute
-    def _autocast(self):
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-
-    def _exec_forward_pass(self, buffer_id):
-        with self._autocast():
-            super()._exec_forward_pass(buffer_id)
-
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.trainable_params() if p.grad is not None]
         # A tied copy on a stage that is not its owner is counted once, by the owner.

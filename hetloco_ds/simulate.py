@@ -122,6 +122,7 @@ class SimReplica:
     def loss(self, ids, labels):
         x = ids
         stages = len(self.parts) - 1
+        # As in the pipeline: the layers under autocast, the loss outside it.
         with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             for s in range(stages):
                 if s > 0:
@@ -130,7 +131,7 @@ class SimReplica:
                     x = layer(x)
                 if s < stages - 1:
                     x = self.codec.encode(x)
-            return causal_lm_loss(x, labels)
+        return causal_lm_loss(x, labels)
 
     def backward(self, micro_batches) -> float:
         total = 0.0

@@ -117,6 +117,8 @@ class HetlocoPipelineModule(PipelineModule):
         # Seeding was for construction only; forward() would otherwise reseed every layer call.
         self.seed_layers = False
         self.codec = BoundaryCodec(None, torch.float32, id_dtype_for(config.vocab_size))
+        self.autocast_dtype: torch.dtype | None = None
+        """Compute dtype of the forward under autocast (bf16 training); None runs in fp32."""
 
     def _build(self):
         if self._hf_dir is None:
@@ -177,9 +179,14 @@ class HetlocoPipelineModule(PipelineModule):
             emb.perp = perp
 
     def forward(self, forward_input):
-        if not self.is_first_stage:
-            forward_input = self.codec.decode(forward_input)
-        outputs = super().forward(forward_input)
-        if not self.is_last_stage:
-            outputs = self.codec.encode(outputs)
+        # Autocast here, inside the engine's forward: DeepSpeed's engine disables an autocast
+        # entered around it unless its own `torch_autocast` section is on.
+        device = forward_input[0].device if isinstance(forward_input, tuple) else forward_input.device
+        with torch.autocast(device_type=device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            if not self.is_first_stage:
+                forward_input = self.codec.decode(forward_input)
+            outputs = super().forward(forward_input)
+            if not self.is_last_stage:
+                outputs = self.codec.encode(outputs)
         return outputs
