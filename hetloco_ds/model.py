@@ -33,6 +33,14 @@ def stage_config(config: LlamaConfig) -> LlamaConfig:
     return config
 
 
+def residual_dtype(device: torch.device) -> torch.dtype:
+    """dtype of the residual stream: the autocast dtype under autocast (as DeepSpeed's bf16
+    mode runs it, halving every elementwise pass), float32 otherwise."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return torch.float32
+
+
 class TokenEmbedding(nn.Module):
     """Token embedding TE = weight + perp.
 
@@ -56,7 +64,7 @@ class TokenEmbedding(nn.Module):
         hidden = F.embedding(ids, self.weight)
         if self.perp is not None:
             hidden = hidden + F.embedding(ids, self.perp)
-        return hidden, ids
+        return hidden.to(residual_dtype(hidden.device)), ids
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head: logits = hidden @ TE^T."""

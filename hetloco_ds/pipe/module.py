@@ -16,7 +16,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from .. import subspace
-from ..model import DecoderLayer, FinalNorm, LMHead, TokenEmbedding, causal_lm_loss, tied_head_forward
+from ..model import DecoderLayer, residual_dtype, FinalNorm, LMHead, TokenEmbedding, causal_lm_loss, tied_head_forward
 
 
 def layer_specs(config: LlamaConfig) -> list:
@@ -78,9 +78,10 @@ class BoundaryCodec(nn.Module):
 
     def decode(self, message):
         if not self.compressed:
-            return message.float(), None
+            return message.to(residual_dtype(message.device)), None
         reduced, ids = message
-        return subspace.decode(reduced.float(), ids, self.perp, self.basis), ids.long()
+        hidden = subspace.decode(reduced.float(), ids, self.perp, self.basis)
+        return hidden.to(residual_dtype(hidden.device)), ids.long()
 
 
 def id_dtype_for(vocab_size: int) -> torch.dtype:
