@@ -18,6 +18,12 @@ micro-batches per step), gradient clipping 1.0, AdamW(lr 1e-3, betas (0.9, 0.95)
 Ours: bf16 autocast over fp32 weights; the stage link carries bf16 (ids int16 on compressed boundaries).
 Stock: bf16 weights; its stage link carries the layers' (hidden bf16, ids int64) pair.
 
+Two bench-side guards, each recorded per configuration in the JSON and a no-op once the package
+no longer needs it (see their docstrings): `guard_nccl_int16_ids` (ours, compressed: NCCL cannot
+send int16, so the int16 ids travel as their 2 raw bytes each) and `guard_stock_residual_dtype`
+(stock: hetloco_ds.model.residual_dtype upcasts the embedding output to fp32 outside autocast, which
+breaks DeepSpeed's bf16-weights mode).
+
 Timing: each step is `train_batch` between a device synchronisation + barrier before and a device
 synchronisation after, on each rank; a step's time is the slower rank's; reported: median of `--steps`
 (8) steps after `--warmup` (3).
@@ -92,6 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--inner-steps", type=int, default=50, help="H of b_ours_sl")
     p.add_argument("--outer-repeats", type=int, default=4, help="outer steps timed in b_ours_sl (first dropped)")
     p.add_argument("--no-bf16", action="store_true", help="fp32 everywhere (fallback)")
+    p.add_argument("--ids-as-bytes", action="store_true",
+                   help="carry int16 ids as uint8 bytes on gloo too (always on under NCCL; see guard_nccl_int16_ids)")
     p.add_argument("--config-timeout", type=float, default=120.0, help="seconds per configuration (both ranks)")
     p.add_argument("--time-budget", type=float, default=300.0,
                    help="seconds; a configuration that would start after this is skipped")
@@ -287,6 +295,43 @@ def worker_card() -> dict:
             "sms": p.multi_processor_count}
 
 
+def guard_nccl_int16_ids(args, part) -> None:
+    """NCCL has no 16-bit integer type: torch's ProcessGroupNCCL send of an int16 tensor fails
+    ("Unconvertible NCCL type Short"), and hetloco_ds.pipe.module.id_dtype_for gives int16 ids for
+    vocab <= 32768 (32000 here). On NCCL (or with --ids-as-bytes) a compressed boundary's int16 ids
+    cross the link as their raw bytes (uint8, [b, 2L]) and are viewed back as int16 before decoding:
+    the same 2 bytes per id, so the metered bytes and the analytic b*L*2 are unchanged. Recorded in
+    the JSON; does nothing when the codec no longer emits int16."""
+    import torch
+    import torch.distributed as td
+
+    from hetloco_ds.pipe import module as pm
+
+    part["ids_as_bytes_guard"] = False
+    if not (args.ids_as_bytes or td.get_backend() == "nccl"):
+        return
+    codec = pm.BoundaryCodec
+    if getattr(codec.encode, "_gpu_two_guard", False):
+        return
+    orig_encode, orig_decode = codec.encode, codec.decode
+
+    def encode(self, outputs):
+        out = orig_encode(self, outputs)
+        if isinstance(out, tuple) and len(out) == 2 and out[1].dtype == torch.int16:
+            return out[0], out[1].contiguous().view(torch.uint8)
+        return out
+
+    def decode(self, message):
+        if (isinstance(message, (tuple, list)) and len(message) == 2 and message[1].dtype == torch.uint8
+                and self.id_dtype == torch.int16):
+            message = (message[0], message[1].contiguous().view(torch.int16))
+        return orig_decode(self, message)
+
+    encode._gpu_two_guard = True
+    codec.encode, codec.decode = encode, decode
+    part["ids_as_bytes_guard"] = True
+
+
 def run_ours(spec, cfg, args, part) -> None:
     import torch
 
@@ -317,6 +362,8 @@ def run_ours(spec, cfg, args, part) -> None:
         },
     }
     part["ds_config"] = raw
+    if ratio > 1:
+        guard_nccl_int16_ids(args, part)
     run = parse_config(raw, source="bench/gpu_two.py")
     torch.manual_seed(0)
     module = build_module(run, cfg)
@@ -361,6 +408,29 @@ def run_ours(spec, cfg, args, part) -> None:
     part["local_steps"] = engine.local_steps
 
 
+def guard_stock_residual_dtype(args, part) -> None:
+    """Stock DeepSpeed's bf16 mode runs bf16 weights with no autocast. hetloco_ds.model's
+    `residual_dtype` (commit d51a6a0) answers float32 outside autocast, so TokenEmbedding would hand
+    a float32 hidden state to bf16 linears ("expected m1 and m2 to have the same dtype"). In this
+    stock-only process the residual stream keeps the weights' dtype instead (what it did before that
+    commit); recorded in the JSON. Does nothing once the package no longer upcasts outside autocast."""
+    import torch
+
+    from hetloco_ds import model as hmodel
+
+    fn = getattr(hmodel, "residual_dtype", None)
+    part["stock_residual_dtype_guard"] = False
+    try:
+        upcasts = fn is not None and fn(torch.device("cpu")) == torch.float32
+    except Exception:  # noqa: BLE001 - a changed signature: not the function this guards
+        upcasts = False
+    if not upcasts or args.no_bf16:
+        return
+    hmodel.residual_dtype = lambda device: (torch.get_autocast_dtype(device.type)
+                                            if torch.is_autocast_enabled(device.type) else torch.bfloat16)
+    part["stock_residual_dtype_guard"] = True
+
+
 def run_ds(spec, cfg, args, part) -> None:
     import deepspeed
     import torch
@@ -371,6 +441,7 @@ def run_ds(spec, cfg, args, part) -> None:
     from hetloco_ds.pipe.module import layer_specs
 
     stages = spec["stages"]
+    guard_stock_residual_dtype(args, part)
     torch.manual_seed(0)
     module = PipelineModule(layers=layer_specs(cfg), loss_fn=causal_lm_loss, num_stages=stages,
                             partition_method="type:DecoderLayer", activation_checkpoint_interval=0)
@@ -466,7 +537,7 @@ def spawn_config(name: str, args, tmp: str, argv: list[str]) -> tuple[list[dict]
         env = dict(os.environ)
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-        env.setdefault("OMP_NUM_THREADS", "1" if args.cpu_smoke else "4")
+        env.setdefault("OMP_NUM_THREADS", "1" if args.cpu_smoke else str(max(1, (os.cpu_count() or 2) // WORLD)))
         env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         part = os.path.join(tmp, f"{name}.rank{rank}.json")
         parts.append(part)
@@ -543,7 +614,8 @@ def summarize(name: str, parts: list[dict], args) -> dict:
            "replicas": p0.get("num_replicas"), "micro_batch": args.micro, "gas": args.gas, "seq": args.seq,
            "parts_layers": p0.get("parts"), "optimizer": p0.get("optimizer"),
            "ranks": [{k: v for k, v in p.items() if k not in ("steps", "card", "versions", "ds_config")} for p in parts]}
-    for key in ("param_dtype", "grad_acc_dtype", "communication_data_type", "ds_config"):
+    for key in ("param_dtype", "grad_acc_dtype", "communication_data_type", "stock_residual_dtype_guard",
+                "ids_as_bytes_guard", "ds_config"):
         if key in p0:
             res[key] = p0[key]
     step_lists = [p["step_s"] for p in parts]
@@ -745,6 +817,8 @@ def driver_main(args, argv: list[str]) -> int:
                 str(args.steps), "--inner-steps", str(args.inner_steps), "--outer-repeats", str(args.outer_repeats)]
     if args.no_bf16:
         passthru.append("--no-bf16")
+    if args.ids_as_bytes:
+        passthru.append("--ids-as-bytes")
     if args.cpu_smoke:
         passthru.append("--cpu-smoke")
     ok = True

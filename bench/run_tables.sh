@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:.
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/card_$TAG.txt"
 if [ "${THROUGHPUT:-0}" = 1 ]; then
-  timeout -k 10 300 python3 bench/gpu_throughput.py --time-budget 180 --out "$OUT/gpu_throughput.json" 2>&1 \
+  timeout -k 10 300 python3 bench/gpu_throughput.py --time-budget 120 --systems ours,ds,hf --extra "" --profile-shapes 178M --out "$OUT/gpu_throughput.json" 2>&1 \
     | grep --line-buffered -v -E '^(CPU Virtual Memory|MA [0-9.]+ GB)|WARNING' | tail -30
 fi
 python3 bench/paper_tables.py --data .benchdata/stdlib_bpe8192_seq256.pt --rows "$ROWS" --seeds "${SEEDS:-0}" \

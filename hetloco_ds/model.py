@@ -33,12 +33,13 @@ def stage_config(config: LlamaConfig) -> LlamaConfig:
     return config
 
 
-def residual_dtype(device: torch.device) -> torch.dtype:
+def residual_dtype(t: torch.Tensor) -> torch.dtype:
     """dtype of the residual stream: the autocast dtype under autocast (as DeepSpeed's bf16
-    mode runs it, halving every elementwise pass), float32 otherwise."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return torch.float32
+    mode runs it, halving every elementwise pass), the tensor's own dtype otherwise (fp32
+    training, or DeepSpeed's own bf16 mode where the weights themselves are bf16)."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.get_autocast_dtype(t.device.type)
+    return t.dtype
 
 
 class TokenEmbedding(nn.Module):
@@ -64,7 +65,7 @@ class TokenEmbedding(nn.Module):
         hidden = F.embedding(ids, self.weight)
         if self.perp is not None:
             hidden = hidden + F.embedding(ids, self.perp)
-        return hidden.to(residual_dtype(hidden.device)), ids
+        return hidden.to(residual_dtype(hidden)), ids
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head: logits = hidden @ TE^T."""

@@ -74,14 +74,17 @@ class BoundaryCodec(nn.Module):
         if not self.compressed:
             return hidden.to(self.wire_dtype)
         reduced = subspace.encode(hidden.float(), ids, self.perp, self.basis)
-        return reduced.to(self.wire_dtype), ids.to(self.id_dtype)
+        # Ids travel as the bytes of the narrowest integer type: NCCL has no int16, so they
+        # are viewed as uint8 on the wire (same bytes) and viewed back on receipt.
+        return reduced.to(self.wire_dtype), ids.to(self.id_dtype).view(torch.uint8)
 
     def decode(self, message):
         if not self.compressed:
-            return message.to(residual_dtype(message.device)), None
+            return message.to(residual_dtype(message)), None
         reduced, ids = message
+        ids = ids.view(self.id_dtype).long()
         hidden = subspace.decode(reduced.float(), ids, self.perp, self.basis)
-        return hidden.to(residual_dtype(hidden.device)), ids.long()
+        return hidden.to(residual_dtype(hidden)), ids
 
 
 def id_dtype_for(vocab_size: int) -> torch.dtype:
