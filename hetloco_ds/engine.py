@@ -312,7 +312,7 @@ class HetlocoEngine(PipelineEngine):
         dist.broadcast(idx, src=src, group=self.pipe_group)
         dist.broadcast(vals, src=src, group=self.pipe_group)
         size = nbytes(count) + nbytes(idx) + nbytes(vals)
-        self.meter.add("sent" if self.module.is_first_stage else "recv", size, "outer_sync")
+        self.meter.add("sent" if self.module.is_first_stage else "recv", size, "embedding_sync")
         if self.module.is_first_stage:
             return dense
         out = torch.zeros_like(dense).reshape(-1)

@@ -2,8 +2,9 @@
 
 Kinds are the link classes this project exists to shrink: `activation` and
 `activation_grad` cross stage links every micro-batch; `outer_sync` crosses replica links
-every H steps; `control` is everything else we put on a wire (telemetry scalars, the
-gradient-norm reduction for clipping, one-time set-up broadcasts), so nothing goes uncounted.
+every H steps; `embedding_sync` crosses stage links at outer steps (the sparse T_S aggregate
+that lets every stage apply eqs. 3-4); `control` is everything else we put on a wire
+(telemetry scalars, the clipping norm, one-time set-up broadcasts), so nothing goes uncounted.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections import defaultdict
 
 import torch
 
-KINDS = ("activation", "activation_grad", "outer_sync", "control")
+KINDS = ("activation", "activation_grad", "outer_sync", "embedding_sync", "control")
 
 
 def nbytes(tensor: torch.Tensor) -> int:

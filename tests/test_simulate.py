@@ -90,3 +90,32 @@ def test_simulator_ablation_switches(tmp_path_factory):
     assert fixed and off < 1e-5
     fixed, off = run(Variant("default", ratio=4, compressed=2))
     assert not fixed and off > 0.1
+
+
+def test_per_replica_ratios_share_the_smallest_subspace():
+    """Replicas compressing at different ratios (4 and 8): each keeps T_S in its own Col(U)
+    during inner steps, and after the outer sync T_S lies in the smallest shared subspace
+    (ratio 8's), which is inside every replica's. Breaks if bases stop nesting or the resync
+    projects onto a replica's own basis instead of the shared one."""
+    from hetloco_ds import subspace
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.presets import model_config_for
+    from hetloco_ds.simulate import Simulation
+
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                        "hetloco": {"sparseloco": {"inner_steps": 2},
+                                    "subspace": {"ratio": 4, "compressed_replicas": "all", "replica_ratios": {"1": 8}},
+                                    "train": {"seq_len": 16}}})
+    llama = model_config_for("tiny", 96)
+    sim = Simulation(cfg, cfg.hetloco, llama, 2, 2, torch.device("cpu"))
+    ks = [r.codec.basis.shape[1] for r in sim.replicas]
+    assert ks == [32, 16]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        sim.train_step([[(ids, ids)] for ids in torch.randint(0, 96, (2, 2, 16), generator=g)])
+        for r in sim.replicas:
+            assert subspace.off_subspace_norm(r.embeddings[0].weight.detach(), r.codec.basis) < 1e-5
+    sim.outer_step()
+    for r in sim.replicas:
+        assert subspace.off_subspace_norm(r.embeddings[0].weight.detach(), sim.split_basis) < 1e-5
+    assert torch.equal(sim.replicas[0].embeddings[0].weight, sim.replicas[1].embeddings[0].weight)

@@ -152,19 +152,23 @@ def _bytes_body(rank, hf_dir, ds_cfg):
     return {"stage": engine.stage_id, "k": module.codec.basis.shape[1], "bytes": recs[1]}
 
 
-@pytest.mark.parametrize("ratio", [4, 8])
-def test_compressed_boundary_bytes_are_b_l_k_plus_ids(hf_untied, ratio):
+@pytest.mark.parametrize("ratio,bf16", [(4, False), (8, False), (8, True)])
+def test_compressed_boundary_bytes_are_b_l_k_plus_ids(hf_untied, ratio, bf16):
     """Bytes over a compressed boundary per micro-batch, measured at the send calls: forward
-    b*L*k*4 + b*L*1 (ids as int8 for a 96-token vocabulary), backward b*L*k*4. Breaks if the
-    full hidden state, wide ids or extra tensors cross the link."""
-    results = run_ranks(_bytes_body, 2, hf_untied, _config(2, ratio, "all"))
-    b, gas = 2, 2
+    b*L*k*w + b*L*1 (ids as int8 for a 96-token vocabulary), backward b*L*k*w, with w = 4 for
+    fp32 and 2 under bf16. Breaks if the full hidden state, wide ids, fp32 under bf16 or extra
+    tensors cross the link."""
+    cfg = _config(2, ratio, "all")
+    cfg["bf16"] = {"enabled": bf16}
+    results = run_ranks(_bytes_body, 2, hf_untied, cfg)
+    b, gas, w = 2, 2, 2 if bf16 else 4
     k = 32 // ratio
     for r in results:
         assert r["k"] == k
         # Summed over the replica's two ranks: each message is counted once sent and once received.
-        assert r["bytes"]["activation"] == {"sent": gas * (b * SEQ * k * 4 + b * SEQ), "recv": gas * (b * SEQ * k * 4 + b * SEQ)}
-        assert r["bytes"]["activation_grad"] == {"sent": gas * b * SEQ * k * 4, "recv": gas * b * SEQ * k * 4}
+        fwd, bwd = gas * (b * SEQ * k * w + b * SEQ), gas * b * SEQ * k * w
+        assert r["bytes"]["activation"] == {"sent": fwd, "recv": fwd}
+        assert r["bytes"]["activation_grad"] == {"sent": bwd, "recv": bwd}
 
 
 def test_ratio_one_reproduces_uncompressed_pipeline(hf_untied):
