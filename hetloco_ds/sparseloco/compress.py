@@ -302,6 +302,16 @@ class Selection(NamedTuple):
     values: Tensor  # float32 signed values before quantisation
 
 
+def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype) -> None:
+    """One error naming the bad value, for every place these settings enter."""
+    if chunk_size < 1 or topk < 1:
+        raise ValueError(f"chunk_size and topk must be >= 1, got {chunk_size}, {topk}")
+    if quant_bits is not None and quant_bits not in QUANT_BITS:
+        raise ValueError(f"quant_bits must be None or one of {QUANT_BITS}, got {quant_bits}")
+    if value_dtype not in VALUE_DTYPES:
+        raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {value_dtype}")
+
+
 @dataclass(frozen=True)
 class TensorCodec:
     """Compressor and wire format for tensors of one shape and one configuration.
@@ -323,12 +333,7 @@ class TensorCodec:
     _tables: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        if self.chunk_size < 1 or self.topk < 1:
-            raise ValueError(f"chunk_size and topk must be >= 1, got {self.chunk_size}, {self.topk}")
-        if self.quant_bits is not None and self.quant_bits not in QUANT_BITS:
-            raise ValueError(f"quant_bits must be None or one of {QUANT_BITS}, got {self.quant_bits}")
-        if self.value_dtype not in VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype}")
+        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype)
         shape = tuple(int(s) for s in self.shape)
         layout = ChunkLayout.for_shape(shape, self.chunk_size)
         k = topk_per_chunk(layout.chunk_len, self.topk, self.chunk_size)

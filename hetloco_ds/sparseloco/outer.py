@@ -53,7 +53,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from .compress import QUANT_BITS, VALUE_DTYPES, TensorCodec
+from .compress import TensorCodec, check_codec_settings
 
 HEADER = struct.Struct("<4sBBHII")
 MAGIC = b"SLC1"
@@ -86,12 +86,7 @@ class OuterConfig:
             raise ValueError(f"error_decay must be in [0, 1], got {self.error_decay}")
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
-        if self.chunk_size < 1 or self.topk < 1:
-            raise ValueError(f"chunk_size and topk must be >= 1, got {self.chunk_size}, {self.topk}")
-        if self.quant_bits is not None and self.quant_bits not in QUANT_BITS:
-            raise ValueError(f"quant_bits must be None or one of {QUANT_BITS}, got {self.quant_bits}")
-        if self.value_dtype not in VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype}")
+        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype)
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
 
