@@ -1,60 +1,70 @@
 """Our engine on tc-shaped links (CPU, gloo over TCP) against the cost model in `hetloco_ds.plan`.
 
-    sudo python bench/shaped_links.py [--out bench/results] [--quick]
+    python bench/shaped_links.py [--out bench/results] [--quick] [--parts ab]    # as root
 
-Needs root, `ip` and `tc` (network namespaces; `hetloco_ds.netlab`). Every rank is a real
-`python -m hetloco_ds.cli train` process (the `hetloco-ds train` CLI under a launcher
-environment) in its own network namespace, gloo over TCP on the namespace's veth
-(GLOO_SOCKET_IFNAME as netlab sets it), OMP_NUM_THREADS=1, under `nice`.
+Needs root, `ip` and `tc` (`hetloco_ds.netlab`: one network namespace per rank, htb per link).
+Every rank is a real `python -m hetloco_ds.cli train` process (the `hetloco-ds train` CLI in
+its launcher mode: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK from netlab) in
+its own namespace, gloo over TCP on the namespace's veth (GLOO_SOCKET_IFNAME as netlab sets
+it), OMP_NUM_THREADS=1, under `nice -n 10`.
 
-Model: a fresh LLaMA (d 256, 4 layers, 4 heads, SwiGLU 688, untied head), the default BPE
-tokenizer at vocabulary 1024 on the default corpus (the Python standard library), seq 128,
-micro-batch 4, fp32 (bf16 off, so activations cross the wire as fp32, ids as int16).
+Model: a fresh LLaMA (d 256, 4 layers, 4 heads, SwiGLU 688, untied head; 3.69M parameters),
+the default BPE tokenizer at vocabulary 1024 (`hetloco.train.vocab_size`) on the default corpus
+(the Python standard library), seq 128, micro-batch 4, fp32 (bf16 off: activations cross the
+wire as fp32, token ids as int16).
 
-(a) stage links: S = 2 stages x M = 1 replica (2 ranks), 4 micro-batches per step, SparseLoCo
-    with inner_steps larger than the run (no outer step inside the timed steps), subspace
-    compression on every replica at ratio 8 and 64 (`compressed_replicas: "all"`) or none (ratio 1).
-    One training run per ratio; the stage link's rate is changed *during* the run, between
-    phases (unlimited, 1000, 100, 20, 5 Mbit/s): `tc class change` on the htb class netlab made.
-    A step counts for a phase only if it started after that phase's rate was in place (start =
-    its metrics row's `time` - `seconds`, with a margin), so the step in flight at a change is
-    dropped. Startup (model build, T_perp set-up, tensor-meta exchange) happens once, at the
-    unlimited rate. "unlimited" is the same htb class at 10 Gbit/s, far above what gloo moves
-    here. Reported per phase: median `seconds` of the step rows.
-    Compute utilisation (measured) = median step time of the unlimited phase / median step
-    time of the phase (so it folds the pipeline bubble into "compute": it is the fraction of
-    the link-free speed that survives the link).
-(b) replica links: M = 2 replicas x S = 1 (2 ranks), one micro-batch per step, SparseLoCo with
-    inner_steps 2; the replica link's rate changes between phases (unlimited, 100, 20, 5 Mbit/s)
-    as in (a). Ours: median `seconds` of the `kind: outer` rows whose step started inside the
-    phase (the whole outer step: error feedback, top-k, packing, the gloo all_gather of the
-    payload, decode, average, outer SGD). Dense DiLoCo-style baseline: *not the engine* -- a
-    direct gloo `all_reduce` of an fp32 vector with the model's parameter count (what DiLoCo
-    sends: the dense fp32 pseudo-gradient), run in the same namespaces on the same shaped
-    replica link after the engine run. (Setting `sparseloco.topk` = chunk size would send every
-    value at 4 + 1.5 bytes, 1.375x DiLoCo's bytes, and time a full sort; the direct all-reduce
-    is the honest dense baseline.)
+(a) Stage links. S = 2 stages x M = 1 replica (2 ranks), 4 micro-batches per step, SparseLoCo
+    with inner_steps far beyond the run (no outer step among the timed steps), subspace ratio
+    1 (`compressed_replicas: "none"`), 8 and 64 (`"all"`). One training run per ratio; the stage
+    link's rate changes *during* the run (`tc class change` on the htb class netlab made), in two
+    rounds, unlimited, 1000, 100, 20, 5 Mbit/s, twice, then unlimited once more, so that a load
+    burst from a neighbour on this shared machine hits one visit of a rate, not all of it. A step
+    counts for a visit only if it started at least MARGIN_S after that rate was in place (start =
+    its metrics row's `time` - `seconds`), so the step in flight at a change is dropped; start-up
+    (model build, T_perp set-up, tensor-meta exchange) happens once, on the unlimited link.
+    "Unlimited" is the same htb class at 10 Gbit/s, far above what gloo moves here.
+    Reported per rate: the median of the step rows' `seconds` over both visits (with min, max,
+    every value, and each visit's median). Compute utilisation, measured = median step time on
+    the unlimited link (all three visits) / median step time at the rate: the fraction of the
+    link-free speed that survives the link (the pipeline bubble is part of the link-free time).
+(b) Replica links. M = 2 replicas x S = 1 (2 ranks), one micro-batch per step, SparseLoCo with
+    inner_steps 2; the replica link's rate changes as in (a) (unlimited, 100, 20, 5 Mbit/s, twice). Ours: per outer step, the smaller of the two replicas' `kind: outer` row `seconds`
+    (the whole outer step: error feedback, top-k, packing, the gloo all_gather of the payload,
+    decode, average, outer SGD), median over the outer steps that started inside a visit. The
+    replica that reaches the all_gather last does not wait for its peer, so the smaller time is
+    the outer step's own cost; the larger one also holds the inner-step skew between the two
+    replicas (recorded too, as `outer_seconds_slower_replica`).
+    Dense DiLoCo-style baseline, *not the engine*: a direct gloo `all_reduce` of an fp32 vector
+    with the model's parameter count (DiLoCo's wire format: the dense fp32 pseudo-gradient),
+    in the same namespaces on the same shaped replica link, after the engine run. (Setting
+    `sparseloco.topk` = chunk size would send every value at 4 + 1.5 bytes, 1.375x DiLoCo's
+    bytes, and time a full top-k sort: not an honest stand-in.) The same probe program also
+    times, on each rate, a one-way send and an all_gather of our payload's size (link only, no
+    compression compute), which separates link behaviour from the engine.
 
-Predictions: `plan.predict` with the same shapes and settings, `overlap=False` (DeepSpeed's
-p2p sends and receives block), `link_efficiency` = 1448/1514 (TCP/IPv4 payload per Ethernet
-frame at MTU 1500 with timestamps; tests/test_netlab.py measures it), act_bytes 4 (fp32), ids
-2 bytes, latency 0 (netlab applies none). Device throughput is calibrated per ratio from that
-run's unlimited phase: the plan's unlimited step is (n_mb + S - 1) * t_c, so
-t_c = T_unlimited / (n_mb + S - 1) and FLOP/s = FLOPs of the busiest stage per micro-batch / t_c
-(passed as tflops with mfu 1). Predicted utilisation uses the measured definition,
-predicted T(inf) / predicted T(bw); plan's own `utilisation` (n_mb * t_c / total, bubble counted
-as overhead) is recorded too. For (b) the plan's outer-sync time is link-only (it does not model
-the compression compute), so the JSON also gives plan + the measured unlimited-phase outer time.
-The dense prediction is the plan's ring formula, (M - 1) * dense fp32 bytes * 8 / (bw * eff),
-which at M = 2 is also the per-rank wire volume of a ring all-reduce (2 (M-1)/M * N).
+Predictions: `plan.predict` with the same shapes and settings, `overlap=False` (DeepSpeed's p2p
+sends and receives block), `link_efficiency` = 1448/1514 (TCP/IPv4 payload per 1514-byte
+Ethernet frame with timestamps; tests/test_netlab.py checks it), act_bytes 4 (fp32), ids 2 bytes,
+latency 0 (netlab applies none). Device throughput is calibrated per ratio on that run's
+unlimited visits: the plan's link-free step is (n_mb + S - 1) * t_c, so
+t_c = T_unlimited / (n_mb + S - 1) and FLOP/s = the busiest stage's FLOPs per micro-batch / t_c
+(given to plan as tflops with mfu 1). Predicted utilisation uses the measured definition,
+T_plan(link-free) / T_plan(bw); plan's own `utilisation` (n_mb * t_c / total, the bubble counted
+as overhead) is recorded too. Next to plan's step time the JSON gives a diagnostic built from
+plan's own terms, "n_mb transfers": (n_mb + S - 1) * t_c + n_mb * (t_f + t_b), i.e. each link
+carries n_mb transfers per direction per step, where plan's no-overlap schedule charges
+(n_mb + S - 1) of them. For (b), plan's outer-sync time is link only (it does not model the
+compression compute), so the JSON also gives plan + the measured unlimited-link outer step. The
+dense prediction is plan's ring formula on plan's `dense_outer_bytes`:
+(M - 1) * 4P * 8 / (bw * eff), which at M = 2 is also a ring all-reduce's per-rank volume
+(2 (M - 1) / M * 4P).
 
-Writes shaped_links.json (machine, command, every point with its prediction and
-measured/predicted) and shaped_links.png. About 5-6 minutes on 2 cores.
+Writes shaped_links.json (machine, command, settings, every point with its prediction and
+measured/predicted) and shaped_links.png. About 6 minutes on 2 cores.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -68,9 +78,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 from hetloco_ds import netlab, plan  # noqa: E402
 
@@ -80,11 +92,11 @@ VOCAB = 1024
 SEQ = 128
 MICRO = 4
 N_MB_A = 4  # micro-batches per step in (a)
-N_MB_B = 1  # in (b): inner steps are filler between outer steps
+N_MB_B = 1  # in (b): the inner steps are only the filler between outer steps
 H_B = 2
 LINK_EFF = 1448 / 1514
 UNLIMITED = 10e9
-MARGIN_S = 0.1  # a step counts for a phase if it started this long after the rate change
+MARGIN_S = 0.1
 STAGE_RATES = (1000e6, 100e6, 20e6, 5e6)
 REPLICA_RATES = (100e6, 20e6, 5e6)
 RATIOS = (1, 8, 64)
@@ -94,15 +106,18 @@ NICE = ["nice", "-n", "10"]
 # ----------------------------------------------------------------------------- configs
 
 
-def shape() -> plan.ModelShape:
-    return plan.ModelShape(d=MODEL["hidden_size"], n_layers=MODEL["num_hidden_layers"],
-                           n_heads=MODEL["num_attention_heads"], n_kv_heads=MODEL["num_key_value_heads"],
-                           ffn=MODEL["intermediate_size"], vocab=VOCAB, seq_len=SEQ, name="bench-d256")
+def model_shape(model: dict = MODEL, vocab: int = VOCAB, seq: int = SEQ) -> plan.ModelShape:
+    return plan.ModelShape(d=model["hidden_size"], n_layers=model["num_hidden_layers"],
+                           n_heads=model["num_attention_heads"],
+                           n_kv_heads=model.get("num_key_value_heads"), ffn=model["intermediate_size"],
+                           vocab=vocab, seq_len=seq, name=f"d{model['hidden_size']}")
 
 
-def ds_config(stages: int, n_mb: int, ratio: int, inner_steps: int) -> dict:
+def ds_config(stages: int, n_mb: int, ratio: int, inner_steps: int, micro: int = MICRO, seq: int = SEQ,
+              vocab: int = VOCAB) -> dict:
+    """A DeepSpeed JSON with our section: fp32, AdamW, ratio on every replica (1 = none)."""
     return {
-        "train_micro_batch_size_per_gpu": MICRO,
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": n_mb,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
@@ -113,30 +128,43 @@ def ds_config(stages: int, n_mb: int, ratio: int, inner_steps: int) -> dict:
         "hetloco": {
             "sparseloco": {"inner_steps": inner_steps, "topk": 32, "chunk_size": 4096},
             "subspace": {"ratio": ratio, "compressed_replicas": "all" if ratio > 1 else "none"},
-            "train": {"seq_len": SEQ, "eval_interval": 0, "eval_batches": 1, "checkpoint_interval": 0,
-                      "vocab_size": VOCAB},
+            "train": {"seq_len": seq, "eval_interval": 0, "eval_batches": 1, "checkpoint_interval": 0,
+                      "vocab_size": vocab},
         },
     }
 
 
-def prepare_cache(env: dict) -> None:
-    """Tokenizer and token cache built once here, outside every timed run."""
-    code = ("from hetloco_ds import data; t = data.default_tokenizer(vocab_size=%d, progress=False); "
-            "data.load_corpus(None, t, %d)" % (VOCAB, SEQ))
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def predict_stage(ratio: int, bw: float, tflops: float, shape: plan.ModelShape | None = None,
+                  micro: int = MICRO, n_mb: int = N_MB_A) -> plan.Prediction:
+    """plan.predict for S = 2, M = 1 on a stage link of `bw` (fp32 activations, int16 ids)."""
+    return plan.predict(shape or model_shape(), stages=2, replicas=1, stage_bw=bw, replica_bw=1e9,
+                        tflops=tflops, mfu=1.0, micro_batch=micro, n_mb=n_mb, H=10**6, ratio=ratio,
+                        act_bytes=4, ids_bytes=2, overlap=False, link_efficiency=LINK_EFF)
+
+
+def calibrated_tflops(t_unlimited: float, ratio: int, shape: plan.ModelShape | None = None,
+                      micro: int = MICRO, n_mb: int = N_MB_A) -> float:
+    """Plan's link-free step is (n_mb + S - 1) * t_c: the FLOP/s that makes it `t_unlimited`."""
+    flops = max(predict_stage(ratio, UNLIMITED, 1.0, shape, micro, n_mb).flops_per_microbatch)
+    return flops / (t_unlimited / (n_mb + 2 - 1)) / 1e12
+
+
+def n_mb_transfers_time(p: plan.Prediction) -> float:
+    """Diagnostic from plan's terms: (n_mb + S - 1) t_c + n_mb (t_f + t_b)."""
+    i = p.inputs
+    return (i["n_mb"] + i["stages"] - 1) * max(p.compute_time_microbatch) + i["n_mb"] * (p.link_time_fwd + p.link_time_bwd)
 
 
 # ----------------------------------------------------------------------------- shaping
 
 
 def set_rate(net: netlab.ShapedNetwork, bps: float) -> float:
-    """Change every htb class on every rank's hl0 to `bps`; returns the time it was in place."""
+    """Change every htb class on every rank's veth to `bps`; returns when it was in place."""
+    r = f"{int(bps)}bit"
     for ns in net.namespaces:
         text = subprocess.run(["tc", "-n", ns, "class", "show", "dev", netlab.IFACE],
                               capture_output=True, text=True, check=True).stdout
         for cid in re.findall(r"class htb (\d+:[0-9a-f]+)", text):
-            r = f"{int(bps)}bit"
             subprocess.run(["tc", "-n", ns, "class", "change", "dev", netlab.IFACE, "parent", "1:",
                             "classid", cid, "htb", "rate", r, "ceil", r], check=True,
                            capture_output=True, text=True)
@@ -144,27 +172,36 @@ def set_rate(net: netlab.ShapedNetwork, bps: float) -> float:
 
 
 def wire_bytes(net: netlab.ShapedNetwork) -> int:
+    """L2 bytes tc counted on all shaped links so far."""
     return sum(net.link_bytes().values())
 
 
 # ----------------------------------------------------------------------------- engine runs
 
 
-class EngineRun:
-    """`hetloco-ds train` on every rank of `net`, started now; rows read from metrics.jsonl."""
+def train_cmd(cfg_path: str, model_path: str, out: str, steps: int = 100000, data: str | None = None,
+              nice: bool = True) -> list[str]:
+    cmd = [sys.executable, "-m", "hetloco_ds.cli", "train", "--config", cfg_path, "--model-config",
+           model_path, "--out", out, "--steps", str(steps)]
+    if data is not None:
+        cmd += ["--data", data]
+    return [*NICE, *cmd] if nice else cmd
 
-    def __init__(self, net: netlab.ShapedNetwork, cfg_path: str, model_path: str, out: str, env: dict,
-                 steps: int = 100000):
-        self.net, self.out = net, out
+
+class EngineRun:
+    """`cmd` on every rank of `net`, started now; metrics rows read from OUT/metrics.jsonl.
+
+    The run is meant to outlast the measurement (a large --steps): `stop` ends it.
+    """
+
+    def __init__(self, net: netlab.ShapedNetwork, cmd: list[str], out: str, env: dict):
+        self.net = net
         self.metrics = os.path.join(out, "metrics.jsonl")
         port = random.randrange(20000, 32768)
-        self.logs = []
-        self.procs = []
+        self.logs, self.procs = [], []
         for r in range(net.world):
             log = open(os.path.join(out, f"rank{r}.log"), "w")
             self.logs.append(log)
-            cmd = [*NICE, sys.executable, "-m", "hetloco_ds.cli", "train", "--config", cfg_path,
-                   "--model-config", model_path, "--out", out, "--steps", str(steps)]
             self.procs.append(net.popen(r, cmd, net.env_for(r, port, env), stdout=log,
                                         stderr=subprocess.STDOUT, cwd=str(REPO)))
 
@@ -172,15 +209,15 @@ class EngineRun:
         if not os.path.exists(self.metrics):
             return []
         with open(self.metrics) as f:
-            lines = f.read().split("\n")[:-1]  # a line is complete once its newline is there
+            lines = f.read().split("\n")[:-1]  # each row is one O_APPEND write ending in "\n"
         return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
     def check(self) -> None:
         for r, p in enumerate(self.procs):
             if p.poll() is not None:
                 self.logs[r].flush()
-                tail = Path(self.logs[r].name).read_text()[-3000:]
-                raise RuntimeError(f"rank {r} exited ({p.returncode}) before the benchmark ended:\n{tail}")
+                tail = Path(self.logs[r].name).read_text()[-4000:]
+                raise RuntimeError(f"rank {r} exited ({p.returncode}) during the measurement:\n{tail}")
 
     def stop(self) -> None:
         for p in self.procs:
@@ -196,29 +233,35 @@ class EngineRun:
             log.close()
 
 
-def started_after(row: dict, t: float) -> bool:
-    return row["time"] - row["seconds"] >= t + MARGIN_S
+def started_after(step_row: dict, t: float) -> bool:
+    return step_row["time"] - step_row["seconds"] >= t + MARGIN_S
 
 
-def collect_phase(run: EngineRun, t0: float, want: int, kind: str, max_s: float) -> list[dict]:
-    """Rows of `kind` whose step started after t0, until `want` of them (or max_s passes)."""
+def collect(run: EngineRun, t0: float, want: int, kind: str = "step", replicas: int = 1,
+            max_s: float = 120.0) -> dict[int, list[dict]]:
+    """{step: rows of `kind`, one per replica} for the first `want` steps that started after t0
+    and have a row from each of `replicas` replicas (fewer if max_s passes first)."""
     deadline = time.time() + max_s
     while True:
         run.check()
-        steps = {(r["step"], r["replica"]): r for r in run.rows("step")}
-        rows = [r for r in run.rows(kind)
-                if (r["step"], r["replica"]) in steps and started_after(steps[r["step"], r["replica"]], t0)]
-        if len(rows) >= want or time.time() > deadline:
-            return rows
+        starts = {(r["step"], r["replica"]): r for r in run.rows("step")}
+        got: dict[int, list[dict]] = {}
+        for r in run.rows(kind):
+            s = starts.get((r["step"], r["replica"]))
+            if s is not None and started_after(s, t0):
+                got.setdefault(r["step"], []).append(r)
+        done = {k: v for k, v in got.items() if len(v) == replicas}
+        if len(done) >= want or time.time() > deadline:
+            return dict(sorted(done.items())[:want])
         time.sleep(0.05)
 
 
-def wait_steps(run: EngineRun, n: int, max_s: float = 300) -> None:
+def wait_steps(run: EngineRun, n: int, max_s: float = 300.0) -> None:
     deadline = time.time() + max_s
     while len(run.rows("step")) < n:
         run.check()
         if time.time() > deadline:
-            raise RuntimeError(f"no {n} steps after {max_s} s")
+            raise RuntimeError(f"fewer than {n} steps after {max_s:.0f} s")
         time.sleep(0.05)
 
 
@@ -227,194 +270,304 @@ def summary(xs: list[float]) -> dict:
             "values": [round(x, 5) for x in xs]}
 
 
+def label(bps: float | None) -> str:
+    return "unlimited" if not bps or bps >= UNLIMITED else f"{bps / 1e6:g} Mbit/s"
+
+
 # ----------------------------------------------------------------------------- (a) stage links
 
 
-def predict_a(ratio: int, bw: float, tflops: float) -> plan.Prediction:
-    return plan.predict(shape(), stages=2, replicas=1, stage_bw=bw, replica_bw=1e9, tflops=tflops,
-                        mfu=1.0, micro_batch=MICRO, n_mb=N_MB_A, H=10**6, ratio=ratio, act_bytes=4,
-                        ids_bytes=2, overlap=False, link_efficiency=LINK_EFF)
+def run_visits(net: netlab.ShapedNetwork, run: EngineRun, schedule: list[float],
+               want: Callable[[float, list[dict]], tuple[int, float]], kind: str, replicas: int,
+               log: Callable[[str], None], tag: str) -> list[dict]:
+    """Visit the rates of `schedule` in order on a running engine; per visit, the rows of the
+    first `want(bw, visits so far)[0]` steps that started after the rate was in place."""
+    visits: list[dict] = []
+    for bw in schedule:
+        n, max_s = want(bw, visits)
+        t0 = set_rate(net, bw)
+        b0 = wire_bytes(net)
+        got = collect(run, t0, n, kind, replicas, max_s)
+        visits.append({"bw": bw, "steps": got, "wire": wire_bytes(net) - b0, "loadavg_1min": os.getloadavg()[0]})
+        vals = [min(r["seconds"] for r in v) for v in got.values()]
+        log(f"{tag} {label(bw):>12}: median {statistics.median(vals):.3f} s over {len(vals)} "
+            f"(load {visits[-1]['loadavg_1min']:.2f})")
+    return visits
 
 
-def part_a(tmp: str, model_path: str, env: dict, quick: bool, log) -> list[dict]:
+def part_a(tmp: str, model_path: str, env: dict, quick: bool, log: Callable[[str], None]) -> list[dict]:
     points = []
+    # Two rounds over the rates and a closing unlimited visit: a load burst from a neighbour on
+    # this shared machine then hits one visit of a rate, not the whole of it.
+    schedule = [UNLIMITED, *STAGE_RATES] * 2 + [UNLIMITED]
     for ratio in RATIOS:
         cfg = os.path.join(tmp, f"a_r{ratio}.json")
         Path(cfg).write_text(json.dumps(ds_config(2, N_MB_A, ratio, inner_steps=100000)))
         out = os.path.join(tmp, f"a_r{ratio}")
         os.makedirs(out)
+        t_start = time.time()
+
+        def want(bw: float, visits: list[dict]) -> tuple[int, float]:
+            unl = [v[0]["seconds"] for x in visits if x["bw"] == UNLIMITED for v in x["steps"].values()]
+            if bw == UNLIMITED or not unl:
+                return (3 if quick else 6), 90
+            est = n_mb_transfers_time(predict_stage(ratio, bw, calibrated_tflops(statistics.median(unl), ratio)))
+            n = max(2 if quick else 3, min(4 if quick else 8, math.ceil((5 if quick else 12) / est)))
+            return n, n * est * 3 + 30
+
         with netlab.ShapedNetwork(2, netlab.deepspeed_coords(1), stage_rate_bps=UNLIMITED) as net:
-            run = EngineRun(net, cfg, model_path, out, env)
+            run = EngineRun(net, train_cmd(cfg, model_path, out), out, env)
             try:
-                t_start = time.time()
                 wait_steps(run, 2)  # warm-up: tensor-meta exchange, first allocations
-                flops = max(predict_a(ratio, UNLIMITED, 1.0).flops_per_microbatch)
-                tflops = None
-                t_unl = None
-                for bw in (UNLIMITED, *STAGE_RATES):
-                    t0 = set_rate(net, bw)
-                    b0 = wire_bytes(net)
-                    if tflops is None:
-                        want, max_s = (6 if quick else 12), 60
-                    else:
-                        est = predict_a(ratio, bw, tflops).total_time
-                        budget = 10 if quick else 24
-                        want = max(3, min(12, math.ceil(budget / est)))
-                        max_s = want * est * 3 + 30
-                    rows = collect_phase(run, t0, want, "step", max_s)
-                    b1 = wire_bytes(net)
-                    secs = [r["seconds"] for r in rows]
-                    med = statistics.median(secs)
-                    if tflops is None:  # calibrate on the unlimited phase
-                        t_unl = med
-                        t_c = med / (N_MB_A + 2 - 1)
-                        tflops = flops / t_c / 1e12
-                    p = predict_a(ratio, bw, tflops)
-                    p_inf = predict_a(ratio, 1e15, tflops)
-                    act = [r["bytes"]["activation"]["sent"] + r["bytes"]["activation_grad"]["sent"] for r in rows]
-                    pt = {
-                        "part": "a", "ratio": ratio, "stage_bw_bps": None if bw == UNLIMITED else bw,
-                        "label": "unlimited" if bw == UNLIMITED else f"{bw / 1e6:g} Mbit/s",
-                        "step_seconds": summary(secs),
-                        "utilisation_measured": t_unl / med,
-                        "stage_link_payload_bytes_per_step": statistics.median(act),
-                        "tc_wire_bytes_per_step": (b1 - b0) / max(1, len(rows)) if rows else None,
-                        "predicted": {
-                            "step_seconds": p.total_time, "utilisation": p_inf.total_time / p.total_time,
-                            "plan_utilisation": p.utilisation, "stage_link_bytes_per_step": p.stage_link_bytes_per_step,
-                            "link_time_fwd": p.link_time_fwd, "link_time_bwd": p.link_time_bwd,
-                            "compute_time_microbatch": max(p.compute_time_microbatch),
-                            "breakdown": p.breakdown,
-                        },
-                        "measured_over_predicted": med / p.total_time,
-                        "calibrated_gflops": tflops * 1e3,
-                    }
-                    points.append(pt)
-                    log(f"(a) ratio {ratio:>2} {pt['label']:>12}: step {med:.3f} s (n={len(secs)}, "
-                        f"{min(secs):.3f}-{max(secs):.3f}), predicted {p.total_time:.3f} s, "
-                        f"x{med / p.total_time:.2f}; util {t_unl / med:.2f} (pred {p_inf.total_time / p.total_time:.2f}); "
-                        f"bytes {statistics.median(act):.0f} (pred {p.stage_link_bytes_per_step})")
-                log(f"(a) ratio {ratio}: run took {time.time() - t_start:.0f} s after start")
+                visits = run_visits(net, run, schedule, want, "step", 1, log, f"(a) ratio {ratio:>2}")
             finally:
                 run.stop()
+        # Calibrate on every unlimited visit pooled; then every rate (both visits pooled) against the plan.
+        rows_by = {bw: [v[0] for x in visits if x["bw"] == bw for v in x["steps"].values()]
+                   for bw in (UNLIMITED, *STAGE_RATES)}
+        t_unl = statistics.median(r["seconds"] for r in rows_by[UNLIMITED])
+        tflops = calibrated_tflops(t_unl, ratio)
+        p_inf = predict_stage(ratio, 1e15, tflops)
+        for bw in (UNLIMITED, *STAGE_RATES):
+            rows = rows_by[bw]
+            secs = [r["seconds"] for r in rows]
+            med = statistics.median(secs)
+            p = predict_stage(ratio, bw if bw != UNLIMITED else 1e15, tflops)
+            alt = n_mb_transfers_time(p)
+            act = [r["bytes"]["activation"]["sent"] + r["bytes"]["activation_grad"]["sent"] for r in rows]
+            mine = [x for x in visits if x["bw"] == bw]
+            pt = {
+                "part": "a", "ratio": ratio, "stage_bw_bps": None if bw == UNLIMITED else bw, "label": label(bw),
+                "step_seconds": summary(secs),
+                "visit_medians": [round(statistics.median(v[0]["seconds"] for v in x["steps"].values()), 4)
+                                  for x in mine],
+                "visit_loadavg_1min": [round(x["loadavg_1min"], 2) for x in mine],
+                "utilisation_measured": t_unl / med,
+                "stage_link_payload_bytes_per_step": statistics.median(act),
+                "tc_wire_bytes_in_visits": [x["wire"] for x in mine],
+                "predicted": {
+                    "step_seconds": p.total_time, "utilisation": p_inf.total_time / p.total_time,
+                    "plan_utilisation": p.utilisation, "stage_link_bytes_per_step": p.stage_link_bytes_per_step,
+                    "compute_time_microbatch": max(p.compute_time_microbatch),
+                    "link_time_fwd": p.link_time_fwd, "link_time_bwd": p.link_time_bwd,
+                    "breakdown": p.breakdown, "n_mb_transfers_step_seconds": alt,
+                },
+                "measured_over_predicted": med / p.total_time,
+                "measured_over_n_mb_transfers": med / alt,
+                "calibration": {"t_unlimited_pooled": t_unl, "tflops": tflops, "gflops": tflops * 1e3},
+            }
+            points.append(pt)
+            log(f"(a) ratio {ratio:>2} {label(bw):>12}: {med:.3f} s (n={len(secs)}, {min(secs):.3f}-{max(secs):.3f}, "
+                f"visits {pt['visit_medians']}) plan {p.total_time:.3f} (x{med / p.total_time:.2f}), n_mb-transfers "
+                f"{alt:.3f} (x{med / alt:.2f}); util {t_unl / med:.2f} vs plan {p_inf.total_time / p.total_time:.2f}; "
+                f"bytes/step {statistics.median(act):.0f} vs plan {p.stage_link_bytes_per_step}")
+        log(f"(a) ratio {ratio}: {time.time() - t_start:.0f} s; calibrated {tflops * 1e3:.1f} GFLOP/s "
+            f"(t_c {t_unl / (N_MB_A + 1) * 1e3:.1f} ms per micro-batch)")
     return points
 
 
 # ----------------------------------------------------------------------------- (b) replica links
 
-DENSE_PROGRAM = r"""
+PROBE = r"""
 import json, sys, time
 import torch
 import torch.distributed as dist
-n, reps = int(sys.argv[1]), int(sys.argv[2])
+n_dense, n_payload, reps_dense, reps_small = (int(x) for x in sys.argv[1:5])
 dist.init_process_group("gloo")
-warm = torch.zeros(1024)
-dist.all_reduce(warm)
-vec = torch.randn(n)
-for i in range(reps):
+rank, world = dist.get_rank(), dist.get_world_size()
+dist.all_reduce(torch.zeros(1024))  # connections up
+small = torch.zeros(n_payload // 4)
+parts = [torch.zeros_like(small) for _ in range(world)]
+dense = torch.randn(n_dense)
+
+def timed(kind, fn):
     dist.barrier()
     t0 = time.perf_counter()
-    dist.all_reduce(vec)
-    dt = time.perf_counter() - t0
-    vec.div_(dist.get_world_size())
-    if dist.get_rank() == 0:
-        print(json.dumps({"rep": i, "seconds": dt}), flush=True)
+    fn()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slower rank's time
+    if rank == 0:
+        print(json.dumps({"kind": kind, "seconds": float(dt)}), flush=True)
+
+def one_way():
+    if rank == 0:
+        dist.send(small, 1)
+    elif rank == 1:
+        dist.recv(small, 0)
+
+for _ in range(reps_small):
+    timed("payload_one_way", one_way)
+for _ in range(reps_small):
+    timed("payload_all_gather", lambda: dist.all_gather(parts, small))
+for _ in range(reps_dense):
+    timed("dense_all_reduce", lambda: dist.all_reduce(dense))
 dist.barrier()
 dist.destroy_process_group()
 """
 
 
-def predict_b(bw: float) -> plan.Prediction:
-    return plan.predict(shape(), stages=1, replicas=2, stage_bw=1e9, replica_bw=bw, tflops=1.0, mfu=1.0,
-                        micro_batch=MICRO, n_mb=N_MB_B, H=H_B, topk=32, chunk=4096, act_bytes=4,
+def predict_replica(bw: float, shape: plan.ModelShape | None = None) -> plan.Prediction:
+    return plan.predict(shape or model_shape(), stages=1, replicas=2, stage_bw=1e9, replica_bw=bw, tflops=1.0,
+                        mfu=1.0, micro_batch=MICRO, n_mb=N_MB_B, H=H_B, topk=32, chunk=4096, act_bytes=4,
                         overlap=False, link_efficiency=LINK_EFF)
 
 
-def part_b(tmp: str, model_path: str, env: dict, quick: bool, log) -> list[dict]:
+def dense_time(bw: float, shape: plan.ModelShape | None = None) -> float:
+    """Plan's ring formula on plan's dense fp32 bytes, M = 2."""
+    return (2 - 1) * predict_replica(bw, shape).dense_outer_bytes[0] * 8 / (bw * LINK_EFF)
+
+
+def part_b(tmp: str, model_path: str, env: dict, quick: bool, log: Callable[[str], None]) -> list[dict]:
     points = []
     cfg = os.path.join(tmp, "b.json")
     Path(cfg).write_text(json.dumps(ds_config(1, N_MB_B, 1, inner_steps=H_B)))
     out = os.path.join(tmp, "b")
     os.makedirs(out)
-    prog = os.path.join(tmp, "dense_allreduce.py")
-    Path(prog).write_text(DENSE_PROGRAM)
-    n_params = shape().n_params()
+    prog = os.path.join(tmp, "probe.py")
+    Path(prog).write_text(PROBE)
+    n_params = model_shape().n_params()
+    t_start = time.time()
     with netlab.ShapedNetwork(2, netlab.deepspeed_coords(2), replica_rate_bps=UNLIMITED) as net:
-        run = EngineRun(net, cfg, model_path, out, env)
-        ours_unl = None
+        run = EngineRun(net, train_cmd(cfg, model_path, out), out, env)
         try:
-            t_start = time.time()
-            wait_steps(run, 2 * H_B)  # start-up (incl. DeepSpeed's model broadcast) + one outer step
-            for bw in (UNLIMITED, *REPLICA_RATES):
-                t0 = set_rate(net, bw)
-                b0 = wire_bytes(net)
-                want = 3 if quick else (6 if bw >= 20e6 else 5)
-                # One row per replica and outer step; an outer step is done when both are.
-                rows = collect_phase(run, t0, 2 * want, "outer", 120)
-                b1 = wire_bytes(net)
-                by_step: dict[int, list[float]] = {}
-                for r in rows:
-                    by_step.setdefault(r["step"], []).append(r["seconds"])
-                secs = [max(v) for v in by_step.values() if len(v) == 2]
-                med = statistics.median(secs)
-                if bw == UNLIMITED:
-                    ours_unl = med
-                p = predict_b(bw)
-                pt = {
-                    "part": "b", "method": "ours (SparseLoCo outer step, engine)",
-                    "replica_bw_bps": None if bw == UNLIMITED else bw,
-                    "label": "unlimited" if bw == UNLIMITED else f"{bw / 1e6:g} Mbit/s",
-                    "outer_seconds": summary(secs),
-                    "payload_bytes": rows[0]["payload_bytes"],
-                    "tc_wire_bytes_per_phase_both_ranks": b1 - b0,
-                    "steps_in_phase": len({r["step"] for r in run.rows("step") if started_after(r, t0)}),
-                    "predicted": {"outer_sync_seconds": p.outer_sync_time,
-                                  "payload_bytes": p.outer_payload_bytes[0],
-                                  "plus_unlimited_outer_compute": p.outer_sync_time + ours_unl},
-                    "measured_over_predicted": med / p.outer_sync_time if p.outer_sync_time > 0 else None,
-                    "measured_over_predicted_plus_compute": med / (p.outer_sync_time + ours_unl),
-                }
-                points.append(pt)
-                log(f"(b) ours  {pt['label']:>12}: outer {med:.3f} s (n={len(secs)}, {min(secs):.3f}-"
-                    f"{max(secs):.3f}), plan {p.outer_sync_time:.3f} s, plan+compute "
-                    f"{p.outer_sync_time + ours_unl:.3f} s; payload {rows[0]['payload_bytes']} "
-                    f"(plan {p.outer_payload_bytes[0]})")
-            log(f"(b) engine run took {time.time() - t_start:.0f} s after start")
+            wait_steps(run, 2 * (2 * H_B))  # start-up (DeepSpeed's model broadcast) + 2 outer steps
+            visits = run_visits(net, run, [UNLIMITED, *REPLICA_RATES] * 2,
+                                lambda bw, v: (2 if quick else 4, 120), "outer", 2, log, "(b) ours")
         finally:
             run.stop()
-        # Dense: the same namespaces, the same replica link, a plain gloo all_reduce.
-        denv = dict(env)
+        log(f"(b) engine run: {time.time() - t_start:.0f} s")
+        per = {bw: [v for x in visits if x["bw"] == bw for v in x["steps"].values()] for bw in (UNLIMITED, *REPLICA_RATES)}
+        ours_unl = statistics.median(min(r["seconds"] for r in v) for v in per[UNLIMITED])
+        for bw in (UNLIMITED, *REPLICA_RATES):
+            secs = [min(r["seconds"] for r in v) for v in per[bw]]
+            slower = [max(r["seconds"] for r in v) for v in per[bw]]
+            payload = per[bw][0][0]["payload_bytes"]
+            med = statistics.median(secs)
+            p = predict_replica(bw if bw != UNLIMITED else 1e15)
+            pt = {
+                "part": "b", "method": "ours", "what": "SparseLoCo outer step in the engine (metrics `outer` rows; "
+                                                      "per outer step the replica that did not wait for its peer)",
+                "replica_bw_bps": None if bw == UNLIMITED else bw, "label": label(bw),
+                "outer_seconds": summary(secs), "outer_seconds_slower_replica": summary(slower),
+                "payload_bytes": payload,
+                "tc_wire_bytes_in_visits": [x["wire"] for x in visits if x["bw"] == bw],
+                "visit_loadavg_1min": [round(x["loadavg_1min"], 2) for x in visits if x["bw"] == bw],
+                "predicted": {"outer_sync_seconds": p.outer_sync_time, "payload_bytes": p.outer_payload_bytes[0],
+                              "plus_measured_unlimited_outer_step": p.outer_sync_time + ours_unl},
+                "measured_over_predicted": med / p.outer_sync_time if bw != UNLIMITED else None,
+                "measured_over_predicted_plus_compute": med / (p.outer_sync_time + ours_unl),
+            }
+            points.append(pt)
+            log(f"(b) ours  {label(bw):>12}: outer step {med:.3f} s (n={len(secs)}, {min(secs):.3f}-{max(secs):.3f}); "
+                f"plan {p.outer_sync_time:.3f} s, plan + unlimited-link outer step {p.outer_sync_time + ours_unl:.3f} s; "
+                f"payload {payload} B vs plan {p.outer_payload_bytes[0]} B")
+        # Link probes and the dense baseline: the same namespaces, the same replica link.
+        payload = points[-1]["payload_bytes"]
         for bw in (UNLIMITED, *REPLICA_RATES):
             set_rate(net, bw)
-            p = predict_b(bw)
-            dense_bytes = p.dense_outer_bytes[0]
-            pred = (2 - 1) * dense_bytes * 8 / (bw * LINK_EFF)
-            reps = 5 if bw >= 100e6 else (3 if bw >= 20e6 else 1)
+            reps_dense = 5 if bw >= 100e6 else (3 if bw >= 20e6 else 2)
+            reps_small = 7
             if quick:
-                reps = min(reps, 2)
+                reps_dense, reps_small = min(reps_dense, 2) if bw >= 20e6 else 1, 3
             b0 = wire_bytes(net)
-            res = net.run(lambda r: [*NICE, sys.executable, prog, str(n_params), str(reps)], timeout=300,
-                          env=denv)
+            res = net.run(lambda r: [*NICE, sys.executable, prog, str(n_params), str(payload), str(reps_dense),
+                                     str(reps_small)], timeout=400, env=env)
             b1 = wire_bytes(net)
             for r in res:
                 if r.returncode != 0:
-                    raise RuntimeError(f"dense all_reduce rank {r.rank} failed:\n{r.stderr[-3000:]}")
-            secs = [json.loads(l)["seconds"] for l in res[0].stdout.splitlines() if l.startswith("{")]
-            med = statistics.median(secs)
-            pt = {
-                "part": "b", "method": "dense DiLoCo-style: gloo all_reduce of the fp32 parameter vector (direct, not the engine)",
-                "replica_bw_bps": None if bw == UNLIMITED else bw,
-                "label": "unlimited" if bw == UNLIMITED else f"{bw / 1e6:g} Mbit/s",
-                "outer_seconds": summary(secs), "payload_bytes": 4 * n_params,
-                "tc_wire_bytes_in_phase_both_ranks": b1 - b0, "reps": reps,
-                "predicted": {"outer_sync_seconds": pred if bw != UNLIMITED else 0.0,
-                              "payload_bytes": dense_bytes},
-                "measured_over_predicted": med / pred if bw != UNLIMITED else None,
-            }
-            points.append(pt)
-            log(f"(b) dense {pt['label']:>12}: all_reduce {med:.3f} s (n={len(secs)}), plan formula "
-                f"{pred if bw != UNLIMITED else 0:.3f} s")
+                    raise RuntimeError(f"probe rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+            rows = [json.loads(x) for x in res[0].stdout.splitlines() if x.startswith("{")]
+            by = {k: [r["seconds"] for r in rows if r["kind"] == k] for k in
+                  ("payload_one_way", "payload_all_gather", "dense_all_reduce")}
+            link_only = payload * 8 / (bw * LINK_EFF) if bw != UNLIMITED else 0.0
+            pred_dense = dense_time(bw) if bw != UNLIMITED else 0.0
+            med = statistics.median(by["dense_all_reduce"])
+            points.append({
+                "part": "b", "method": "dense", "what": "DiLoCo-style: gloo all_reduce of an fp32 vector of the "
+                                                        "model's parameter count (direct, not the engine)",
+                "replica_bw_bps": None if bw == UNLIMITED else bw, "label": label(bw),
+                "outer_seconds": summary(by["dense_all_reduce"]), "payload_bytes": 4 * n_params,
+                "tc_wire_bytes_in_probe": b1 - b0,
+                "predicted": {"outer_sync_seconds": pred_dense, "payload_bytes": predict_replica(1e9).dense_outer_bytes[0]},
+                "measured_over_predicted": med / pred_dense if pred_dense else None,
+            })
+            points.append({
+                "part": "b", "method": "probe", "what": "gloo alone, our payload's size: one-way send and all_gather "
+                                                        "(no compression compute)",
+                "replica_bw_bps": None if bw == UNLIMITED else bw, "label": label(bw), "payload_bytes": payload,
+                "one_way_seconds": summary(by["payload_one_way"]),
+                "all_gather_seconds": summary(by["payload_all_gather"]),
+                "predicted_link_seconds": link_only,
+            })
+            log(f"(b) dense {label(bw):>12}: all_reduce {med:.3f} s (n={len(by['dense_all_reduce'])}), plan formula "
+                f"{pred_dense:.3f} s; payload-size one-way {statistics.median(by['payload_one_way']):.3f} s, "
+                f"all_gather {statistics.median(by['payload_all_gather']):.3f} s "
+                f"({min(by['payload_all_gather']):.3f}-{max(by['payload_all_gather']):.3f}), link model {link_only:.3f} s")
     return points
+
+
+# ----------------------------------------------------------------------------- agreement
+
+
+def _spread(items: list[tuple[str, float]], band: float = 0.2) -> dict:
+    vals = [v for _, v in items]
+    return {"min": min(vals), "max": max(vals), "within_20pct": sum(abs(v - 1) <= band for v in vals),
+            "of": len(vals), "outside_20pct": {k: round(v, 3) for k, v in items if abs(v - 1) > band}}
+
+
+def agreement(points: list[dict]) -> dict:
+    """measured / predicted over the shaped points, computed from this run's numbers."""
+    out: dict = {}
+    a = [p for p in points if p["part"] == "a" and p["stage_bw_bps"]]
+    if a:
+        out["a_step_time"] = {
+            "measured_over_plan_predict": _spread([(f"ratio {p['ratio']} @ {p['label']}", p["measured_over_predicted"]) for p in a]),
+            "measured_over_plan_terms_with_n_mb_transfers": _spread(
+                [(f"ratio {p['ratio']} @ {p['label']}", p["measured_over_n_mb_transfers"]) for p in a]),
+            "utilisation_measured_minus_predicted": {f"ratio {p['ratio']} @ {p['label']}": round(
+                p["utilisation_measured"] - p["predicted"]["utilisation"], 3) for p in a},
+        }
+    b = [p for p in points if p["part"] == "b" and p["replica_bw_bps"]]
+    ours = [p for p in b if p["method"] == "ours"]
+    dense = [p for p in b if p["method"] == "dense"]
+    probe = [p for p in b if p["method"] == "probe"]
+    if ours:
+        out["b_ours_outer_step"] = {
+            "measured_over_plan_link_only": _spread([(p["label"], p["measured_over_predicted"]) for p in ours]),
+            "measured_over_plan_plus_unlimited_outer_step": _spread(
+                [(p["label"], p["measured_over_predicted_plus_compute"]) for p in ours]),
+            "payload_bytes_engine_over_plan": ours[0]["payload_bytes"] / ours[0]["predicted"]["payload_bytes"],
+        }
+    if dense:
+        out["b_dense_all_reduce"] = {"measured_over_plan_formula": _spread(
+            [(p["label"], p["measured_over_predicted"]) for p in dense])}
+    if probe:
+        out["b_gloo_probe_payload_size"] = {p["label"]: {
+            "one_way_over_link_model": round(p["one_way_seconds"]["median"] / p["predicted_link_seconds"], 3),
+            "all_gather_over_link_model": round(p["all_gather_seconds"]["median"] / p["predicted_link_seconds"], 3),
+            "all_gather_over_one_way": round(p["all_gather_seconds"]["median"] / p["one_way_seconds"]["median"], 3),
+        } for p in probe}
+    return out
+
+
+NOTES = [
+    "(a) plan.predict(overlap=False) charges t_f + t_b in each of the n_mb + S - 1 schedule slots; the engine "
+    "sends n_mb activations and n_mb gradients per step over each stage link, so on a link-bound step plan "
+    "over-predicts by up to (n_mb + S - 1) / n_mb (1.25 here). `n_mb_transfers_step_seconds` is plan's own terms "
+    "with n_mb transfers per direction: (n_mb + S - 1) t_c + n_mb (t_f + t_b).",
+    "(a)/(b) gloo over TCP moves one pair's two directions largely one after the other: a send waits for the "
+    "peer's recv-ready notification, which shares the single TCP stream with bulk data going the other way. "
+    "The probe's all_gather of our payload size (both directions at once) takes longer than its one-way send "
+    "at low rates, while plan's ring formula assumes full duplex.",
+    "netlab's htb shaping sits on a GSO-enabled veth (gso_max_size 65536): after an idle gap up to one GSO "
+    "segment leaves ahead of the rate, so transfers of a few tens of KB finish faster than bytes / rate "
+    "(the probe's one-way send of the payload size vs the link model).",
+    "(b) The engine's payload is larger than plan.outer_payload_bytes when a tile is not 64 x 64 (d_ff = 688: "
+    "43 x 64 tiles): compress.topk_per_chunk rounds k (2752 * 32 / 4096 = 21.5 -> 22) where plan.chunk_topk "
+    "floors (21); plan also leaves out the 16-byte payload header and the 4-byte alignment of each tensor.",
+    "(b) plan's outer-sync time is the link only; the engine's outer step also does error feedback, top-k, "
+    "packing, decoding and the outer SGD (the unlimited-link outer step measures that part).",
+]
 
 
 # ----------------------------------------------------------------------------- plot
@@ -425,60 +578,75 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     grid = [10 ** (x / 20) * 1e6 for x in range(0, 61)]  # 1 Mbit/s .. 1 Gbit/s
+    gx = [g / 1e6 for g in grid]
     colors = {1: "tab:red", 8: "tab:blue", 64: "tab:green"}
     a = [p for p in result["points"] if p["part"] == "a"]
     for ratio in RATIOS:
         pts = [p for p in a if p["ratio"] == ratio]
         if not pts:
             continue
-        gf = pts[0]["calibrated_gflops"] / 1e3
+        tf = pts[0]["calibration"]["tflops"]
         shaped = [p for p in pts if p["stage_bw_bps"]]
-        unl = [p for p in pts if not p["stage_bw_bps"]][0]
+        unl = pts[0]["calibration"]["t_unlimited_pooled"]
         xs = [p["stage_bw_bps"] / 1e6 for p in shaped]
         c = colors[ratio]
-        lab = "ratio 1 (uncompressed)" if ratio == 1 else f"ratio {ratio}"
-        axes[0].plot([g / 1e6 for g in grid], [predict_a(ratio, g, gf).total_time for g in grid], "-", color=c,
-                     label=f"{lab}: plan")
+        name = "ratio 1 (uncompressed)" if ratio == 1 else f"ratio {ratio}"
+        preds = [predict_stage(ratio, g, tf) for g in grid]
+        axes[0].plot(gx, [q.total_time for q in preds], "-", color=c, label=f"{name}: plan.predict")
+        axes[0].plot(gx, [n_mb_transfers_time(q) for q in preds], "--", color=c, lw=0.8,
+                     label=f"{name}: plan terms, n_mb transfers")
         axes[0].errorbar(xs, [p["step_seconds"]["median"] for p in shaped],
                          yerr=[[p["step_seconds"]["median"] - p["step_seconds"]["min"] for p in shaped],
                                [p["step_seconds"]["max"] - p["step_seconds"]["median"] for p in shaped]],
-                         fmt="o", color=c, label=f"{lab}: measured (median, min-max)")
-        axes[0].axhline(unl["step_seconds"]["median"], color=c, ls=":", lw=1)
-        inf = predict_a(ratio, 1e15, gf).total_time
-        axes[1].plot([g / 1e6 for g in grid], [inf / predict_a(ratio, g, gf).total_time for g in grid], "-",
-                     color=c, label=f"{lab}: plan")
-        axes[1].plot(xs, [p["utilisation_measured"] for p in shaped], "o", color=c, label=f"{lab}: measured")
+                         fmt="o", color=c, capsize=3, label=f"{name}: measured (median, min-max)")
+        axes[0].axhline(unl, color=c, ls=":", lw=1)
+        inf = predict_stage(ratio, 1e15, tf).total_time
+        axes[1].plot(gx, [inf / q.total_time for q in preds], "-", color=c, label=f"{name}: plan.predict")
+        axes[1].plot(gx, [inf / n_mb_transfers_time(q) for q in preds], "--", color=c, lw=0.8)
+        axes[1].plot(xs, [p["utilisation_measured"] for p in shaped], "o", color=c, label=f"{name}: measured")
     axes[0].set(xscale="log", yscale="log", xlabel="stage-link bandwidth (Mbit/s)", ylabel="step time (s)",
-                title="(a) S=2, M=1: step time vs stage link\n(dotted: unlimited link)")
+                title="(a) S=2, M=1, 4 micro-batches: step time\n(dotted: unlimited link, measured)")
     axes[1].set(xscale="log", xlabel="stage-link bandwidth (Mbit/s)", ylim=(0, 1.1),
-                ylabel="compute utilisation = T(unlimited) / T(bw)", title="(a) compute utilisation")
+                ylabel="compute utilisation = T(unlimited) / T(bw)",
+                title="(a) compute utilisation\n(dashed: plan terms with n_mb transfers)")
     b = [p for p in result["points"] if p["part"] == "b"]
-    ours = [p for p in b if p["method"].startswith("ours") and p["replica_bw_bps"]]
-    dense = [p for p in b if p["method"].startswith("dense") and p["replica_bw_bps"]]
-    pg = predict_b
-    comp = [p for p in b if p["method"].startswith("ours") and not p["replica_bw_bps"]]
-    comp = comp[0]["outer_seconds"]["median"] if comp else 0.0
+    ours = [p for p in b if p["method"] == "ours" and p["replica_bw_bps"]]
+    dense = [p for p in b if p["method"] == "dense" and p["replica_bw_bps"]]
+    probe = [p for p in b if p["method"] == "probe" and p["replica_bw_bps"]]
+    unl = [p for p in b if p["method"] == "ours" and not p["replica_bw_bps"]]
+    comp = unl[0]["outer_seconds"]["median"] if unl else 0.0
     g2 = [g for g in grid if g <= 200e6]
-    axes[2].plot([g / 1e6 for g in g2], [pg(g).outer_sync_time for g in g2], "-", color="tab:blue",
-                 label="ours: plan (link only)")
-    axes[2].plot([g / 1e6 for g in g2], [pg(g).outer_sync_time + comp for g in g2], "--", color="tab:blue",
-                 label="ours: plan + unlimited-link outer step")
-    axes[2].plot([p["replica_bw_bps"] / 1e6 for p in ours], [p["outer_seconds"]["median"] for p in ours], "o",
-                 color="tab:blue", label="ours: measured outer step (engine)")
-    axes[2].plot([g / 1e6 for g in g2], [pg(g).dense_outer_bytes[0] * 8 / (g * LINK_EFF) for g in g2], "-",
-                 color="tab:gray", label="dense fp32: plan ring formula")
-    axes[2].plot([p["replica_bw_bps"] / 1e6 for p in dense], [p["outer_seconds"]["median"] for p in dense], "s",
-                 color="tab:gray", label="dense fp32 all_reduce: measured (gloo)")
-    axes[2].set(xscale="log", yscale="log", xlabel="replica-link bandwidth (Mbit/s)",
-                ylabel="outer-sync time (s)", title="(b) M=2, S=1: outer sync vs replica link")
+    x2 = [g / 1e6 for g in g2]
+    if ours:
+        axes[2].plot(x2, [predict_replica(g).outer_sync_time for g in g2], "-", color="tab:blue",
+                     label="ours: plan (link only)")
+        axes[2].plot(x2, [predict_replica(g).outer_sync_time + comp for g in g2], "--", color="tab:blue",
+                     label="ours: plan + measured unlimited-link outer step")
+        axes[2].errorbar([p["replica_bw_bps"] / 1e6 for p in ours], [p["outer_seconds"]["median"] for p in ours],
+                         yerr=[[p["outer_seconds"]["median"] - p["outer_seconds"]["min"] for p in ours],
+                               [p["outer_seconds"]["max"] - p["outer_seconds"]["median"] for p in ours]],
+                         fmt="o", color="tab:blue", capsize=3, label="ours: engine outer step (median, min-max)")
+    if probe:
+        axes[2].plot([p["replica_bw_bps"] / 1e6 for p in probe], [p["all_gather_seconds"]["median"] for p in probe],
+                     "x", color="tab:cyan", label="gloo all_gather of our payload size alone")
+    if dense:
+        axes[2].plot(x2, [dense_time(g) for g in g2], "-", color="tab:gray", label="dense fp32: plan ring formula")
+        axes[2].errorbar([p["replica_bw_bps"] / 1e6 for p in dense], [p["outer_seconds"]["median"] for p in dense],
+                         yerr=[[p["outer_seconds"]["median"] - p["outer_seconds"]["min"] for p in dense],
+                               [p["outer_seconds"]["max"] - p["outer_seconds"]["median"] for p in dense]],
+                         fmt="s", color="tab:gray", capsize=3, label="dense fp32 gloo all_reduce: measured")
+    axes[2].set(xscale="log", yscale="log", xlabel="replica-link bandwidth (Mbit/s)", ylabel="outer-sync time (s)",
+                title="(b) M=2, S=1: outer sync vs replica link")
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"hetloco_ds on tc-shaped links, CPU ({result['machine']['cpu']}), gloo/TCP, "
-                 f"d={MODEL['hidden_size']}, {MODEL['num_hidden_layers']} layers, seq {SEQ}, micro {MICRO}",
-                 fontsize=10)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    m = result["settings"]["model"]
+    fig.suptitle(f"hetloco-ds train on tc-shaped links: CPU ({result['machine']['cpu']}, "
+                 f"{result['machine']['cores']} cores), gloo/TCP, fp32; d={m['hidden_size']}, "
+                 f"{m['num_hidden_layers']} layers, vocab {m['vocab_size']}, seq {SEQ}, micro {MICRO}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -495,18 +663,29 @@ def machine() -> dict:
                 break
     except OSError:
         pass
+    import deepspeed
     import torch
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "deepspeed": __import__("deepspeed").__version__,
-            "loadavg_at_start": os.getloadavg()}
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "iproute2": subprocess.run(["tc", "-V"], capture_output=True, text=True).stdout.strip(),
+            "loadavg_at_start": os.getloadavg(),
+            "note": "shared machine (other engineers' jobs run beside this one); ranks under nice -n 10"}
 
 
-def main(argv=None) -> int:
+def prepare_cache(env: dict) -> None:
+    """Tokenizer and token cache built once, outside every timed run."""
+    code = (f"from hetloco_ds import data; t = data.default_tokenizer(vocab_size={VOCAB}, progress=False); "
+            f"data.load_corpus(None, t, {SEQ}, progress=False)")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--quick", action="store_true", help="fewer steps per point (a smoke run)")
-    ap.add_argument("--parts", default="ab", help="'a', 'b' or 'ab'")
-    a = ap.parse_args(argv)
+    ap.add_argument("--parts", default="ab", choices=("a", "b", "ab"))
+    args = ap.parse_args(argv)
     ok, why = netlab.available()
     if not ok:
         print(f"shaped_links: {why}", file=sys.stderr)
@@ -528,43 +707,49 @@ def main(argv=None) -> int:
         prepare_cache(env)
         model_path = os.path.join(tmp, "model.json")
         Path(model_path).write_text(json.dumps(MODEL))
-        log(f"cache ready; {shape().n_params():,} parameters")
+        log(f"caches ready; model {model_shape().n_params():,} parameters")
         points = []
-        if "a" in a.parts:
-            points += part_a(tmp, model_path, env, a.quick, log)
-        if "b" in a.parts:
-            points += part_b(tmp, model_path, env, a.quick, log)
+        if "a" in args.parts:
+            points += part_a(tmp, model_path, env, args.quick, log)
+        if "b" in args.parts:
+            points += part_b(tmp, model_path, env, args.quick, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     info["loadavg_at_end"] = os.getloadavg()
     result = {
-        "what": "hetloco-ds train (real engine, one rank per network namespace, gloo/TCP) on tc-shaped links "
-                "vs plan.predict; see bench/shaped_links.py's docstring for every definition",
+        "what": "hetloco-ds train (the real engine, one rank per network namespace, gloo over TCP) on tc-shaped "
+                "links vs plan.predict; bench/shaped_links.py's docstring defines every number",
         "machine": info,
-        "command": "python bench/shaped_links.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "total_seconds": time.time() - t_begin,
+        "command": "python bench/shaped_links.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "total_seconds": round(time.time() - t_begin, 1),
         "settings": {
-            "model": {**MODEL, "vocab_size": VOCAB, "params": shape().n_params()}, "seq_len": SEQ,
-            "micro_batch": MICRO, "precision": "fp32 (activations fp32 on the wire, ids int16)",
+            "model": {**MODEL, "vocab_size": VOCAB, "params": model_shape().n_params()}, "seq_len": SEQ,
+            "micro_batch": MICRO, "precision": "fp32 (activations fp32 on the wire, token ids int16)",
             "a": {"stages": 2, "replicas": 1, "n_mb": N_MB_A, "ratios": list(RATIOS),
                   "stage_rates_bps": list(STAGE_RATES), "sparseloco_inner_steps": 100000,
-                  "utilisation_definition": "median step time of the unlimited phase / median step time at bw",
+                  "visits": "one run per ratio: (unlimited, 1000, 100, 20, 5 Mbit/s) x 2, unlimited",
+                  "utilisation": "median step on the unlimited link (all unlimited visits) / median step at bw",
                   "calibration": "per ratio: t_c = T_unlimited / (n_mb + S - 1); FLOP/s = busiest stage's "
-                                 "FLOPs per micro-batch / t_c (plan tflops, mfu 1)"},
+                                 "FLOPs per micro-batch / t_c, given to plan as tflops with mfu 1"},
             "b": {"stages": 1, "replicas": 2, "n_mb": N_MB_B, "inner_steps": H_B, "topk": 32, "chunk": 4096,
-                  "replica_rates_bps": list(REPLICA_RATES)},
+                  "replica_rates_bps": list(REPLICA_RATES),
+                  "dense": "gloo all_reduce of 4 * params bytes (fp32), direct, same namespaces and link"},
             "unlimited": f"the same htb class at {UNLIMITED / 1e9:g} Gbit/s",
+            "step_margin_s": MARGIN_S,
             "plan": {"overlap": False, "link_efficiency": LINK_EFF, "act_bytes": 4, "ids_bytes": 2, "latency": 0},
-            "nice": NICE, "OMP_NUM_THREADS": 1,
+            "nice": " ".join(NICE), "OMP_NUM_THREADS": 1,
         },
+        "agreement": agreement(points),
+        "notes": NOTES,
         "points": points,
         "log": logs,
     }
-    os.makedirs(a.out, exist_ok=True)
-    jpath = os.path.join(a.out, "shaped_links.json")
+    os.makedirs(args.out, exist_ok=True)
+    jpath = os.path.join(args.out, "shaped_links.json")
     with open(jpath, "w") as f:
         json.dump(result, f, indent=1)
-    plot(result, os.path.join(a.out, "shaped_links.png"))
+        f.write("\n")
+    plot(result, os.path.join(args.out, "shaped_links.png"))
     log(f"wrote {jpath} and shaped_links.png")
     return 0
 

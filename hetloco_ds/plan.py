@@ -27,7 +27,8 @@ Model of one inner step (one optimizer step of one replica, n_mb micro-batches o
     slot = max(t_compute, t_link) with t_link = max(fwd, bwd) bytes * 8 / bw + latency.
     This is what a schedule with asynchronous send/recv achieves at best.
   - overlap=False: every transfer blocks the stage (DeepSpeed's PipelineEngine issues blocking
-    p2p inside its instruction stream), so slot = t_compute + t_fwd + t_bwd.
+    p2p inside its instruction stream): n_mb transfers each way on the critical path,
+    time = (n_mb + S - 1) * t_compute + n_mb * (t_fwd + t_bwd).
 * outer sync every H inner steps: each stage group all-gathers its compact payloads over a ring of
   M replicas, (M - 1) * (payload * 8 / bw + latency); the S stage groups use disjoint links and
   run at the same time, so the slowest stage group sets the time. It blocks (no overlap with the
@@ -194,31 +195,39 @@ def chunk_layout(shape: Sequence[int], chunk: int = 4096) -> tuple[int, int]:
     return _numel(shape) // size, size
 
 
+# The wire format of sparseloco.outer / sparseloco.compress (a test checks they agree).
+PAYLOAD_HEADER = 16
+PAYLOAD_ALIGN = 4
+
+
 def chunk_topk(chunk_elems: int, topk: int = 32, chunk: int = 4096) -> int:
-    """Values kept in one chunk: topk for a full chunk, scaled down (floor) for a smaller one, >= 1."""
-    return max(1, chunk_elems * topk // chunk)
+    """Values kept in one chunk: topk per `chunk` elements, scaled and rounded to nearest, in
+    [1, chunk_elems] (the rule of sparseloco.compress.topk_per_chunk)."""
+    return min(chunk_elems, max(1, round(topk * chunk_elems / chunk)))
 
 
 def tensor_payload_bytes(shape: Sequence[int], topk: int = 32, chunk: int = 4096,
                          quant_bits: int | None = None, value_bytes: int = 4,
                          index_bits: int = 12) -> int:
-    """Wire bytes for one tensor's compressed pseudo-gradient.
+    """Wire bytes for one tensor's compressed pseudo-gradient, as sparseloco.compress lays it out.
 
     values: n_sel * value_bytes unquantised, else n_sel codes bit-packed (ceil(n_sel*q/8)) plus a
-    lookup table of 2**q fp32 floats; indices: n_sel indices bit-packed at `index_bits`
-    (12 bits: two indices in three bytes), ceil(n_sel*index_bits/8). Packing is per tensor.
+    lookup table of 2**q fp32 floats; indices: 12-bit, two in three bytes (an odd count padded);
+    the tensor's section padded to a multiple of 4 bytes.
     """
     n_chunks, size = chunk_layout(shape, chunk)
     n_sel = n_chunks * chunk_topk(size, topk, chunk)
-    idx = math.ceil(n_sel * index_bits / 8)
+    idx = math.ceil(n_sel / 2) * 3 if index_bits == 12 else math.ceil(n_sel * index_bits / 8)
     if quant_bits is None:
-        return n_sel * value_bytes + idx
-    return math.ceil(n_sel * quant_bits / 8) + (2 ** quant_bits) * 4 + idx
+        body = n_sel * value_bytes + idx
+    else:
+        body = math.ceil(n_sel * quant_bits / 8) + (2 ** quant_bits) * 4 + idx
+    return -(-body // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
 
 
 def outer_payload_bytes(tensors: Sequence[tuple[str, Sequence[int]]], **kw: Any) -> int:
-    """Sum of `tensor_payload_bytes` over a stage's tensors (same keyword arguments)."""
-    return sum(tensor_payload_bytes(s, **kw) for _, s in tensors)
+    """One stage's payload: a 16-byte header plus `tensor_payload_bytes` of each of its tensors."""
+    return PAYLOAD_HEADER + sum(tensor_payload_bytes(s, **kw) for _, s in tensors)
 
 
 # ----------------------------------------------------------------------------- boundary bytes
@@ -457,8 +466,16 @@ def predict(
     else:
         t_f = fwd * 8 / (stage_bw * link_efficiency) + stage_latency
         t_b = bwd * 8 / (stage_bw * link_efficiency) + stage_latency
-    slot = max(t_c, t_f, t_b) if overlap else t_c + t_f + t_b
-    schedule = (n_mb + stages - 1) * slot
+    if overlap:
+        slot = max(t_c, t_f, t_b)
+        bubble, stall = (stages - 1) * slot, n_mb * (slot - t_c)
+    else:
+        # Blocking sends: each of the n_mb micro-batches crosses the link once each way on the
+        # critical path; fill and drain add S - 1 compute slots (checked against shaped-link
+        # runs at S = 2, bench/results/shaped_links.json).
+        slot = t_c + t_f + t_b
+        bubble, stall = (stages - 1) * t_c, n_mb * (t_f + t_b)
+    schedule = n_mb * t_c + bubble + stall
 
     pay_kw = dict(topk=topk, chunk=chunk, quant_bits=quant_bits, value_bytes=value_bytes,
                   index_bits=index_bits)
@@ -471,8 +488,8 @@ def predict(
 
     breakdown = {
         "compute": n_mb * t_c,
-        "pipeline bubble": (stages - 1) * slot,
-        "stage-link stall": n_mb * (slot - t_c),
+        "pipeline bubble": bubble,
+        "stage-link stall": stall,
         "outer sync": sync / H,
     }
     total = sum(breakdown.values())

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import sys
+import time
 
 import pytest
 
@@ -107,3 +110,96 @@ def test_shaped_stage_link_runs_at_its_rate_and_replica_link_is_faster(tmp_path)
     assert rate[2] > 5 * rate[1]
     assert counted[(0, 1)] >= nbytes and counted[(0, 2)] >= nbytes
     assert not [n for n in netlab.list_namespaces() if n.startswith(net.name)]
+
+
+# ----------------------------------------------------------------------------- the engine on a shaped stage link
+
+SHAPED_VOCAB, SHAPED_SEQ, SHAPED_MICRO, SHAPED_N_MB = 512, 64, 4, 2
+SHAPED_RATE = 4e6  # bits/s on the one stage link
+SHAPED_MODEL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                    intermediate_size=352, max_position_embeddings=SHAPED_SEQ)
+
+
+def _shaped_links_bench():
+    """bench/shaped_links.py as a module: the test uses the benchmark's own measurement method."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "shaped_links.py"
+    spec = importlib.util.spec_from_file_location("shaped_links_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def shaped_inputs(tmp_path_factory):
+    """(token cache, data dir): the default tokenizer (vocab 512) and a few stdlib files, built
+    once per session in a temporary HETLOCO_CACHE, outside every timed run."""
+    import shutil
+    import sysconfig
+
+    from hetloco_ds import data
+
+    root = tmp_path_factory.mktemp("shaped")
+    cache, docs = root / "cache", root / "docs"
+    docs.mkdir()
+    for name in ("argparse.py", "typing.py", "inspect.py", "dataclasses.py", "functools.py", "textwrap.py"):
+        shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], name), docs / (name + ".txt"))
+    tok = data.default_tokenizer(vocab_size=SHAPED_VOCAB, cache_dir=cache, progress=False)
+    data.load_corpus(str(docs), tok, SHAPED_SEQ, cache_dir=cache, progress=False)
+    return cache, docs
+
+
+@needs_netns
+def test_compressed_stage_link_beats_uncompressed_by_the_planned_factor(tmp_path, shaped_inputs):
+    """S = 2, M = 1 (2 ranks, `hetloco-ds train` in two namespaces, gloo over TCP), one stage
+    link shaped to 4 Mbit/s: ratio 8 must be faster than ratio 1 by about what plan.predict says.
+
+    Each ratio is one run: a few steps on an unlimited link (they calibrate the compute time,
+    t_c = T / (n_mb + S - 1)), then the link drops to 4 Mbit/s for a few more (the step in
+    flight at the change is dropped). Bytes per step must equal the plan's exactly; the measured
+    speed-up T1 / T8 must lie within 0.5x-2x of the plan's (plan's blocking schedule charges
+    n_mb + S - 1 transfers per link direction where the engine makes n_mb, so it over-predicts
+    the uncompressed, link-bound step by up to (n_mb + 1) / n_mb here).
+    """
+    sl = _shaped_links_bench()
+    cache, docs = shaped_inputs
+    model_path = tmp_path / "model.json"
+    model_path.write_text(json.dumps(SHAPED_MODEL))
+    shape = sl.model_shape(SHAPED_MODEL, SHAPED_VOCAB, SHAPED_SEQ)
+    env = dict(os.environ, HETLOCO_CACHE=str(cache), HETLOCO_QUIET="1", TQDM_DISABLE="1",
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    step, plan_step, nbytes, plan_bytes = {}, {}, {}, {}
+    for ratio in (1, 8):
+        cfg = tmp_path / f"r{ratio}.json"
+        cfg.write_text(json.dumps(sl.ds_config(2, SHAPED_N_MB, ratio, inner_steps=10**5, micro=SHAPED_MICRO,
+                                               seq=SHAPED_SEQ, vocab=SHAPED_VOCAB)))
+        out = tmp_path / f"r{ratio}"
+        out.mkdir()
+        cmd = sl.train_cmd(str(cfg), str(model_path), str(out), data=str(docs), nice=False)
+        with netlab.ShapedNetwork(2, netlab.deepspeed_coords(1), stage_rate_bps=sl.UNLIMITED) as net:
+            run = sl.EngineRun(net, cmd, str(out), env)
+            try:
+                sl.wait_steps(run, 2, max_s=60)  # start-up and the first (tensor-meta) step
+                fast = sl.collect(run, time.time(), 3, max_s=30)
+                slow = sl.collect(run, sl.set_rate(net, SHAPED_RATE), 3, max_s=40)
+            finally:
+                run.stop()
+        assert len(fast) == 3 and len(slow) == 3, f"ratio {ratio}: too few steps ({len(fast)}, {len(slow)})"
+        t_fast = statistics.median(v[0]["seconds"] for v in fast.values())
+        step[ratio] = statistics.median(v[0]["seconds"] for v in slow.values())
+        tflops = sl.calibrated_tflops(t_fast, ratio, shape, SHAPED_MICRO, SHAPED_N_MB)
+        p = sl.predict_stage(ratio, SHAPED_RATE, tflops, shape, SHAPED_MICRO, SHAPED_N_MB)
+        plan_step[ratio] = p.total_time
+        plan_bytes[ratio] = p.stage_link_bytes_per_step
+        rows = [v[0] for v in slow.values()]
+        nbytes[ratio] = {r["bytes"]["activation"]["sent"] + r["bytes"]["activation_grad"]["sent"] for r in rows}
+        print(f"ratio {ratio}: unlimited {t_fast:.3f} s, 4 Mbit/s {step[ratio]:.3f} s "
+              f"(plan {p.total_time:.3f} s), {sorted(nbytes[ratio])} B/step (plan {plan_bytes[ratio]})")
+    for ratio in (1, 8):
+        assert nbytes[ratio] == {plan_bytes[ratio]}
+    measured, predicted = step[1] / step[8], plan_step[1] / plan_step[8]
+    print(f"speed-up of ratio 8 at 4 Mbit/s: measured {measured:.2f}x, plan {predicted:.2f}x")
+    assert step[8] < step[1]
+    assert 0.5 * predicted <= measured <= 2 * predicted

@@ -20,26 +20,27 @@ FIG2 = dict(stages=4, replicas=8, H=50, tflops=989.0, mfu=0.45, micro_batch=1, n
 
 
 def test_tiny_shape_outer_payload_bytes_by_hand():
-    """Payload = values (4 B each) + 12-bit packed indices, per tensor.
+    """Payload = 16-byte header + per tensor (4-byte values, 12-bit indices two per three bytes,
+    padded to 4 bytes).
 
-    Stage 0 = embedding (32x8: 16 tiles x 2 = 32 kept) + layer 0 (q,k,v,o 8x8: 8 kept each;
-    gate, up 16x8 and down 8x16: 16 kept each; two norms of 8: one 8-chunk, 1 kept each):
-    114 values = 456 B; indices 48 + 4*12 + 3*24 + 2*2 = 172 B; total 628 B.
-    Stage 1 = layer 1 (82 kept: 328 + 124) + final norm (4 + 2) + LM head (128 + 48) = 634 B.
-    A change in chunking, k scaling or index packing changes these numbers.
+    Stage 0 = embedding (32x8: 16 tiles x 2 kept: 128 + 48 = 176) + layer 0 (q,k,v,o 8x8: 8 kept,
+    32 + 12 = 44 each; gate, up 16x8 and down 8x16: 16 kept, 64 + 24 = 88 each; two norms of 8:
+    1 kept, 4 + 3 -> 8 each) = 176 + 176 + 264 + 16 + 16 = 648 B.
+    Stage 1 = layer 1 (456) + final norm (8) + LM head (176) + 16 = 656 B.
+    A change in chunking, k scaling, index packing or padding changes these numbers.
     """
     st = plan.stage_tensors(TINY, 2)
-    assert [plan.outer_payload_bytes(ts, **TINY_KW) for ts in st] == [628, 634]
-    # 2-bit codes: ceil(n*2/8) B + a 4-float LUT (16 B) + indices, per tensor.
-    # embed 8+16+48, q/k/v/o 4*(2+16+12), gate/up/down 3*(4+16+24), norms 2*(1+16+2)
-    assert plan.outer_payload_bytes(st[0], quant_bits=2, **TINY_KW) == 72 + 120 + 132 + 38
+    assert [plan.outer_payload_bytes(ts, **TINY_KW) for ts in st] == [648, 656]
+    # 2-bit codes: ceil(n*2/8) B + a 4-float LUT (16 B) + indices, padded, per tensor.
+    # embed 8+16+48=72, q/k/v/o 4*pad(2+16+12)=4*32, gate/up/down 3*(4+16+24)=132, norms 2*pad(1+16+3)=40
+    assert plan.outer_payload_bytes(st[0], quant_bits=2, **TINY_KW) == 16 + 72 + 128 + 132 + 40
     p = predict(TINY, stages=2, replicas=3, replica_bw=1000.0, replica_latency=0.5, n_mb=5,
                 micro_batch=2, **TINY_KW)
-    assert p.outer_payload_bytes == [628, 634]
-    assert p.outer_bytes_per_replica == 1262
+    assert p.outer_payload_bytes == [648, 656]
+    assert p.outer_bytes_per_replica == 648 + 656
     assert p.dense_outer_bytes == [4 * (256 + 4 * 64 + 3 * 128 + 16), 4 * (4 * 64 + 3 * 128 + 16 + 8 + 256)]
     # ring all-gather over 3 replicas: 2 steps of the larger stage payload
-    assert p.outer_sync_time == pytest.approx(2 * (634 * 8 / 1000 + 0.5))
+    assert p.outer_sync_time == pytest.approx(2 * (656 * 8 / 1000 + 0.5))
 
 
 def test_tiny_shape_boundary_bytes_and_flops_by_hand():
@@ -213,3 +214,15 @@ def test_cli_fleet_mode(tmp_path, capsys):
                       "--json", "-"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["stages"] == 2 and math.isclose(d["target_utilisation"], 0.9)
+
+
+@pytest.mark.parametrize("quant_bits", [None, 2, 4, 8])
+def test_plan_payload_equals_the_engine_wire_format(quant_bits):
+    """The cost model's payload bytes equal sparseloco.outer.payload_nbytes for a real shape
+    (178M's stage tensors, awkward 2688-wide FFN): the plan predicts the bytes the engine sends."""
+    from hetloco_ds.sparseloco.outer import OuterConfig, payload_nbytes
+
+    st = plan.stage_tensors(plan.PRESETS["178M"], 2)
+    for ts in st:
+        engine = payload_nbytes([tuple(s) for _, s in ts], OuterConfig(quant_bits=quant_bits))
+        assert plan.outer_payload_bytes(ts, quant_bits=quant_bits) == engine
