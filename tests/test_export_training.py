@@ -9,6 +9,8 @@ of the held-out blocks, `train.validation_batches`). So the parent recomputes th
 """
 from __future__ import annotations
 
+import csv
+
 import math
 from collections import Counter
 
@@ -56,6 +58,7 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
         "hetloco.subspace.compressed_replicas": [1],
         "hetloco.subspace.ratio": 2,
         "hetloco.train.eval_interval": 3,
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"},
     })
     proc = run_cli("train", "--steps", 8, "--model", hf_dir, "--out", out, "--nproc", 4, "--config", cfg,
                    "--data", data_dir, cache=cache)
@@ -94,6 +97,18 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
     assert all(sorted(r["contributors"]) == [0, 1] and r["excluded"] == [] for r in outer), outer
     validation = [r for r in rows if r["kind"] == "validation"]
     assert [r["step"] for r in validation] == [4, 8]
+
+    # --- DeepSpeed's monitor (csv_monitor in the same JSON) receives the same scalars
+    def monitor(name):
+        with open(tmp_path / "csv" / "run" / f"{name}.csv") as f:
+            return [(int(a), float(b)) for a, b in list(csv.reader(f))[1:]]
+
+    replica0 = [(r["step"], r["loss"]) for r in steps if r["replica"] == 0]
+    assert [s for s, _ in monitor("Train_loss")] == [s for s, _ in replica0]
+    for (_, got), (_, want) in zip(monitor("Train_loss"), replica0):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert [s for s, _ in monitor("Validation_loss")] == [4, 8]
+    assert [v for _, v in monitor("Validation_loss")] == pytest.approx([r["loss"] for r in validation], rel=1e-6)
 
     # --- the export is the validated model
     expected = transformers_validation_loss(out / "hf", data_dir, cfg, cache)
