@@ -80,3 +80,16 @@ def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def build_from_hf(hf_dir: str, ds_cfg: dict, seq_len: int):
+    """Inside a rank: (engine, module, llama_config) for a DeepSpeed dict and an HF directory,
+    the way `hetloco-ds train --model` builds them."""
+    from hetloco_ds import convert
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.initialize import build_engine, build_module
+
+    run = parse_config(ds_cfg)
+    cfg = convert.read_hf_config(hf_dir)
+    module = build_module(run, cfg, hf_dir=hf_dir)
+    return build_engine(run, module, seq_len=seq_len), module, cfg

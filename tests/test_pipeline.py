@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from distributed import run_ranks
+from distributed import build_from_hf, run_ranks
 
 
 def _ds_config(stages: int) -> dict:
@@ -21,13 +21,8 @@ def _ds_config(stages: int) -> dict:
 
 def _grads_body(rank, hf_dir, ds_cfg, batch):
     from hetloco_ds import convert
-    from hetloco_ds.config import parse_config
-    from hetloco_ds.initialize import build_engine, build_module
 
-    run = parse_config(ds_cfg)
-    cfg = convert.read_hf_config(hf_dir)
-    module = build_module(run, cfg, hf_dir=hf_dir)
-    engine = build_engine(run, module, seq_len=batch.shape[1])
+    engine, module, cfg = build_from_hf(hf_dir, ds_cfg, batch.shape[1])
     grads = {}
 
     def capture(lr_kwargs=None):

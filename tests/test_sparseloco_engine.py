@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from distributed import run_ranks
+from distributed import build_from_hf, run_ranks
 
 SEQ = 16
 VOCAB = 96
@@ -53,24 +53,12 @@ def _hf_named_params(module, cfg):
     return out
 
 
-def _build(hf_dir, ds_cfg):
-    from hetloco_ds import convert
-    from hetloco_ds.config import parse_config
-    from hetloco_ds.initialize import build_engine, build_module
-
-    run = parse_config(ds_cfg)
-    cfg = convert.read_hf_config(hf_dir)
-    module = build_module(run, cfg, hf_dir=hf_dir)
-    engine = build_engine(run, module, seq_len=SEQ)
-    return engine, module, cfg
-
-
 def _train_body(rank, hf_dir, ds_cfg, steps, trace_collectives):
     """Train `steps` steps; per step record the replica loss, a parameter hash and, optionally,
     every collective this rank issues with the ranks of its group."""
     import torch.distributed as tdist
 
-    engine, module, cfg = _build(hf_dir, ds_cfg)
+    engine, module, cfg = build_from_hf(hf_dir, ds_cfg, SEQ)
     calls: list[tuple[int, str, tuple]] = []
     phase = {"step": 0}
     if trace_collectives:
@@ -170,7 +158,7 @@ def test_outer_sync_bytes_per_step_equal_payload(hf_untied):
 
 
 def _adamw_body(rank, hf_dir, ds_cfg, batches):
-    engine, module, cfg = _build(hf_dir, ds_cfg)
+    engine, module, cfg = build_from_hf(hf_dir, ds_cfg, SEQ)
     for mbs in batches:
         engine.train_batch(iter(mbs))
     return _hf_named_params(module, cfg)
@@ -201,7 +189,7 @@ def test_degenerate_sparseloco_is_plain_adamw(hf_untied):
 def _resume_body(rank, hf_dir, ds_cfg, ckpt_dir, start, stop, save_at):
     from hetloco_ds import checkpoint
 
-    engine, module, _ = _build(hf_dir, ds_cfg)
+    engine, module, _ = build_from_hf(hf_dir, ds_cfg, SEQ)
     if start > 0:
         checkpoint.load(engine, ckpt_dir)
         assert engine.local_steps == start

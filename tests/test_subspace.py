@@ -6,7 +6,7 @@ import hashlib
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import build_from_hf, run_ranks
 from hetloco_ds import subspace
 
 SEQ = 16
@@ -86,17 +86,6 @@ def _batches(replica, step):
     return [(m, m) for m in ids]
 
 
-def _build(hf_dir, ds_cfg):
-    from hetloco_ds import convert
-    from hetloco_ds.config import parse_config
-    from hetloco_ds.initialize import build_engine, build_module
-
-    run = parse_config(ds_cfg)
-    cfg = convert.read_hf_config(hf_dir)
-    module = build_module(run, cfg, hf_dir=hf_dir)
-    return build_engine(run, module, seq_len=SEQ), module
-
-
 def _digest(t):
     return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
@@ -104,7 +93,7 @@ def _digest(t):
 def _het_body(rank, hf_dir, ds_cfg, steps):
     from hetloco_ds.model import DecoderLayer
 
-    engine, module = _build(hf_dir, ds_cfg)
+    engine, module, _ = build_from_hf(hf_dir, ds_cfg, SEQ)
     basis = module.codec.basis
     out = []
     for step in range(1, steps + 1):
@@ -147,7 +136,7 @@ def test_heterogeneous_run_keeps_ts_in_subspace_and_te_identical_after_sync(hf_t
 
 
 def _bytes_body(rank, hf_dir, ds_cfg):
-    engine, module = _build(hf_dir, ds_cfg)
+    engine, module, _ = build_from_hf(hf_dir, ds_cfg, SEQ)
     recs = [engine.train_batch(iter(_batches(0, s))).bytes for s in (1, 2)]
     return {"stage": engine.stage_id, "k": module.codec.basis.shape[1], "bytes": recs[1]}
 
