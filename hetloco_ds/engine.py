@@ -22,7 +22,6 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from . import optim, subspace
 from .config import HetlocoConfig
 from .meter import ByteMeter, get_meter, nbytes
-from .model import DecoderLayer, TokenEmbedding
 from .sparseloco.outer import SparseLoCoState
 
 
@@ -95,10 +94,7 @@ class HetlocoEngine(PipelineEngine):
         if not cfg.any_compressed:
             self.module.configure_boundary(None, wire)
             return
-        ratios = [cfg.ratio_for(m, self.num_replicas) for m in range(self.num_replicas)]
-        compressed_ratios = [r for m, r in enumerate(ratios) if cfg.compressed(m, self.num_replicas)]
-        k_min = subspace.subspace_dim(d, max(compressed_ratios))
-        self.split_basis = subspace.make_basis(d, k_min, cfg.seed).to(self.device)
+        self.split_basis = subspace.split_basis(cfg, self.num_replicas, d, cfg.seed).to(self.device)
         basis = None
         if cfg.compressed(self.replica, self.num_replicas):
             basis = subspace.make_basis(d, subspace.subspace_dim(d, self.ratio), cfg.seed)
@@ -119,19 +115,10 @@ class HetlocoEngine(PipelineEngine):
                 emb.weight.copy_(t_s)
 
     def _after_inner_step(self) -> None:
-        cfg = self.hetloco.subspace
         basis = self.module.codec.basis
-        if basis is None:
-            return
-        with torch.no_grad():
-            # T_S must stay in Col(U) or the first boundary truncates T_S[x].
-            for emb in self.module.embeddings():
-                emb.weight.copy_(subspace.project(emb.weight, basis))
-            if cfg.project_residual_weights:
-                for layer in self.module.local_layers().values():
-                    if isinstance(layer, DecoderLayer):
-                        subspace.project_rows_(layer.layer.self_attn.o_proj.weight, basis)
-                        subspace.project_rows_(layer.layer.mlp.down_proj.weight, basis)
+        if basis is not None:
+            subspace.after_inner_step_(self.module.embeddings(), self.module.local_layers().values(), basis,
+                                       self.hetloco.subspace.project_residual_weights)
 
     # ------------------------------------------------------------ communication
     def _exec_send_activations(self, buffer_id):

@@ -24,7 +24,7 @@ from torch import nn
 
 from . import optim, subspace
 from .config import ConfigError, HetlocoConfig, RunConfig, load_config, parse_config
-from .model import DecoderLayer, TokenEmbedding, causal_lm_loss
+from .model import TokenEmbedding, causal_lm_loss
 from .pipe.module import BoundaryCodec, id_dtype_for, layer_specs, stage_parts
 from .sparseloco.outer import SparseLoCoState, payload_nbytes
 
@@ -148,16 +148,9 @@ class SimReplica:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        basis = self.codec.basis
-        if basis is not None:
-            with torch.no_grad():
-                for emb in self.embeddings:
-                    emb.weight.copy_(subspace.project(emb.weight, basis))
-                if self.hetloco.subspace.project_residual_weights:
-                    for layer in self.layers:
-                        if isinstance(layer, DecoderLayer):
-                            subspace.project_rows_(layer.layer.self_attn.o_proj.weight, basis)
-                            subspace.project_rows_(layer.layer.mlp.down_proj.weight, basis)
+        if self.codec.basis is not None:
+            subspace.after_inner_step_(self.embeddings, self.layers, self.codec.basis,
+                                       self.hetloco.subspace.project_residual_weights)
 
 
 class Simulation:
@@ -175,8 +168,7 @@ class Simulation:
         self.split_basis = None
         perp = None
         if cfg.any_compressed:
-            ratios = [cfg.ratio_for(m, replicas) for m in range(replicas) if cfg.compressed(m, replicas)]
-            self.split_basis = subspace.make_basis(d, subspace.subspace_dim(d, max(ratios)), cfg.seed).to(device)
+            self.split_basis = subspace.split_basis(cfg, replicas, d, cfg.seed).to(device)
             emb = layers[0]
             t_s, perp = subspace.split_embedding(emb.table().detach().clone(), self.split_basis)
             with torch.no_grad():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .model import DecoderLayer
+
 
 def make_basis(d: int, k: int, seed: int) -> torch.Tensor:
     """U in R^{d x k} with orthonormal columns: QR of a seeded Gaussian matrix.
@@ -84,3 +86,26 @@ def resync_embedding_(t_s: torch.Tensor | None, perp: torch.Tensor, avg: torch.T
 def project_rows_(weight: torch.Tensor, u: torch.Tensor) -> None:
     """In place, W <- U U^T W for a residual-writing weight [d, in] (its outputs land in Col(U))."""
     weight.copy_(u @ (u.T @ weight))
+
+
+@torch.no_grad()
+def after_inner_step_(embeddings, layers, basis: torch.Tensor, project_residual_weights: bool) -> None:
+    """On a compressed replica after each inner step: T_S back into Col(U) (or the first
+    boundary truncates T_S[x]) and, for the Table 5b ablation, the residual-writing weights.
+    `embeddings` are TokenEmbeddings; `layers` any stage layers, of which DecoderLayers are projected."""
+    for emb in embeddings:
+        emb.weight.copy_(project(emb.weight, basis))
+    if project_residual_weights:
+        for layer in layers:
+            if isinstance(layer, DecoderLayer):
+                project_rows_(layer.layer.self_attn.o_proj.weight, basis)
+                project_rows_(layer.layer.mlp.down_proj.weight, basis)
+
+
+def split_basis(cfg, num_replicas: int, d: int, seed: int) -> torch.Tensor | None:
+    """The basis T_S lives in: the smallest k among compressed replicas (bases of one seed
+    nest, so it lies inside every compressed replica's Col(U)); None when nobody compresses."""
+    ratios = [cfg.ratio_for(m, num_replicas) for m in range(num_replicas) if cfg.compressed(m, num_replicas)]
+    if not ratios:
+        return None
+    return make_basis(d, subspace_dim(d, max(ratios)), seed)
