@@ -9,10 +9,7 @@ Systems (all in this one process, one after another, memory freed in between):
               fp32 master copies), a torch AdamW passed in (no fused-op JIT build).
   hf          transformers LlamaForCausalLM, fp32 weights + bf16 autocast, torch AdamW(fused=True).
   hf_compile  the same model under torch.compile (default mode).
-  ours_fastopt  (diagnostic, not a product setting) `ours` with two step-time fixes patched in
-              from outside the engine: torch AdamW(fused=True) instead of the foreach AdamW, and a
-              sync-free foreach gradient clip instead of the per-parameter loop + host read. The
-              gap between `ours` and this is what those two cost.
+  ours_compile  `ours` with `hetloco.train.compile` (torch.compile'd decoder layers and loss).
 
 `--profile-shapes` (default 178M): after its timed steps, each system runs one more step under
 torch.profiler; the JSON gets the kernel time by category (GEMM, attention, elementwise/copy,
@@ -51,15 +48,16 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 PEAK_FLOPS = 989e12
-ALL_SYSTEMS = ("ours", "ds", "hf", "hf_compile", "ours_fastopt")
+ALL_SYSTEMS = ("ours", "ds", "hf", "hf_compile", "ours_compile")
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="178M,512M", help="comma-separated hetloco_ds.presets names")
-    p.add_argument("--systems", default="ours,ds,hf,hf_compile", help=f"comma-separated subset of {ALL_SYSTEMS}")
-    p.add_argument("--extra", default="ours_fastopt:178M",
+    p.add_argument("--systems", default="ours,ds,hf,ours_compile,hf_compile",
+                   help=f"comma-separated subset of {ALL_SYSTEMS}")
+    p.add_argument("--extra", default="",
                    help="diagnostic SYSTEM:SHAPE pairs run after the compile pairs, budget permitting ('' for none)")
     p.add_argument("--profile-shapes", default="178M", help="shapes whose systems get one profiled step ('' for none)")
     p.add_argument("--micro", default="178M=8,512M=8", help="micro-batch per shape, NAME=B,...; others use --micro-default")
@@ -71,13 +69,14 @@ def parse_args(argv=None):
     p.add_argument("--outer-repeats", type=int, default=3, help="outer steps timed for `ours`")
     p.add_argument("--time-budget", type=float, default=240.0,
                    help="seconds; a (shape, system) pair that would start after this is skipped")
+    p.add_argument("--trace-dir", default=None, help="also write each profiled step's chrome trace here (gzip)")
     p.add_argument("--no-bf16", action="store_true", help="fp32 everywhere (CPU smoke fallback)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_throughput.json or bench/results/)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="preset tiny, vocab 1024, seq 64, micro 2, 1+2 steps, on the CPU")
     if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
         p.set_defaults(shapes="tiny", vocab=1024, seq=64, micro="", micro_default=2, warmup=1, steps=2,
-                       outer_repeats=2, extra="ours_fastopt:tiny", profile_shapes="tiny")
+                       outer_repeats=2, profile_shapes="tiny")
     return p.parse_args(argv)
 
 
@@ -204,7 +203,31 @@ def _dev_time(evt, self_=True) -> float:
     return 0.0
 
 
-def profile_step(step_fn, step_s: float) -> dict:
+def idle_gaps(prof, top: int = 8) -> dict:
+    """Device time with no kernel running inside the profiled step, and its largest gaps with
+    the kernels on either side (where the GPU waited on the host)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if getattr(e, "device_type", None) == DeviceType.CUDA)
+    if not spans:
+        return {}
+    gaps, busy_end, prev = [], spans[0][0], spans[0][2]
+    for start, end, name in spans:
+        if start > busy_end:
+            gaps.append((start - busy_end, prev, name))
+        if end > busy_end:
+            busy_end, prev = end, name
+    gaps.sort(reverse=True)
+    return {
+        "span_ms": round((busy_end - spans[0][0]) / 1e3, 3),
+        "idle_ms": round(sum(g for g, _, _ in gaps) / 1e3, 3),
+        "gaps_over_50us": sum(1 for g, _, _ in gaps if g > 50),
+        "largest": [{"us": round(g, 1), "after": a[:90], "before": b[:90]} for g, a, b in gaps[:top]],
+    }
+
+
+def profile_step(step_fn, step_s: float, trace_path: str | None = None) -> dict:
     """One step under torch.profiler: where the device time goes (microsecond sums -> ms)."""
     import torch
     from torch.autograd import DeviceType
@@ -217,6 +240,15 @@ def profile_step(step_fn, step_s: float) -> dict:
         step_fn()
         sync()
     wall = time.perf_counter() - t
+    if trace_path:
+        import gzip
+        import shutil
+
+        os.makedirs(os.path.dirname(trace_path), exist_ok=True)
+        prof.export_chrome_trace(trace_path)
+        with open(trace_path, "rb") as src, gzip.open(trace_path + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace_path)
     events = prof.key_averages()
     kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
     total_us = sum(_dev_time(e) for e in kernels)
@@ -246,12 +278,13 @@ def profile_step(step_fn, step_s: float) -> dict:
         "kernel_ms_by_category": {k: round(v / 1e3, 3) for k, v in cats.items()},
         "top_kernels": [{"kernel": e.key[:120], "calls": e.count, "ms": round(_dev_time(e) / 1e3, 3)} for e in top_k],
         "top_aten_ops_inclusive": op_rows,
+        "device_idle": idle_gaps(prof),
         "note": "one step after the timed ones; categories by kernel-name substrings (first match wins)",
     }
 
 
 # ----------------------------------------------------------------------------- systems
-def run_ours(cfg, shape, micro, seq, args, result, fast: bool = False):
+def run_ours(cfg, shape, micro, seq, args, result, compile_: bool = False):
     import torch
 
     from hetloco_ds.config import parse_config
@@ -271,7 +304,7 @@ def run_ours(cfg, shape, micro, seq, args, result, fast: bool = False):
             "sparseloco": {"enabled": True, "inner_steps": 10**9, "outer_lr": 1.0, "error_decay": 0.95,
                            "topk": 32, "chunk_size": 4096},
             "subspace": {"compressed_replicas": "none"},
-            "train": {"seq_len": seq, "vocab_size": max(256, cfg.vocab_size)},
+            "train": {"seq_len": seq, "vocab_size": max(256, cfg.vocab_size), "compile": compile_},
         },
     }
     run = parse_config(raw, source="bench/gpu_throughput.py")
@@ -280,20 +313,6 @@ def run_ours(cfg, shape, micro, seq, args, result, fast: bool = False):
     engine = build_engine(run, module, seq_len=seq)
     assert engine.num_stages == 1 and engine.num_replicas == 1 and engine.outer is not None
     n_params = sum(p.numel() for p in engine.trainable_params())
-    if fast:
-        # Diagnostic only, patched from outside (engine.py is untouched): fused AdamW and a clip
-        # with no per-parameter loop and no host read of the norm.
-        params = engine.trainable_params()
-        engine.optimizer = torch.optim.AdamW(params, fused=torch.cuda.is_available(), **ADAMW)
-        max_norm = engine.clip_norm
-
-        def clip():
-            grads = [p.grad for p in params if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-            return norm
-
-        engine._clip_gradients = clip
     data = batches(cfg, micro, seq)
 
     def step():
@@ -301,7 +320,7 @@ def run_ours(cfg, shape, micro, seq, args, result, fast: bool = False):
 
     warm, timed, loss = time_steps(step, args.warmup, args.steps)
     result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
-    maybe_profile(step, shape, args, result)
+    maybe_profile(step, shape, args, result, "ours_compile" if compile_ else "ours")
     result["n_params"] = n_params
     result["outer_steps_in_timed"] = engine.outer_steps
     outer = []
@@ -331,11 +350,12 @@ def run_ours(cfg, shape, micro, seq, args, result, fast: bool = False):
     del engine, module, data  # the process group stays for the next system
 
 
-def maybe_profile(step_fn, shape, args, result) -> None:
+def maybe_profile(step_fn, shape, args, result, system: str) -> None:
     if shape not in [x for x in args.profile_shapes.split(",") if x]:
         return
+    trace = os.path.join(args.trace_dir, f"trace_{shape}_{system}.json") if args.trace_dir else None
     try:
-        result["profile"] = profile_step(step_fn, result.get("step_s_median"))
+        result["profile"] = profile_step(step_fn, result.get("step_s_median"), trace)
     except Exception as err:  # noqa: BLE001 - the profile is extra
         result["profile"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-2000:]}
 
@@ -372,7 +392,7 @@ def run_ds(cfg, shape, micro, seq, args, result):
 
     warm, timed, loss = time_steps(step, args.warmup, args.steps)
     result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
-    maybe_profile(step, shape, args, result)
+    maybe_profile(step, shape, args, result, "ds")
     result["n_params"] = n_params
     result["optimizer"] = type(engine.optimizer).__name__
     result["param_dtype"] = str(next(module.parameters()).dtype)
@@ -417,7 +437,7 @@ def run_hf(cfg, shape, micro, seq, args, result, compile_: bool):
 
     warm, timed, loss = time_steps(step, args.warmup, args.steps)
     result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
-    maybe_profile(step, shape, args, result)
+    maybe_profile(step, shape, args, result, "hf_compile" if compile_ else "hf")
     result["n_params"] = n_params
     result["param_dtype"] = str(next(model.parameters()).dtype)
     result["optimizer"] = f"torch.optim.AdamW(fused={fused})"
@@ -489,19 +509,19 @@ def main(argv=None) -> int:
                             "mfu_no_embed drops the input embedding from N",
         "results": [],
     }
-    # Order: the plain systems on every shape; compile on the first shape; the diagnostic extras;
-    # compile on the other shapes (the first to drop under the budget).
-    pairs = [(sh, sy) for sy in systems if sy not in ("hf_compile", "ours_fastopt") for sh in shapes]
-    pairs += [(sh, "ours_fastopt") for sh in shapes if "ours_fastopt" in systems]
-    compiled = [(sh, "hf_compile") for sh in shapes if "hf_compile" in systems]
-    pairs += compiled[:1]
+    # Order: the plain systems on every shape; both compiled systems on the first shape; the
+    # diagnostic extras; compile on the other shapes (the first to drop under the budget).
+    compile_systems = ("ours_compile", "hf_compile")
+    pairs = [(sh, sy) for sy in systems if sy not in compile_systems for sh in shapes]
+    compiled = [(sh, sy) for sh in shapes for sy in compile_systems if sy in systems]
+    pairs += compiled[:2]
     for item in [x for x in args.extra.split(",") if x]:
         sy, sh = item.split(":")
         if sy not in ALL_SYSTEMS:
             raise SystemExit(f"--extra {item}: unknown system")
         if (sh, sy) not in pairs:
             pairs.append((sh, sy))
-    pairs += compiled[1:]
+    pairs += compiled[2:]
     for shape, system in pairs:
         micro = int(micro_by_shape.get(shape, args.micro_default))
         cfg = llama_config(shape, args.vocab, args.seq)
@@ -518,8 +538,8 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         print(f"[bench] {shape} {system} micro {micro} ...", flush=True)
         try:
-            if system in ("ours", "ours_fastopt"):
-                run_ours(cfg, shape, micro, args.seq, args, result, fast=(system == "ours_fastopt"))
+            if system in ("ours", "ours_compile"):
+                run_ours(cfg, shape, micro, args.seq, args, result, compile_=(system == "ours_compile"))
             elif system == "ds":
                 run_ds(cfg, shape, micro, args.seq, args, result)
             else:

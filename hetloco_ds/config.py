@@ -95,6 +95,8 @@ class TrainConfig(_Section):
     """Seed for model initialisation and data order."""
     vocab_size: int = Field(8192, ge=256)
     """Vocabulary of the BPE tokenizer trained on the embedded default corpus."""
+    compile: bool = False
+    """torch.compile each decoder layer and the loss (the first steps are slower while it compiles)."""
 
 
 class HetlocoConfig(_Section):

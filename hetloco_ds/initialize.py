@@ -64,6 +64,8 @@ def build_engine(run: RunConfig, module, seq_len: int):
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     module.to(device)
+    if run.hetloco.train.compile:
+        compile_stage(module)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, optimizer_section)
     mpu = module.mpu()
@@ -82,6 +84,23 @@ def build_engine(run: RunConfig, module, seq_len: int):
         clip=clip,
     )
     return engine
+
+
+def compile_stage(module) -> None:
+    """torch.compile this stage's decoder layers and, on the last stage, the loss.
+
+    Layers are compiled in place (`nn.Module.compile`), so parameter names, checkpoints and
+    the HF export are unchanged; all layers share one graph (parameters are graph inputs).
+    The loss is compiled so the fp32 upcast of the logits fuses into the softmax instead of
+    materialising a [tokens, vocab] fp32 copy.
+    """
+    from .model import DecoderLayer
+
+    for layer in module.local_layers().values():
+        if isinstance(layer, DecoderLayer):
+            layer.compile()
+    if module.loss_fn is not None:
+        module.loss_fn = torch.compile(module.loss_fn)
 
 
 def _fill_auto_scheduler(section: dict, optimizer_section: dict | None) -> None:

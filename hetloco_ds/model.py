@@ -77,6 +77,22 @@ def tied_head_forward(module: TokenEmbedding, hidden: torch.Tensor) -> torch.Ten
     return module.head(hidden)
 
 
+class RMSNorm(LlamaRMSNorm):
+    """LlamaRMSNorm whose output keeps the input's dtype.
+
+    HF multiplies its weight into the normalised input; with fp32 weights under bf16
+    autocast that promotes the output (and every pass over it, forward and backward) to
+    fp32, then each following projection casts it back. Casting the weight to the input's
+    dtype is what a bf16 model computes; in fp32 it is HF's computation exactly.
+    """
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        x = hidden_states.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight.to(input_dtype) * x.to(input_dtype)
+
+
 class DecoderLayer(nn.Module):
     """One `transformers` LlamaDecoderLayer with the rotary table it needs.
 
@@ -88,6 +104,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         config = stage_config(config)
         self.layer = LlamaDecoderLayer(config, layer_idx)
+        # Same parameter names (and an all-ones init, so no RNG draw changes).
+        self.layer.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(config)
 
     @torch.no_grad()
@@ -114,7 +133,7 @@ class DecoderLayer(nn.Module):
 class FinalNorm(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, inputs):
         hidden, _ = inputs
@@ -131,7 +150,10 @@ class LMHead(nn.Module):
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy, mean over predicted positions, as LlamaForCausalLM computes it."""
-    logits = logits[:, :-1].float()
-    target = labels[:, 1:].long()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    """Next-token cross-entropy, mean over predicted positions, as LlamaForCausalLM computes it.
+
+    The labels are shifted (the last position gets the ignore index), not the logits: slicing
+    the [b, seq, vocab] logits would copy them forward and scatter their gradient back.
+    """
+    target = F.pad(labels[:, 1:].long(), (0, 1), value=-100)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)

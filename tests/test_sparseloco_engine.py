@@ -164,17 +164,21 @@ def _adamw_body(rank, hf_dir, ds_cfg, batches):
     return _hf_named_params(module, cfg)
 
 
-def test_degenerate_sparseloco_is_plain_adamw(hf_untied):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_degenerate_sparseloco_is_plain_adamw(hf_untied, compiled):
     """M = 1, H = 1, top-k = whole chunk, error_decay = 0, outer_lr = 1: the weights after each
     outer step equal plain torch.optim.AdamW training of LlamaForCausalLM (here on a 2-stage
     pipeline). Breaks if the outer step applies anything but theta, if the inner step differs
-    from AdamW (clipping over the replica, grad accumulation), or if stages drift apart."""
+    from AdamW (clipping over the replica, grad accumulation), or if stages drift apart.
+    `compiled`: the same with `train.compile` (torch.compile'd decoder layers and loss)."""
     cfg = _config(2, 1, topk=4096, error_decay=0.0, clip=1.0, lr=1e-2)
+    cfg["hetloco"]["train"]["compile"] = compiled
     batches = [_batches(0, s) for s in range(1, 4)]
     got = {}
     for part in run_ranks(_adamw_body, 2, hf_untied, cfg, batches):
         got.update(part)
     model = LlamaForCausalLM.from_pretrained(hf_untied, attn_implementation="sdpa").float()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
     for mbs in batches:
         opt.zero_grad()
@@ -183,7 +187,15 @@ def test_degenerate_sparseloco_is_plain_adamw(hf_untied):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     for name, p in model.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        if not compiled:
+            torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            continue
+        # Compiled kernels reorder fp32 sums, and AdamW's first steps (update ~ lr * sign(g))
+        # turn that noise into a full lr-sized flip on the odd near-zero gradient; so compare
+        # each tensor's whole update: a wrong step differs by its own size.
+        update = (p.detach() - initial[name]).norm()
+        error = (got[name] - p.detach()).norm()
+        assert error <= 1e-3 * update, f"{name}: |got - ref| = {error:.3g} vs update {update:.3g}"
 
 
 def _resume_body(rank, hf_dir, ds_cfg, ckpt_dir, start, stop, save_at):
