@@ -69,9 +69,9 @@ rc2=$?
 stamp "outer_step.py rc=$rc2"
 
 if [ "$SMOKE" != 1 ] && [ -f .benchdata/stdlib_bpe8192_seq256.pt ]; then
-  stamp "simulator calibration for the paper tables (timeout 90 s)"
-  timeout -k 5 90 python3 bench/paper_tables.py --data .benchdata/stdlib_bpe8192_seq256.pt --rows sparseloco,het:8 \
-    --seeds 0 --steps 20 --out "$OUT/tables_calib.json" 2>&1 | grep -v WARNING
+  stamp "simulator calibration for the paper tables (timeout 180 s)"
+  timeout -k 5 180 python3 bench/paper_tables.py --data .benchdata/stdlib_bpe8192_seq256.pt --calibrate --procs 1,6 \
+    --steps 20 --tag gpu --out "$OUT" 2>&1 | grep -v WARNING
   stamp "calibration rc=$?"
 fi
 

@@ -133,13 +133,15 @@ class SimReplica:
                     x = self.codec.encode(x)
         return causal_lm_loss(x, labels)
 
-    def backward(self, micro_batches) -> float:
-        total = 0.0
+    def backward(self, micro_batches) -> torch.Tensor:
+        """Forward and backward of every micro-batch; their losses as a float32 [gas] tensor on
+        the device (no host sync, so the host can queue the next work while the device runs)."""
+        losses = []
         for ids, labels in micro_batches:
             loss = self.loss(ids, labels)
             (loss / len(micro_batches)).backward()
-            total += float(loss.detach())
-        return total / len(micro_batches)
+            losses.append(loss.detach())
+        return torch.stack(losses)
 
     def clip_and_step(self, max_norm: float) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -180,21 +182,18 @@ class Simulation:
         self.step = 0
         self.outer_steps = 0
 
-    def train_step(self, batches_per_replica) -> list[float]:
-        """One optimizer step of every replica; `batches_per_replica[m]` is its micro-batches."""
-        losses = [r.backward(b) for r, b in zip(self.replicas, batches_per_replica)]
-        if self.hetloco.sparseloco.enabled:
-            for r in self.replicas:
-                r.clip_and_step(self.clip)
-        else:
+    def train_step(self, batches_per_replica) -> torch.Tensor:
+        """One optimizer step of every replica; `batches_per_replica[m]` is its micro-batches.
+        Returns the micro-batch losses, [M, gas] on the device; `replica_losses` reads them."""
+        losses = torch.stack([r.backward(b) for r, b in zip(self.replicas, batches_per_replica)])
+        if not self.hetloco.sparseloco.enabled:
             # Plain data parallelism: average the gradients, then every replica steps.
             with torch.no_grad():
-                for ps in zip(*(r.params for r in self.replicas)):
-                    mean = torch.stack([p.grad for p in ps]).mean(0)
-                    for p in ps:
-                        p.grad.copy_(mean)
-            for r in self.replicas:
-                r.clip_and_step(self.clip)
+                means = [torch.stack([p.grad for p in ps]).mean(0) for ps in zip(*(r.params for r in self.replicas))]
+                for r in self.replicas:
+                    torch._foreach_copy_([p.grad for p in r.params], means)
+        for r in self.replicas:
+            r.clip_and_step(self.clip)
         self.step += 1
         return losses
 
@@ -229,7 +228,7 @@ class Simulation:
     @torch.no_grad()
     def validation_loss(self, batches) -> float:
         r = self.replicas[0]
-        return float(sum(float(r.loss(ids, labels)) for ids, labels in batches) / len(batches))
+        return float(sum(torch.stack([r.loss(ids, labels) for ids, labels in batches]).tolist()) / len(batches))
 
     def link_bytes_per_step(self, seq_len: int) -> dict:
         """Bytes per optimizer step and replica on stage links (forward + backward) and per
@@ -245,6 +244,20 @@ class Simulation:
         outer = sum(payload_nbytes([tuple(p.shape) for p in ps], self.hetloco.sparseloco)
                     for ps in self.replicas[0].stage_params)
         return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
+
+
+def replica_losses(losses: torch.Tensor) -> list[list[float]]:
+    """[steps, M, gas] micro-batch losses -> per step, each replica's mean (one host sync)."""
+    return [[sum(mb) / len(mb) for mb in step] for step in losses.tolist()]
+
+
+def step_batches(feeds, gas: int, device) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The next `gas` micro-batches of every feed, moved to `device` in one pinned,
+    non-blocking copy; ids serve as labels (the loss shifts them and never writes them)."""
+    ids = torch.stack([torch.stack([next(f)[0] for _ in range(gas)]) for f in feeds])
+    if device.type == "cuda":
+        ids = ids.pin_memory().to(device, non_blocking=True)
+    return [[(ids[m, g], ids[m, g]) for g in range(gas)] for m in range(len(feeds))]
 
 
 def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, replicas: int, stages: int, steps: int,
@@ -267,19 +280,23 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     history, t0 = [], time.perf_counter()
     out = open(metrics_path, "a") if metrics_path else None
     bar = tqdm(total=steps, desc=variant.name, disable=not progress, dynamic_ncols=True)
-    for step in range(1, steps + 1):
-        batches = [[tuple(t.to(device) for t in next(f)) for _ in range(sim.gas)] for f in feeds]
-        losses = sim.train_step(batches)
-        outer = None
-        if hetloco.sparseloco.enabled and (step % H == 0 or step == steps):
-            outer = sim.outer_step()
-        history.append(losses)
-        bar.update(1)
-        bar.set_postfix_str(f"loss {sum(losses) / len(losses):.3f}", refresh=False)
-        if out:
-            for m, loss in enumerate(losses):
+    # Losses stay on the device until an outer step (which syncs anyway), every 50 steps or the
+    # end: the host never waits on the device between those, so it keeps queueing work.
+    pending: list[torch.Tensor] = []
+    synced: set[int] = set()
+
+    def flush() -> None:
+        first = len(history) + 1
+        history.extend(replica_losses(torch.stack(pending)))
+        pending.clear()
+        bar.update(len(history) - first + 1)
+        bar.set_postfix_str(f"loss {sum(history[-1]) / len(history[-1]):.3f}", refresh=False)
+        if not out:
+            return
+        for step in range(first, len(history) + 1):
+            for m, loss in enumerate(history[step - 1]):
                 stage_bytes = link["stage_links_per_step"][m]
-                sync = link["outer_payload_per_replica"] * stages if outer else 0
+                sync = link["outer_payload_per_replica"] * stages if step in synced else 0
                 out.write(json.dumps({
                     "kind": "step", "variant": variant.name, "step": step, "replica": m, "loss": loss,
                     "tokens": tokens_per_step, "seconds": None,
@@ -287,6 +304,14 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
                               "activation_grad": {"sent": stage_bytes // 2, "recv": stage_bytes // 2},
                               "outer_sync": {"sent": sync, "recv": sync * (replicas - 1)}},
                 }) + "\n")
+
+    for step in range(1, steps + 1):
+        pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
+        if hetloco.sparseloco.enabled and (step % H == 0 or step == steps):
+            sim.outer_step()
+            synced.add(step)
+        if step in synced or step == steps or len(pending) >= 50:
+            flush()
     bar.close()
     val = sim.validation_loss(val_batches)
     if out:
