@@ -74,7 +74,9 @@ def gpu_ids(device: str) -> list[str]:
 
 def load(args):
     blob = torch.load(args.data)
-    corpus = Corpus(train=blob["train"], val=blob["val"], description=blob["description"], cache_path=args.data)
+    # bench/make_code_corpus.py stores int16 (carry limit); the feed indexes with int32 like data.load_corpus.
+    corpus = Corpus(train=blob["train"].to(torch.int32), val=blob["val"].to(torch.int32),
+                    description=blob["description"], cache_path=args.data)
     seq_len = corpus.train.shape[1]
     run = parse_config(run_config(args.steps, args.micro, args.lr, seq_len, bf16=args.device == "cuda",
                                   inner_steps=args.inner_steps))

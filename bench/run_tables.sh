@@ -5,7 +5,8 @@
 #   full run:  STEPS=1500 SEEDS=0,1 PROCS_PER_GPU=6 TAG=h200x2 bash bench/run_tables.sh
 # Each worker rewrites $OUT/paper_tables_${TAG}_g<gpu>p<proc>.json after every row it finishes and
 # starts no row that would end after BUDGET seconds (judged by its previous row). Optional: ROWS
-# (default: all 12), MODEL (20M), DEVICE (cuda). The summary of this run goes to $OUT/summary.
+# (default: all 12), MODEL (20M), DEVICE (cuda), DATA (.benchdata/code_bpe8192_seq256.pt, made by
+# bench/make_code_corpus.py; carry it instead of the whole .benchdata to stay under 64 MiB). The summary of this run goes to $OUT/summary.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}" "${TAG:?TAG must be set}"
@@ -20,7 +21,7 @@ if [ "${THROUGHPUT:-0}" = 1 ]; then
   timeout -k 10 300 python3 bench/gpu_throughput.py --time-budget 120 --systems ours,ds,hf --extra "" --profile-shapes 178M --out "$OUT/gpu_throughput.json" 2>&1 \
     | grep --line-buffered -v -E '^(CPU Virtual Memory|MA [0-9.]+ GB)|WARNING' | tail -30
 fi
-args=(--data .benchdata/stdlib_bpe8192_seq256.pt --model "${MODEL:-20M}" --seeds "${SEEDS:-0,1}" --steps "${STEPS:-300}"
+args=(--data "${DATA:-.benchdata/code_bpe8192_seq256.pt}" --model "${MODEL:-20M}" --seeds "${SEEDS:-0,1}" --steps "${STEPS:-300}"
       --device "${DEVICE:-cuda}" --procs-per-gpu "${PROCS_PER_GPU:-6}" --budget-s "${BUDGET:-540}" --tag "$TAG" --out "$OUT")
 [ -n "${ROWS:-}" ] && args+=(--rows "$ROWS")
 if [ "${CALIBRATE:-0}" = 1 ]; then
