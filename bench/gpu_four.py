@@ -70,29 +70,22 @@ its own data), identical right after the outer step.
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
-import json
 import os
-import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(BENCH)
-for _p in (REPO, BENCH):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
 
-# Shared with the two-GPU bench (stdlib-only at import; torch / deepspeed are imported inside).
-from gpu_two import (  # noqa: E402
-    ADAMW, _same, _stop, barrier, batches, device, fmt_bytes, llama_config, peak_gib, sync, worker_card,
-    worker_versions,
+from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
+    CollectiveCounter, add_model_args, barrier, batches, build_ours, build_stock, config_row, driver_setup,
+    finish_report, fmt_bytes, nbytes, new_report, ours_config, ours_part_info, peak_gib, pick_configs, run_main,
+    run_worker, same, spawn_workers, stock_config, stock_part_info, sync, timed_call, versions_line, worker_argv,
+    write_report,
 )
 
 WORLD = 4
@@ -103,11 +96,7 @@ CONFIGS = ("ours_het", "ds_pp_dp")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="178M", help="hetloco_ds.presets name")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--micro", type=int, default=4, help="micro-batch per GPU")
-    p.add_argument("--gas", type=int, default=8, help="gradient_accumulation_steps (pipeline micro-batches)")
+    add_model_args(p)
     p.add_argument("--ratio", type=int, default=8, help="d/k of the compressed replica (replica 1)")
     p.add_argument("--inner-steps", type=int, default=50, help="H of ours_het")
     p.add_argument("--warmup", type=int, default=3)
@@ -145,37 +134,6 @@ def parse_args(argv=None):
 
 
 # ============================================================================ worker side
-class GroupCounter:
-    """Payload bytes of torch.distributed collectives while `active`, by group class then op."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.ops: dict = {}
-
-    def take(self) -> dict:
-        ops, self.ops = self.ops, {}
-        return ops
-
-    def add(self, where: str, name: str, sent: int, recv: int) -> None:
-        o = self.ops.setdefault(where, {}).setdefault(name, {"calls": 0, "sent": 0, "recv": 0})
-        o["calls"] += 1
-        o["sent"] += int(sent)
-        o["recv"] += int(recv)
-
-
-COUNTER = GroupCounter()
-
-
-def _nb(t) -> int:
-    return t.numel() * t.element_size()
-
-
-def _arg(a, k, i, name, default=None):
-    if name in k:
-        return k[name]
-    return a[i] if len(a) > i else default
-
-
 def group_class(group) -> str:
     """"dp" (one stage, every replica), "pipe" (one replica, every stage), "world", or the ranks."""
     import torch.distributed as td
@@ -191,59 +149,7 @@ def group_class(group) -> str:
     return "ranks" + "_".join(map(str, ranks))
 
 
-def install_collective_counter() -> None:
-    """Wrap torch.distributed's collectives; before DeepSpeed's backend caches all_gather_into_tensor."""
-    import torch.distributed as td
-
-    def broadcast_bytes(*a, **k):
-        t, src = _arg(a, k, 0, "tensor"), _arg(a, k, 1, "src")
-        return (_nb(t), 0) if td.get_rank() == src else (0, _nb(t))
-
-    def all_gather_bytes(*a, **k):
-        lst, t = _arg(a, k, 0, "tensor_list"), _arg(a, k, 1, "tensor")
-        return _nb(t), sum(_nb(x) for x in lst) - _nb(t)
-
-    def into_tensor_bytes(*a, **k):
-        out, inp = _arg(a, k, 0, "output_tensor"), _arg(a, k, 1, "input_tensor")
-        return _nb(inp), _nb(out) - _nb(inp)
-
-    def reduce_scatter_bytes(*a, **k):
-        out, inp = _arg(a, k, 0, "output"), _arg(a, k, 1, "input")
-        return _nb(inp), _nb(out)
-
-    def all_reduce_bytes(*a, **k):
-        n = _nb(_arg(a, k, 0, "tensor"))
-        return n, n
-
-    def coalesced_bytes(*a, **k):
-        n = sum(_nb(t) for t in _arg(a, k, 0, "tensors"))
-        return n, n
-
-    # (payload measure, positional index of `group`)
-    measures = {"all_reduce": (all_reduce_bytes, 2), "broadcast": (broadcast_bytes, 2),
-                "all_gather": (all_gather_bytes, 2), "all_gather_into_tensor": (into_tensor_bytes, 2),
-                "reduce_scatter_tensor": (reduce_scatter_bytes, 3), "all_reduce_coalesced": (coalesced_bytes, 2)}
-    for name, (measure, gpos) in measures.items():
-        orig = getattr(td, name, None)
-        if orig is None or getattr(orig, "_gpu_four_wrapped", False):
-            continue
-
-        def make(orig=orig, name=name, measure=measure, gpos=gpos):
-            @functools.wraps(orig)
-            def wrapped(*a, **k):
-                if COUNTER.active:
-                    try:
-                        s, r = measure(*a, **k)
-                        where = group_class(_arg(a, k, gpos, "group"))
-                    except Exception:  # noqa: BLE001 - counting must never break the call
-                        s, r, where = -1, -1, "unknown"
-                    COUNTER.add(where, name, s, r)
-                return orig(*a, **k)
-
-            wrapped._gpu_four_wrapped = True
-            return wrapped
-
-        setattr(td, name, make())
+COUNTER = CollectiveCounter(classify=group_class)  # collectives by group class ("dp", "pipe", "world") then op
 
 
 def coll_sent(coll: dict, where: str) -> int:
@@ -265,7 +171,7 @@ def stage_hash(params) -> dict:
         a = p.detach().cpu().contiguous()
         dtypes.add(str(a.dtype))
         h.update(a.reshape(-1).view(torch.uint8).numpy())
-        n += _nb(a)
+        n += nbytes(a)
     return {"sha256": h.hexdigest(), "tensors": len(params), "bytes": n, "dtypes": sorted(dtypes),
             "seconds": round(time.perf_counter() - t, 3)}
 
@@ -305,45 +211,17 @@ def prewarm_outer(engine) -> dict:
 
 
 def run_ours_het(cfg, args, part) -> None:
-    import torch
     import torch.distributed as td
 
-    from hetloco_ds.config import parse_config
-    from hetloco_ds.initialize import build_engine, build_module
-    from hetloco_ds.pipe.module import id_dtype_for
-
     H = args.inner_steps
-    raw = {
-        "train_micro_batch_size_per_gpu": args.micro,
-        "gradient_accumulation_steps": args.gas,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-        "pipeline": {"stages": STAGES},
-        "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]),
-                                                  "eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"]}},
-        "bf16": {"enabled": True},
-        "hetloco": {
-            "sparseloco": {"enabled": True, "inner_steps": H, "outer_lr": 1.0, "error_decay": 0.95, "topk": 32,
-                           "chunk_size": 4096},
-            "subspace": {"ratio": args.ratio, "compressed_replicas": [1]},
-            "train": {"seq_len": args.seq, "vocab_size": max(256, cfg.vocab_size)},
-        },
-    }
+    raw = ours_config(args.micro, args.gas, STAGES, True, H, {"ratio": args.ratio, "compressed_replicas": [1]},
+                      args.seq, max(256, cfg.vocab_size))
     part["ds_config"] = raw
-    run = parse_config(raw, source="bench/gpu_four.py")
-    torch.manual_seed(0)
-    module = build_module(run, cfg)
-    engine = build_engine(run, module, seq_len=args.seq)
+    module, engine = build_ours(raw, cfg, args.seq, source="bench/gpu_four.py")
     assert (engine.num_stages, engine.num_replicas) == (STAGES, REPLICAS), (engine.num_stages, engine.num_replicas)
     rank = td.get_rank()
     assert rank == engine.stage_id * REPLICAS + engine.replica, (rank, engine.stage_id, engine.replica)
-    part.update(stage=engine.stage_id, replica=engine.replica, num_stages=engine.num_stages,
-                num_replicas=engine.num_replicas, ratio_engine=engine.ratio,
-                compressed=engine.module.codec.compressed,
-                n_params_local=sum(p.numel() for p in engine.trainable_params()),
-                k=cfg.hidden_size // engine.ratio,
-                id_bytes=torch.empty((), dtype=id_dtype_for(cfg.vocab_size)).element_size(),
-                parts=list(getattr(module, "parts", [])), optimizer=type(engine.optimizer).__name__)
+    part.update(ours_part_info(engine, module, cfg, compressed=True))
     data = batches(cfg, args.micro, args.seq, seed=1234 + engine.replica)  # per replica; same on its stages
 
     hashes = {"init": dict(stage_hash(engine.trainable_params()), step=0,
@@ -356,18 +234,10 @@ def run_ours_het(cfg, args, part) -> None:
             print(f"[gpu_four] outer prewarm failed: {part['outer_prewarm_error']}", flush=True)
     steps = []
     for i in range(1, args.ours_steps + 1):
-        sync()
-        barrier()
-        COUNTER.take()
-        COUNTER.active = True
-        t = time.perf_counter()
-        rec = engine.train_batch(data)
-        sync()
-        dt = time.perf_counter() - t
-        COUNTER.active = False
+        rec, dt, collectives = timed_call(lambda: engine.train_batch(data), COUNTER)
         steps.append({"step": i, "local_step": engine.local_steps, "warmup": i <= args.warmup, "s": dt,
                       "engine_s": rec.seconds, "loss": rec.loss, "bytes": rec.bytes, "outer": rec.outer,
-                      "collectives": COUNTER.take()})
+                      "collectives": collectives})
         if i == args.hash_inner_step:
             hashes["inner"] = dict(stage_hash(engine.trainable_params()), step=i)
         if rec.outer is not None and "after_outer" not in hashes:
@@ -408,173 +278,38 @@ def compare_hashes(entries: list[dict]) -> dict:
 
 
 def run_ds(cfg, args, part) -> None:
-    import deepspeed
-    import torch
-    from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     from hetloco_ds.meter import get_meter
-    from hetloco_ds.model import causal_lm_loss
-    from hetloco_ds.pipe.module import layer_specs
 
-    torch.manual_seed(0)
-    topology = PipeDataParallelTopology(num_pp=STAGES, num_dp=REPLICAS)
-    module = PipelineModule(layers=layer_specs(cfg), loss_fn=causal_lm_loss, topology=topology,
-                            partition_method="type:DecoderLayer", activation_checkpoint_interval=0)
-    params = [p for p in module.parameters() if p.requires_grad]
-    # A torch optimizer passed in: DeepSpeed wraps it (BF16_Optimizer under bf16) and builds no op.
-    optimizer = torch.optim.AdamW(params, **ADAMW)
-    config = {
-        "train_micro_batch_size_per_gpu": args.micro,
-        "gradient_accumulation_steps": args.gas,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 0},
-    }
+    config = stock_config(args.micro, args.gas, True)
     part["ds_config"] = config
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params,
-                                           config=config, dist_init_required=False)
-    opt = engine.optimizer
-    part.update(stage=engine.stage_id, replica=engine.grid.data_parallel_id, num_stages=engine.num_stages,
-                num_replicas=engine.grid.data_parallel_size, n_params_local=sum(p.numel() for p in params),
-                parts=list(module.parts), optimizer=type(opt).__name__,
-                param_dtype=str(next(module.parameters()).dtype),
-                grad_acc_dtype=str(getattr(opt, "grad_acc_dtype", None)),
-                communication_data_type=str(engine.communication_data_type), k=cfg.hidden_size, id_bytes=8)
+    topology = PipeDataParallelTopology(num_pp=STAGES, num_dp=REPLICAS)
+    module, params, engine = build_stock(cfg, config, "type:DecoderLayer", topology=topology)
+    part.update(stock_part_info(engine, module, params, cfg))
     assert (part["num_stages"], part["num_replicas"]) == (STAGES, REPLICAS)
     data = batches(cfg, args.micro, args.seq, seed=1234 + engine.grid.data_parallel_id)
     meter = get_meter()  # counts the stock engine's p2p too (patches.p2p_meter), kind "control"
     steps = []
     for i in range(1, args.warmup + args.ds_steps + 1):
-        sync()
-        barrier()
         meter.since_mark()
-        COUNTER.take()
-        COUNTER.active = True
-        t = time.perf_counter()
-        loss = float(engine.train_batch(data))
-        sync()
-        dt = time.perf_counter() - t
-        COUNTER.active = False
+        loss, dt, collectives = timed_call(lambda: float(engine.train_batch(data)), COUNTER)
         steps.append({"step": i, "warmup": i <= args.warmup, "s": dt, "loss": loss, "p2p": meter.since_mark(),
-                      "collectives": COUNTER.take()})
+                      "collectives": collectives})
     part.update(steps=steps, peak_mem_gib=peak_gib())
 
 
 def worker_main(args) -> int:
-    import torch
-
-    if args.cpu_smoke:
-        torch.set_num_threads(1)  # 2 shared cores here, 4 ranks
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    install_collective_counter()
-    from hetloco_ds.initialize import init_distributed
-
-    init_distributed()  # our patches (p2p meter, no CPU shm build), then deepspeed.init_distributed
-    rank = int(os.environ["RANK"])
-    part = {"config": args.worker, "rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-            "device": str(device())}
-    code = 0
-    t0 = time.perf_counter()
-    try:
-        cfg = llama_config(args.shape, args.vocab, args.seq)
-        part.update(hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, vocab=cfg.vocab_size)
-        if rank == 0:
-            part.update(card=worker_card(), versions=worker_versions())
+    def body(cfg, part):
         import torch.distributed as td
 
         part["backend"] = td.get_backend()
         (run_ours_het if args.worker == "ours_het" else run_ds)(cfg, args, part)
-    except Exception as err:  # noqa: BLE001 - reported; the driver stops the peers
-        part["error"] = f"{type(err).__name__}: {err}"
-        part["traceback"] = traceback.format_exc()[-4000:]
-        print(part["traceback"], flush=True)
-        code = 1
-    part["wall_s"] = time.perf_counter() - t0
-    with open(args.part, "w") as f:
-        json.dump(part, f, default=str)
-    if code == 0:
-        try:
-            from deepspeed import comm as dist
 
-            dist.barrier()
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-    return code
+    return run_worker(args, COUNTER, body)
 
 
 # ============================================================================ driver side
-def spawn_config(name: str, args, tmp: str, argv: list[str], timeout: float) -> tuple[list[dict], str | None, float]:
-    """All 4 ranks of one configuration in fresh processes; returns (parts, error, wall seconds)."""
-    from hetloco_ds.launch import free_port
-
-    port = free_port()
-    procs, logs, parts, handles = [], [], [], []
-    start = time.perf_counter()
-    try:
-        for rank in range(WORLD):
-            env = dict(os.environ)
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-            env.setdefault("OMP_NUM_THREADS", "1" if args.cpu_smoke else str(max(1, (os.cpu_count() or 4) // WORLD)))
-            env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-            part = os.path.join(tmp, f"{name}.rank{rank}.json")
-            parts.append(part)
-            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", name, "--part", part]
-            if rank == 0:
-                out, log = None, None  # live on the driver's stdout
-            else:
-                log = os.path.join(tmp, f"{name}.rank{rank}.log")
-                out = open(log, "w")
-                handles.append(out)
-            logs.append(log)
-            # Same process group as the driver: `timeout` (bench/run_gpu4.sh) signals the whole group.
-            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
-        error = None
-        pending = list(range(WORLD))
-        while pending:
-            for r in list(pending):
-                rc = procs[r].poll()
-                if rc is None:
-                    continue
-                pending.remove(r)
-                if rc != 0 and error is None:
-                    error = f"rank {r} exited with {rc}"
-                    time.sleep(3)  # let the peers finish writing their parts if they can
-                    for o in pending:
-                        _stop(procs[o])
-            if pending and time.perf_counter() - start > timeout:
-                error = error or f"timeout after {timeout:.0f} s"
-                for o in pending:
-                    _stop(procs[o])
-            time.sleep(0.2)
-    finally:  # SIGTERM (driver_main turns it into SystemExit) or any error: no worker outlives us
-        for p in procs:
-            _stop(p)
-        for f in handles:
-            f.close()
-    wall = time.perf_counter() - start
-    loaded = []
-    for r, path in enumerate(parts):
-        if os.path.exists(path):
-            with open(path) as f:
-                loaded.append(json.load(f))
-        else:
-            loaded.append({"rank": r, "error": "no part written"})
-    if error:
-        for r, log in enumerate(logs):
-            if log and os.path.exists(log):
-                with open(log) as f:
-                    tail = f.read()[-2500:]
-                print(f"[gpu_four] {name}: rank {r} log tail:\n{tail}", flush=True)
-                loaded[r]["log_tail"] = tail
-    return loaded, error, wall
-
-
 def _timed(p: dict) -> list[dict]:
     return [s for s in p["steps"] if not s["warmup"]]
 
@@ -583,7 +318,7 @@ def _per_step_max(parts: list[dict], steps_of) -> list[float]:
     return [max(xs) for xs in zip(*[[s["s"] for s in steps_of(p)] for p in parts])]
 
 
-def _common(name: str, parts: list[dict], args) -> dict:
+def _base_row(name: str, parts: list[dict], args) -> dict:
     p0 = parts[0]
     res = {"config": name, "stages": p0.get("num_stages"), "replicas": p0.get("num_replicas"),
            "micro_batch": args.micro, "gas": args.gas, "seq": args.seq, "parts_layers": p0.get("parts"),
@@ -599,7 +334,7 @@ def _common(name: str, parts: list[dict], args) -> dict:
 
 
 def summarize_ours(parts: list[dict], args) -> dict:
-    res = _common("ours_het", parts, args)
+    res = _base_row("ours_het", parts, args)
     S, M, H = STAGES, REPLICAS, args.inner_steps
     b, L, gas = args.micro, args.seq, args.gas
     d = parts[0]["hidden_size"]
@@ -646,7 +381,7 @@ def summarize_ours(parts: list[dict], args) -> dict:
             "match": act == gas * fwd and grad == gas * bwd,
             "stage_link_bytes_per_step": act + grad,
             "vs_uncompressed_analytic_x": 2 * gas * b * L * d * 2 / (act + grad) if act + grad else None,
-            "activation_bytes_constant_over_timed_steps": _same(
+            "activation_bytes_constant_over_timed_steps": same(
                 [(x["activation"], x["activation_grad"]) for x in recs]),
             "control_sent_per_step": inner_rec["control"]["sent"],
             "step_record": inner_rec,
@@ -713,7 +448,7 @@ def summarize_ours(parts: list[dict], args) -> dict:
 
 
 def summarize_ds(parts: list[dict], args) -> dict:
-    res = _common("ds_pp_dp", parts, args)
+    res = _base_row("ds_pp_dp", parts, args)
     S, M = STAGES, REPLICAS
     b, L, gas = args.micro, args.seq, args.gas
     d = parts[0]["hidden_size"]
@@ -742,7 +477,7 @@ def summarize_ds(parts: list[dict], args) -> dict:
             "formula_backward": "gas * b*L*d*2",
             "match": act == gas * fwd and grad == gas * bwd,
             "stage_link_bytes_per_step": act + grad,
-            "bytes_constant_over_timed_steps": _same([s["p2p"] for s in _timed(s0)]) and _same(
+            "bytes_constant_over_timed_steps": same([s["p2p"] for s in _timed(s0)]) and same(
                 [s["p2p"] for s in _timed(s1)]),
         }
     res["stage_link_source"] = ("patches.p2p_meter around deepspeed.runtime.pipe.p2p send/recv: stage 0's sent = "
@@ -759,7 +494,7 @@ def summarize_ds(parts: list[dict], args) -> dict:
             "analytic_sent": P * 2 + P * 2 // M,
             "analytic_ring_wire_sent": int(2 * (M - 1) / M * P * 2 + (M - 1) / M * P * 2),
             "collectives": coll,
-            "dp_bytes_constant_over_timed_steps": _same([coll_sent(s["collectives"], "dp") for s in _timed(p)]),
+            "dp_bytes_constant_over_timed_steps": same([coll_sent(s["collectives"], "dp") for s in _timed(p)]),
         }
     res["dp_by_rank"] = dp
     res["dp_bytes_per_step_per_gpu"] = max(v["dp_sent"] for v in dp.values())
@@ -774,11 +509,8 @@ def summarize_ds(parts: list[dict], args) -> dict:
 
 
 def print_tables(report: dict) -> None:
-    c = report.get("card") or {}
-    v = report.get("versions") or {}
     s = report["settings"]
-    print(f"\n{c.get('names', c.get('name'))}  torch {v.get('torch')}  deepspeed {v.get('deepspeed')}  "
-          f"transformers {v.get('transformers')}  nccl {v.get('nccl')}")
+    print(versions_line(report))
     print(f"shape {s['shape']}  vocab {s['vocab']}  seq {s['seq']}  micro {s['micro']}  gas {s['gas']}  bf16  "
           f"S = {STAGES}, M = {REPLICAS} (rank = stage*M + replica)")
     by = {r["config"]: r for r in report["results"]}
@@ -848,43 +580,17 @@ def print_tables(report: dict) -> None:
                   f"({ds['dp_bytes_per_step_per_gpu'] / o['replica_link_bytes_per_step_per_gpu']:.0f}x)")
 
 
-def default_out() -> str:
-    if os.environ.get("OUT"):
-        return os.path.join(os.environ["OUT"], "gpu_four.json")
-    return os.path.join(REPO, "bench", "results", "gpu_four.json")
-
-
 def driver_main(args) -> int:
     t0 = time.perf_counter()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds spawn_config's cleanup
-    out_path = args.out or default_out()
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    configs = list(CONFIGS)
-    if args.configs:
-        wanted = [c for c in args.configs.split(",") if c]
-        bad = [w for w in wanted if w not in CONFIGS]
-        if bad:
-            raise SystemExit(f"unknown configs {bad}; choose from {list(CONFIGS)}")
-        configs = [c for c in CONFIGS if c in wanted]
-    report = {
-        "card": None, "versions": None,
-        "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "part")},
-        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                              "NVSHMEM_DISABLE_NVLS", "DS_ACCELERATOR")},
-        "launch": ("this script spawns 4 processes per configuration (fresh), one per GPU; rank 0 gathers the "
-                   "parameter hashes; the driver (rank 0's parent, same stdout) writes this file"),
-        "conventions": __doc__.split("Timing:")[1].split("    python")[0].strip(),
-        "results": [],
-    }
-    passthru = ["--shape", args.shape, "--vocab", str(args.vocab), "--seq", str(args.seq), "--micro", str(args.micro),
-                "--gas", str(args.gas), "--ratio", str(args.ratio), "--inner-steps", str(args.inner_steps),
-                "--warmup", str(args.warmup), "--ours-steps", str(args.ours_steps), "--ds-steps", str(args.ds_steps),
-                "--hash-inner-step", str(args.hash_inner_step)]
-    if args.no_outer_prewarm:
-        passthru.append("--no-outer-prewarm")
-    if args.cpu_smoke:
-        passthru.append("--cpu-smoke")
+    out_path = driver_setup(args, "gpu_four.json")
+    configs = pick_configs(list(CONFIGS), args.configs, list(CONFIGS))
+    report = new_report(
+        args, ("this script spawns 4 processes per configuration (fresh), one per GPU; rank 0 gathers the "
+               "parameter hashes; the driver (rank 0's parent, same stdout) writes this file"),
+        __doc__.split("Timing:")[1].split("    python")[0].strip())
+    passthru = worker_argv(args, ["--shape", "--vocab", "--seq", "--micro", "--gas", "--ratio", "--inner-steps",
+                                  "--warmup", "--ours-steps", "--ds-steps", "--hash-inner-step"],
+                           ["--no-outer-prewarm", "--cpu-smoke"])
     ok = True
     with tempfile.TemporaryDirectory(prefix="gpu_four_") as tmp:
         for name in configs:
@@ -899,46 +605,22 @@ def driver_main(args) -> int:
                 continue
             timeout = min(args.config_timeout, left)
             print(f"[gpu_four] {name} ({elapsed:.0f} s, timeout {timeout:.0f} s) ...", flush=True)
-            parts, error, wall = spawn_config(name, args, tmp, passthru, timeout)
-            errors = [p.get("error") for p in parts if p.get("error")]
-            if report["card"] is None and parts[0].get("card"):
-                report["card"], report["versions"] = parts[0]["card"], parts[0]["versions"]
-            if error or errors:
-                res = {"config": name, "error": error or errors[0], "rank_errors": errors,
-                       "tracebacks": [p.get("traceback") for p in parts if p.get("traceback")]}
-                ok = False
-            else:
-                try:
-                    res = (summarize_ours if name == "ours_het" else summarize_ds)(parts, args)
-                except Exception as err:  # noqa: BLE001 - keep the raw parts
-                    res = {"config": name, "error": f"summarize: {type(err).__name__}: {err}",
-                           "traceback": traceback.format_exc()[-3000:], "raw_parts": parts}
-                    ok = False
+            parts, error, wall = spawn_workers(__file__, name, WORLD, passthru, tmp, timeout, args.cpu_smoke,
+                                               "gpu_four", tail_chars=2500)
+            summarize = summarize_ours if name == "ours_het" else summarize_ds
+            res, row_ok = config_row(report, name, parts, error, lambda: summarize(parts, args))
+            ok = ok and row_ok
             if name == "ours_het" and res.get("identical_after_outer") is not None:
                 if not all(res["identical_after_outer"].values()):
                     ok = False
                     print("[gpu_four] ours_het: replicas NOT identical after the outer step", flush=True)
             res["wall_s"] = wall
             report["results"].append(res)
-            report["elapsed_s"] = time.perf_counter() - t0
-            with open(out_path, "w") as f:
-                json.dump(report, f, indent=2, default=str)
+            write_report(report, out_path, t0)
             print(f"[gpu_four] {name}: {'ok' if 'error' not in res else 'FAILED ' + str(res['error'])[:200]}  "
                   f"wall {wall:.0f} s", flush=True)
-    report["elapsed_s"] = time.perf_counter() - t0
-    with open(out_path, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    print_tables(report)
-    print(f"[gpu_four] wrote {out_path} ({report['elapsed_s']:.0f} s)", flush=True)
-    return 0 if ok else 1
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        return worker_main(args)
-    return driver_main(args)
+    return finish_report(report, out_path, t0, print_tables, "gpu_four", ok)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(parse_args, worker_main, driver_main))

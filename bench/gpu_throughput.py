@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import itertools
 import json
 import os
 import shlex
@@ -43,13 +42,17 @@ import sys
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+BENCH = os.path.dirname(os.path.abspath(__file__))
+if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+
+from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
+    ADAMW, batches, build_ours, build_stock, default_out, device, llama_config, mem_gib, ours_config, stock_config,
+    sync, versions,
+)
 
 PEAK_FLOPS = 989e12
 ALL_SYSTEMS = ("ours", "ds", "hf", "hf_compile", "ours_compile")
-ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def parse_args(argv=None):
@@ -93,19 +96,6 @@ def setup_process_group():
     init_distributed()
 
 
-def device():
-    import torch
-
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def sync():
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def free_memory():
     import torch
 
@@ -116,38 +106,9 @@ def free_memory():
         torch.cuda.reset_peak_memory_stats()
 
 
-def mem_gib(kind: str) -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    value = torch.cuda.max_memory_allocated() if kind == "peak" else torch.cuda.memory_allocated()
-    return round(value / 2**30, 3)
-
-
-def llama_config(shape: str, vocab: int, seq: int):
-    from hetloco_ds.presets import model_config_for
-
-    cfg = model_config_for(shape, vocab)
-    cfg.max_position_embeddings = max(cfg.max_position_embeddings, seq)
-    return cfg
-
-
 def flops_per_token(cfg, seq: int, n_params: int, with_embedding: bool = True) -> float:
     n = n_params if with_embedding else n_params - cfg.vocab_size * cfg.hidden_size
     return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.hidden_size * seq
-
-
-def batches(cfg, micro: int, seq: int, n: int = 4):
-    """An endless cycle of `n` random (ids, labels) batches already on the device."""
-    import torch
-
-    g = torch.Generator(device="cpu").manual_seed(1234)
-    data = []
-    for _ in range(n):
-        ids = torch.randint(0, cfg.vocab_size, (micro, seq), generator=g).to(device())
-        data.append((ids, ids))
-    return itertools.cycle(data)
 
 
 def time_steps(step_fn, warmup: int, steps: int) -> tuple[list[float], list[float], float]:
@@ -285,32 +246,10 @@ def profile_step(step_fn, step_s: float, trace_path: str | None = None) -> dict:
 
 # ----------------------------------------------------------------------------- systems
 def run_ours(cfg, shape, micro, seq, args, result, compile_: bool = False):
-    import torch
-
-    from hetloco_ds.config import parse_config
-    from hetloco_ds.initialize import build_engine, build_module
-
-    raw = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-        "pipeline": {"stages": 1},
-        "optimizer": {"type": "AdamW", "params": {"lr": ADAMW["lr"], "betas": list(ADAMW["betas"]),
-                                                  "eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"]}},
-        "bf16": {"enabled": not args.no_bf16},
-        "hetloco": {
-            # H out of reach: timed steps never run the outer step; it is timed below on its own.
-            "sparseloco": {"enabled": True, "inner_steps": 10**9, "outer_lr": 1.0, "error_decay": 0.95,
-                           "topk": 32, "chunk_size": 4096},
-            "subspace": {"compressed_replicas": "none"},
-            "train": {"seq_len": seq, "vocab_size": max(256, cfg.vocab_size), "compile": compile_},
-        },
-    }
-    run = parse_config(raw, source="bench/gpu_throughput.py")
-    torch.manual_seed(0)
-    module = build_module(run, cfg)
-    engine = build_engine(run, module, seq_len=seq)
+    # H out of reach: timed steps never run the outer step; it is timed below on its own.
+    raw = ours_config(micro, 1, 1, not args.no_bf16, 10**9, {"compressed_replicas": "none"}, seq,
+                      max(256, cfg.vocab_size), compile=compile_)
+    module, engine = build_ours(raw, cfg, seq, source="bench/gpu_throughput.py")
     assert engine.num_stages == 1 and engine.num_replicas == 1 and engine.outer is not None
     n_params = sum(p.numel() for p in engine.trainable_params())
     data = batches(cfg, micro, seq)
@@ -361,30 +300,8 @@ def maybe_profile(step_fn, shape, args, result, system: str) -> None:
 
 
 def run_ds(cfg, shape, micro, seq, args, result):
-    import deepspeed
-    import torch
-    from deepspeed.pipe import PipelineModule
-
-    from hetloco_ds.model import causal_lm_loss
-    from hetloco_ds.pipe.module import layer_specs
-
-    torch.manual_seed(0)
-    module = PipelineModule(layers=layer_specs(cfg), loss_fn=causal_lm_loss, num_stages=1,
-                            partition_method="uniform", activation_checkpoint_interval=0)
-    params = [p for p in module.parameters() if p.requires_grad]
+    module, params, engine = build_stock(cfg, stock_config(micro, 1, not args.no_bf16), "uniform", num_stages=1)
     n_params = sum(p.numel() for p in params)
-    # A torch optimizer passed in: DeepSpeed wraps it (BF16_Optimizer under bf16) and builds no op.
-    optimizer = torch.optim.AdamW(params, **ADAMW)
-    config = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-        "bf16": {"enabled": not args.no_bf16},
-        "zero_optimization": {"stage": 0},
-    }
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params,
-                                           config=config, dist_init_required=False)
     data = batches(cfg, micro, seq)
 
     def step():
@@ -398,7 +315,7 @@ def run_ds(cfg, shape, micro, seq, args, result):
     result["param_dtype"] = str(next(module.parameters()).dtype)
     with contextlib.suppress(Exception):
         engine.destroy()
-    del engine, module, optimizer, params, data
+    del engine, module, params, data
 
 
 def run_hf(cfg, shape, micro, seq, args, result, compile_: bool):
@@ -448,21 +365,6 @@ def run_hf(cfg, shape, micro, seq, args, result, compile_: bool):
 
 
 # ----------------------------------------------------------------------------- main
-def versions() -> dict:
-    import torch
-    import transformers
-
-    out = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-           "cuda": torch.version.cuda}
-    try:
-        import deepspeed
-
-        out["deepspeed"] = deepspeed.__version__
-    except Exception as err:  # noqa: BLE001
-        out["deepspeed"] = f"unavailable: {err}"
-    return out
-
-
 def card() -> dict:
     import torch
 
@@ -473,12 +375,6 @@ def card() -> dict:
             "sms": p.multi_processor_count, "peak_flops_assumed": PEAK_FLOPS}
 
 
-def default_out() -> str:
-    if os.environ.get("OUT"):
-        return os.path.join(os.environ["OUT"], "gpu_throughput.json")
-    return os.path.join(REPO, "bench", "results", "gpu_throughput.json")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -486,7 +382,7 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(1)  # 2 shared cores here: oversubscribed OpenMP is far slower
-    out_path = args.out or default_out()
+    out_path = args.out or default_out("gpu_throughput.json")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     import torch
 
@@ -502,7 +398,7 @@ def main(argv=None) -> int:
     micro_by_shape = dict(kv.split("=") for kv in args.micro.split(",") if kv)
     report = {
         "card": card(),
-        "versions": versions(),
+        "versions": versions(nccl=False),
         "command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
         "settings": {k: v for k, v in vars(args).items()},
         "flops_convention": "6*N_all_params + 12*L*d*seq per token (PaLM, non-causal attention); "

@@ -8,53 +8,21 @@
 #
 # BENCH_SMOKE=1 bash bench/run_gpu.sh   runs the same sequence on this CPU with tiny shapes and
 # no wheel install (checks the script itself; OUT defaults to /tmp/bench_smoke_out).
-set -o pipefail
-cd "$(dirname "$0")/.." || exit 1
-SMOKE=${BENCH_SMOKE:-0}
-if [ "$SMOKE" = 1 ]; then OUT=${OUT:-/tmp/bench_smoke_out}; fi
-: "${OUT:?OUT must be set}"
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/run_gpu.log") 2>&1
-start=$(date +%s)
-stamp() { echo "[run_gpu] $(( $(date +%s) - start )) s: $*"; }
-
-# NVLink multicast stays off (KINDS.md); DeepSpeed told its accelerator, not left to guess.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+source "$(dirname "$0")/_gpu_env.sh" || exit 1   # pipefail, link settings, wheels, env check
+bench_begin run_gpu /tmp/bench_smoke_out
 export MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1
 
 if [ "$SMOKE" = 1 ]; then
-  export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+  bench_smoke_path
   TP_ARGS="--cpu-smoke"; OS_ARGS="--cpu-smoke"; TP_TIMEOUT=600; OS_TIMEOUT=300
 else
-  export DS_ACCELERATOR=cuda
-  stamp "installing wheels"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  # pydantic 2.13 needs typing_extensions >= 4.14.1; carry ours only if the image's is older.
-  if ! python3 -c "import sys, importlib.metadata as m; v = tuple(int(x) for x in m.version('typing_extensions').split('.')[:3]); sys.exit(v < (4, 14, 1))"; then
-    stamp "image typing_extensions too old: installing .whl/opt"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/opt/*.whl || exit 1
-  fi
-  export PYTHONPATH=/tmp/site:.
-  nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt"
+  bench_install_wheels || exit 1
+  bench_nvidia_smi
   TP_ARGS="${BENCH_TP_ARGS:---time-budget 190}"; OS_ARGS=""; TP_TIMEOUT=320; OS_TIMEOUT=130
 fi
 
 stamp "environment"
-python3 - <<'EOF' 2>&1 | tee "$OUT/env.txt"
-import importlib, sys
-print("python", sys.version.split()[0], sys.executable)
-for name in ("torch", "transformers", "deepspeed", "pydantic", "pydantic_core", "hjson", "typing_extensions", "triton"):
-    try:
-        mod = importlib.import_module(name)
-        print(f"{name:18} {getattr(mod, '__version__', '?'):12} {getattr(mod, '__file__', '')}")
-    except Exception as err:  # noqa: BLE001
-        print(f"{name:18} MISSING: {err}")
-import torch
-print("cuda available", torch.cuda.is_available(), torch.version.cuda,
-      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-EOF
-[ "${PIPESTATUS[0]}" = 0 ] || { stamp "environment check failed"; exit 1; }
+bench_env_check || exit 1
 
 stamp "gpu_throughput.py (timeout ${TP_TIMEOUT} s)"
 timeout -k 10 "$TP_TIMEOUT" python3 bench/gpu_throughput.py $TP_ARGS --out "$OUT/gpu_throughput.json" 2>&1 \
@@ -75,6 +43,4 @@ if [ "$SMOKE" != 1 ] && [ -f .benchdata/stdlib_bpe8192_seq256.pt ]; then
   stamp "calibration rc=$?"
 fi
 
-ls -la "$OUT"
-stamp "done (throughput rc=$rc1, outer rc=$rc2)"
-[ "$rc1" = 0 ] && [ "$rc2" = 0 ]
+bench_end "$(( rc1 != 0 || rc2 != 0 ))" "throughput rc=$rc1, outer rc=$rc2"
