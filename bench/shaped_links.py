@@ -2,7 +2,8 @@
 
     python bench/shaped_links.py [--out bench/results] [--quick] [--parts ab]    # as root
 
-Needs root, `ip` and `tc` (`hetloco_ds.netlab`: one network namespace per rank, htb per link).
+Needs root, `ip` and `tc` (`hetloco_ds.netlab`: one network namespace per rank, htb per link,
+no GSO burst, TCP ACKs ahead of data inside each link's rate; netlab's docstring says why).
 Every rank is a real `python -m hetloco_ds.cli train` process (the `hetloco-ds train` CLI in
 its launcher mode: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK from netlab) in
 its own namespace, gloo over TCP on the namespace's veth (GLOO_SOCKET_IFNAME as netlab sets
@@ -16,7 +17,7 @@ wire as fp32, token ids as int16).
 (a) Stage links. S = 2 stages x M = 1 replica (2 ranks), 4 micro-batches per step, SparseLoCo
     with inner_steps far beyond the run (no outer step among the timed steps), subspace ratio
     1 (`compressed_replicas: "none"`), 8 and 64 (`"all"`). One training run per ratio; the stage
-    link's rate changes *during* the run (`tc class change` on the htb class netlab made), in two
+    link's rate changes *during* the run (`ShapedNetwork.set_rate`: `tc class change`), in two
     rounds, unlimited, 1000, 100, 20, 5 Mbit/s, twice, then unlimited once more, so that a load
     burst from a neighbour on this shared machine hits one visit of a rate, not all of it. A step
     counts for a visit only if it started at least MARGIN_S after that rate was in place (start =
@@ -28,19 +29,23 @@ wire as fp32, token ids as int16).
     the unlimited link (all three visits) / median step time at the rate: the fraction of the
     link-free speed that survives the link (the pipeline bubble is part of the link-free time).
 (b) Replica links. M = 2 replicas x S = 1 (2 ranks), one micro-batch per step, SparseLoCo with
-    inner_steps 2; the replica link's rate changes as in (a) (unlimited, 100, 20, 5 Mbit/s, twice). Ours: per outer step, the smaller of the two replicas' `kind: outer` row `seconds`
-    (the whole outer step: error feedback, top-k, packing, the gloo all_gather of the payload,
+    inner_steps 2; the replica link's rate changes as in (a) (unlimited, 100, 20, 5 Mbit/s,
+    twice). Ours: per outer step, the smaller of the two replicas' `kind: outer` row `seconds`
+    (the whole outer step: error feedback, top-k, packing, the exchange of the payloads -- on
+    gloo `hetloco_ds.exchange.all_gather_payloads`, every receive posted before any send --,
     decode, average, outer SGD), median over the outer steps that started inside a visit. The
-    replica that reaches the all_gather last does not wait for its peer, so the smaller time is
+    replica that reaches the exchange last does not wait for its peer, so the smaller time is
     the outer step's own cost; the larger one also holds the inner-step skew between the two
     replicas (recorded too, as `outer_seconds_slower_replica`).
-    Dense DiLoCo-style baseline, *not the engine*: a direct gloo `all_reduce` of an fp32 vector
-    with the model's parameter count (DiLoCo's wire format: the dense fp32 pseudo-gradient),
-    in the same namespaces on the same shaped replica link, after the engine run. (Setting
-    `sparseloco.topk` = chunk size would send every value at 4 + 1.5 bytes, 1.375x DiLoCo's
-    bytes, and time a full top-k sort: not an honest stand-in.) The same probe program also
-    times, on each rate, a one-way send and an all_gather of our payload's size (link only, no
-    compression compute), which separates link behaviour from the engine.
+    Dense DiLoCo-style baselines, *not the engine*: an fp32 vector with the model's parameter
+    count (DiLoCo's wire format: the dense fp32 pseudo-gradient), in the same namespaces on the
+    same shaped replica link, after the engine run, synced two ways: gloo's own `all_reduce`
+    (what a DiLoCo user on gloo gets; `dense`) and the engine's exchange followed by the mean
+    (`dense_exchange`, the same code path as our outer sync). (Setting `sparseloco.topk` =
+    chunk size would send every value at 4 + 1.5 bytes, 1.375x DiLoCo's bytes, and time a full
+    top-k sort: not an honest stand-in.) The same probe program also times, on each rate, a
+    one-way send, gloo's all_gather and the engine's exchange of our payload's size (link only,
+    no compression compute), which separates link behaviour from the engine.
 
 Predictions: `plan.predict` with the same shapes and settings, `overlap=False` (DeepSpeed's p2p
 sends and receives block), `link_efficiency` = 1448/1514 (TCP/IPv4 payload per 1514-byte
@@ -55,12 +60,12 @@ plan's own terms, "n_mb transfers": (n_mb + S - 1) * t_c + n_mb * (t_f + t_b), i
 carries n_mb transfers per direction per step, where plan's no-overlap schedule charges
 (n_mb + S - 1) of them. For (b), plan's outer-sync time is link only (it does not model the
 compression compute), so the JSON also gives plan + the measured unlimited-link outer step. The
-dense prediction is plan's ring formula on plan's `dense_outer_bytes`:
-(M - 1) * 4P * 8 / (bw * eff), which at M = 2 is also a ring all-reduce's per-rank volume
-(2 (M - 1) / M * 4P).
+dense prediction is plan's all-gather formula on plan's `dense_outer_bytes`:
+(M - 1) * 4P * 8 / (bw * eff), the exchange's per-rank volume, which at M = 2 is also a ring
+all-reduce's (2 (M - 1) / M * 4P).
 
 Writes shaped_links.json (machine, command, settings, every point with its prediction and
-measured/predicted) and shaped_links.png. About 6 minutes on 2 cores.
+measured/predicted) and shaped_links.png. About 8 minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -70,7 +75,6 @@ import math
 import os
 import platform
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -159,15 +163,8 @@ def n_mb_transfers_time(p: plan.Prediction) -> float:
 
 
 def set_rate(net: netlab.ShapedNetwork, bps: float) -> float:
-    """Change every htb class on every rank's veth to `bps`; returns when it was in place."""
-    r = f"{int(bps)}bit"
-    for ns in net.namespaces:
-        text = subprocess.run(["tc", "-n", ns, "class", "show", "dev", netlab.IFACE],
-                              capture_output=True, text=True, check=True).stdout
-        for cid in re.findall(r"class htb (\d+:[0-9a-f]+)", text):
-            subprocess.run(["tc", "-n", ns, "class", "change", "dev", netlab.IFACE, "parent", "1:",
-                            "classid", cid, "htb", "rate", r, "ceil", r], check=True,
-                           capture_output=True, text=True)
+    """Change every shaped link of `net` to `bps` (`ShapedNetwork.set_rate`); returns when it was in place."""
+    net.set_rate(bps)
     return time.time()
 
 
@@ -372,6 +369,7 @@ PROBE = r"""
 import json, sys, time
 import torch
 import torch.distributed as dist
+from hetloco_ds.exchange import all_gather_payloads  # the engine's outer-sync exchange
 n_dense, n_payload, reps_dense, reps_small = (int(x) for x in sys.argv[1:5])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -399,8 +397,12 @@ for _ in range(reps_small):
     timed("payload_one_way", one_way)
 for _ in range(reps_small):
     timed("payload_all_gather", lambda: dist.all_gather(parts, small))
+for _ in range(reps_small):
+    timed("payload_exchange", lambda: all_gather_payloads(small))
 for _ in range(reps_dense):
     timed("dense_all_reduce", lambda: dist.all_reduce(dense))
+for _ in range(reps_dense):  # DiLoCo's dense fp32 sync through the engine's exchange, then the mean
+    timed("dense_exchange", lambda: torch.stack(all_gather_payloads(dense)).mean(0))
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -471,38 +473,47 @@ def part_b(tmp: str, model_path: str, env: dict, quick: bool, log: Callable[[str
                 reps_dense, reps_small = min(reps_dense, 2) if bw >= 20e6 else 1, 3
             b0 = wire_bytes(net)
             res = net.run(lambda r: [*NICE, sys.executable, prog, str(n_params), str(payload), str(reps_dense),
-                                     str(reps_small)], timeout=400, env=env)
+                                     str(reps_small)], timeout=500, env=dict(env, PYTHONPATH=str(REPO)))
             b1 = wire_bytes(net)
             for r in res:
                 if r.returncode != 0:
                     raise RuntimeError(f"probe rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}")
             rows = [json.loads(x) for x in res[0].stdout.splitlines() if x.startswith("{")]
             by = {k: [r["seconds"] for r in rows if r["kind"] == k] for k in
-                  ("payload_one_way", "payload_all_gather", "dense_all_reduce")}
+                  ("payload_one_way", "payload_all_gather", "payload_exchange", "dense_all_reduce", "dense_exchange")}
             link_only = payload * 8 / (bw * LINK_EFF) if bw != UNLIMITED else 0.0
             pred_dense = dense_time(bw) if bw != UNLIMITED else 0.0
-            med = statistics.median(by["dense_all_reduce"])
+            dense_pred = {"outer_sync_seconds": pred_dense, "payload_bytes": predict_replica(1e9).dense_outer_bytes[0]}
+            for method, key, what in (
+                    ("dense", "dense_all_reduce", "DiLoCo-style with gloo's stock collective: all_reduce of an fp32 "
+                                                  "vector of the model's parameter count (direct, not the engine)"),
+                    ("dense_exchange", "dense_exchange", "DiLoCo-style through the engine's exchange: "
+                                                         "exchange.all_gather_payloads of the same fp32 vector, then "
+                                                         "the mean (direct, not the engine)")):
+                med = statistics.median(by[key])
+                points.append({
+                    "part": "b", "method": method, "what": what,
+                    "replica_bw_bps": None if bw == UNLIMITED else bw, "label": label(bw),
+                    "outer_seconds": summary(by[key]), "payload_bytes": 4 * n_params,
+                    "tc_wire_bytes_in_probe": b1 - b0, "predicted": dense_pred,
+                    "measured_over_predicted": med / pred_dense if pred_dense else None,
+                })
             points.append({
-                "part": "b", "method": "dense", "what": "DiLoCo-style: gloo all_reduce of an fp32 vector of the "
-                                                        "model's parameter count (direct, not the engine)",
-                "replica_bw_bps": None if bw == UNLIMITED else bw, "label": label(bw),
-                "outer_seconds": summary(by["dense_all_reduce"]), "payload_bytes": 4 * n_params,
-                "tc_wire_bytes_in_probe": b1 - b0,
-                "predicted": {"outer_sync_seconds": pred_dense, "payload_bytes": predict_replica(1e9).dense_outer_bytes[0]},
-                "measured_over_predicted": med / pred_dense if pred_dense else None,
-            })
-            points.append({
-                "part": "b", "method": "probe", "what": "gloo alone, our payload's size: one-way send and all_gather "
-                                                        "(no compression compute)",
+                "part": "b", "method": "probe", "what": "gloo alone, our payload's size: one-way send, gloo's "
+                                                        "all_gather, and the engine's exchange (no compression compute)",
                 "replica_bw_bps": None if bw == UNLIMITED else bw, "label": label(bw), "payload_bytes": payload,
                 "one_way_seconds": summary(by["payload_one_way"]),
                 "all_gather_seconds": summary(by["payload_all_gather"]),
+                "exchange_seconds": summary(by["payload_exchange"]),
                 "predicted_link_seconds": link_only,
             })
-            log(f"(b) dense {label(bw):>12}: all_reduce {med:.3f} s (n={len(by['dense_all_reduce'])}), plan formula "
-                f"{pred_dense:.3f} s; payload-size one-way {statistics.median(by['payload_one_way']):.3f} s, "
-                f"all_gather {statistics.median(by['payload_all_gather']):.3f} s "
-                f"({min(by['payload_all_gather']):.3f}-{max(by['payload_all_gather']):.3f}), link model {link_only:.3f} s")
+            med = {k: statistics.median(v) for k, v in by.items()}
+            log(f"(b) dense {label(bw):>12}: gloo all_reduce {med['dense_all_reduce']:.3f} s, exchange "
+                f"{med['dense_exchange']:.3f} s (n={len(by['dense_exchange'])}), plan formula {pred_dense:.3f} s; "
+                f"payload-size one-way {med['payload_one_way']:.3f} s, gloo all_gather {med['payload_all_gather']:.3f} s "
+                f"({min(by['payload_all_gather']):.3f}-{max(by['payload_all_gather']):.3f}), exchange "
+                f"{med['payload_exchange']:.3f} s ({min(by['payload_exchange']):.3f}-{max(by['payload_exchange']):.3f}), "
+                f"link model {link_only:.3f} s")
     return points
 
 
@@ -538,14 +549,19 @@ def agreement(points: list[dict]) -> dict:
                 [(p["label"], p["measured_over_predicted_plus_compute"]) for p in ours]),
             "payload_bytes_engine_over_plan": ours[0]["payload_bytes"] / ours[0]["predicted"]["payload_bytes"],
         }
+    dense_x = [p for p in b if p["method"] == "dense_exchange"]
+    if dense_x:
+        out["b_dense_exchange"] = {"measured_over_plan_formula": _spread(
+            [(p["label"], p["measured_over_predicted"]) for p in dense_x])}
     if dense:
-        out["b_dense_all_reduce"] = {"measured_over_plan_formula": _spread(
+        out["b_dense_gloo_all_reduce_not_modelled"] = {"measured_over_plan_formula": _spread(
             [(p["label"], p["measured_over_predicted"]) for p in dense])}
     if probe:
         out["b_gloo_probe_payload_size"] = {p["label"]: {
-            "one_way_over_link_model": round(p["one_way_seconds"]["median"] / p["predicted_link_seconds"], 3),
-            "all_gather_over_link_model": round(p["all_gather_seconds"]["median"] / p["predicted_link_seconds"], 3),
-            "all_gather_over_one_way": round(p["all_gather_seconds"]["median"] / p["one_way_seconds"]["median"], 3),
+            f"{k}_over_{ref}": round(p[f"{k}_seconds"]["median"] / den, 3)
+            for k in ("one_way", "all_gather", "exchange")
+            for ref, den in (("link_model", p["predicted_link_seconds"]), ("one_way", p["one_way_seconds"]["median"]))
+            if not (k == "one_way" and ref == "one_way")
         } for p in probe}
     return out
 
@@ -555,13 +571,29 @@ NOTES = [
     "sends n_mb activations and n_mb gradients per step over each stage link, so on a link-bound step plan "
     "over-predicts by up to (n_mb + S - 1) / n_mb (1.25 here). `n_mb_transfers_step_seconds` is plan's own terms "
     "with n_mb transfers per direction: (n_mb + S - 1) t_c + n_mb (t_f + t_b).",
-    "(a)/(b) gloo over TCP moves one pair's two directions largely one after the other: a send waits for the "
-    "peer's recv-ready notification, which shares the single TCP stream with bulk data going the other way. "
-    "The probe's all_gather of our payload size (both directions at once) takes longer than its one-way send "
-    "at low rates, while plan's ring formula assumes full duplex.",
-    "netlab's htb shaping sits on a GSO-enabled veth (gso_max_size 65536): after an idle gap up to one GSO "
-    "segment leaves ahead of the rate, so transfers of a few tens of KB finish faster than bytes / rate "
-    "(the probe's one-way send of the payload size vs the link model).",
+    "(b) gloo's own collectives are rendezvous-based over one TCP connection per pair: a send's data leaves only "
+    "after the peer's ready-to-receive message arrives, and that message travels behind whatever bulk data the "
+    "peer has already queued on the connection. In gloo's all_gather a rank often has its payload queued before "
+    "it posts its receive, so the two directions of the pair run partly one after the other: the probe's "
+    "`all_gather_seconds` of our payload size is 1.0x-1.5x its one-way send, race-dependent (per-rate medians in "
+    "agreement.b_gloo_probe_payload_size), and the plan (full duplex) does not model it. The engine therefore does not use all_gather on gloo: "
+    "hetloco_ds.exchange.all_gather_payloads posts every irecv before any isend, so both directions move at "
+    "once (probe `exchange_seconds`); on NCCL it calls all_gather.",
+    "(b) For one large transfer the rendezvous costs only its start, so gloo's stock all_reduce of the dense fp32 "
+    "vector (`dense`) and the engine's exchange of it (`dense_exchange`) both follow the plan's formula; plan "
+    "predicts the exchange (the engine's code path), the all_reduce is recorded as what a DiLoCo user on gloo gets.",
+    "netlab shaping (this run): gso_max_segs 1 on every rank's veth (with GSO on, an idle link let one 64 KB "
+    "segment leave ahead of the rate: one-way sends of 160 KB ran at 0.81x bytes / rate), and TCP ACKs in a "
+    "priority child of each link's htb class (with one FIFO per link, the ACKs of the data a rank receives queue "
+    "behind the data it sends, and a bidirectional 160 KB exchange at 5 Mbit/s took 1.0x-1.6x a one-way send). "
+    "The probe's one-way send is now ~1.0x bytes / rate (`one_way_over_link_model`). The price of one frame per "
+    "skb is CPU: on this loaded 2-core machine a link moves at most ~0.4 Gbit/s, so the 'unlimited' class and "
+    "the 1000 Mbit/s visits are CPU-bound rather than rate-bound (the dense fp32 sync on the unlimited link takes "
+    "0.4-0.6 s, not the ~0.03 s it took with GSO on), and the uncompressed (ratio 1) run's unlimited step carries "
+    "that transfer cost; plan is calibrated on it, so the 1000 Mbit/s column says little about a real 1 Gbit/s link.",
+    "(b) Residual spread of the exchange at low rates: some exchanges stall for a few tens of ms (`ss -ti` shows "
+    "the sender rwnd-limited: the receiver's TCP window, ~130 KB here, is below the 160 KB payload, and on this "
+    "shared 2-core machine a rank is not always scheduled to drain its socket); medians are at the one-way time.",
     "(b) The engine's payload is larger than plan.outer_payload_bytes when a tile is not 64 x 64 (d_ff = 688: "
     "43 x 64 tiles): compress.topk_per_chunk rounds k (2752 * 32 / 4096 = 21.5 -> 22) where plan.chunk_topk "
     "floors (21); plan also leaves out the 16-byte payload header and the 4-byte alignment of each tensor.",
@@ -614,6 +646,7 @@ def plot(result: dict, path: str) -> None:
     b = [p for p in result["points"] if p["part"] == "b"]
     ours = [p for p in b if p["method"] == "ours" and p["replica_bw_bps"]]
     dense = [p for p in b if p["method"] == "dense" and p["replica_bw_bps"]]
+    dense_x = [p for p in b if p["method"] == "dense_exchange" and p["replica_bw_bps"]]
     probe = [p for p in b if p["method"] == "probe" and p["replica_bw_bps"]]
     unl = [p for p in b if p["method"] == "ours" and not p["replica_bw_bps"]]
     comp = unl[0]["outer_seconds"]["median"] if unl else 0.0
@@ -630,13 +663,20 @@ def plot(result: dict, path: str) -> None:
                          fmt="o", color="tab:blue", capsize=3, label="ours: engine outer step (median, min-max)")
     if probe:
         axes[2].plot([p["replica_bw_bps"] / 1e6 for p in probe], [p["all_gather_seconds"]["median"] for p in probe],
-                     "x", color="tab:cyan", label="gloo all_gather of our payload size alone")
+                     "x", color="tab:cyan", label="gloo's all_gather of our payload size alone")
+        axes[2].plot([p["replica_bw_bps"] / 1e6 for p in probe], [p["exchange_seconds"]["median"] for p in probe],
+                     "+", color="tab:purple", ms=9, label="the engine's exchange of our payload size alone")
     if dense:
         axes[2].plot(x2, [dense_time(g) for g in g2], "-", color="tab:gray", label="dense fp32: plan ring formula")
         axes[2].errorbar([p["replica_bw_bps"] / 1e6 for p in dense], [p["outer_seconds"]["median"] for p in dense],
                          yerr=[[p["outer_seconds"]["median"] - p["outer_seconds"]["min"] for p in dense],
                                [p["outer_seconds"]["max"] - p["outer_seconds"]["median"] for p in dense]],
-                         fmt="s", color="tab:gray", capsize=3, label="dense fp32 gloo all_reduce: measured")
+                         fmt="s", color="tab:gray", capsize=3, label="dense fp32, gloo's all_reduce: measured")
+    if dense_x:
+        axes[2].errorbar([p["replica_bw_bps"] / 1e6 for p in dense_x], [p["outer_seconds"]["median"] for p in dense_x],
+                         yerr=[[p["outer_seconds"]["median"] - p["outer_seconds"]["min"] for p in dense_x],
+                               [p["outer_seconds"]["max"] - p["outer_seconds"]["median"] for p in dense_x]],
+                         fmt="D", color="black", mfc="none", capsize=3, label="dense fp32, the engine's exchange: measured")
     axes[2].set(xscale="log", yscale="log", xlabel="replica-link bandwidth (Mbit/s)", ylabel="outer-sync time (s)",
                 title="(b) M=2, S=1: outer sync vs replica link")
     for ax in axes:
@@ -733,8 +773,15 @@ def main(argv: list[str] | None = None) -> int:
                                  "FLOPs per micro-batch / t_c, given to plan as tflops with mfu 1"},
             "b": {"stages": 1, "replicas": 2, "n_mb": N_MB_B, "inner_steps": H_B, "topk": 32, "chunk": 4096,
                   "replica_rates_bps": list(REPLICA_RATES),
-                  "dense": "gloo all_reduce of 4 * params bytes (fp32), direct, same namespaces and link"},
+                  "dense": "4 * params bytes (fp32), direct, same namespaces and link: gloo's all_reduce, and "
+                           "the engine's exchange (hetloco_ds.exchange.all_gather_payloads) + mean",
+                  "outer_sync_collective": "gloo: hetloco_ds.exchange.all_gather_payloads (every irecv posted "
+                                           "before any isend)"},
             "unlimited": f"the same htb class at {UNLIMITED / 1e9:g} Gbit/s",
+            "netlab": {"gso_max_segs": 1, "htb_burst": "tc default (1600 bytes at these rates)",
+                       "ack_priority": "TCP segments without payload in a priority-0 child of each link's "
+                                       "htb class, the rest in a priority-1 child; both share the link's rate",
+                       "ack_share": netlab.ACK_SHARE},
             "step_margin_s": MARGIN_S,
             "plan": {"overlap": False, "link_efficiency": LINK_EFF, "act_bytes": 4, "ids_bytes": 2, "latency": 0},
             "nice": " ".join(NICE), "OMP_NUM_THREADS": 1,

@@ -21,6 +21,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from . import optim, subspace
 from .config import HetlocoConfig
+from .exchange import all_gather_payloads
 from .meter import ByteMeter, get_meter, nbytes
 from .sparseloco.outer import SparseLoCoState
 
@@ -223,15 +224,16 @@ class HetlocoEngine(PipelineEngine):
     def outer_step(self) -> dict:
         """SparseLoCo outer step for this stage, inside this stage's data-parallel group.
 
-        Every rank of the group reaches the all-gather at the same local step with payloads of
-        the same length (the layout depends only on parameter shapes), so it cannot deadlock.
+        Every rank of the group reaches the all-gather (`exchange.all_gather_payloads`) at the
+        same local step with payloads of the same length (the layout depends only on parameter
+        shapes), so it cannot deadlock.
         """
         start = time.perf_counter()
         params = self.trainable_params()
         payload = self.outer.prepare(params)
         if self.num_replicas > 1:
-            gathered = [torch.empty_like(payload) for _ in range(self.num_replicas)]
-            dist.all_gather(gathered, payload, group=self.dp_group)
+            # all_gather on NCCL; on gloo a recv-first pairwise exchange (hetloco_ds.exchange says why)
+            gathered = all_gather_payloads(payload, self.dp_group)
             self.meter.add("sent", nbytes(payload), "outer_sync")
             self.meter.add("recv", nbytes(payload) * (self.num_replicas - 1), "outer_sync")
         else:

@@ -8,13 +8,33 @@ routes are never touched):
 
 Every rank reaches every other rank through the bridge. Shaping is on each rank's egress (hl0):
 an htb root whose unclassified traffic passes unshaped, plus one htb class per peer whose link
-has a rate, selected by a u32 match on the peer's address. A link is
+has a rate (with two children, below), selected by a u32 match on the peer's address. A link is
 
 * "stage": same replica, adjacent stages (activations one way, gradients the other);
 * "replica": same stage, different replicas (the SparseLoCo outer sync);
 * "other": anything else (rendezvous, DeepSpeed's global collectives), unshaped by default.
 
-Egress shaping on both ends makes each link full duplex at its rate, as plan.py assumes.
+Egress shaping on both ends makes each link full duplex at its rate, as plan.py assumes. Two
+details keep a transfer from moving faster or slower than bytes / rate:
+
+* no GSO burst: each hl0 gets `gso_max_segs 1` (the `gso_max_segs` argument), so TCP hands htb
+  one MTU-sized frame at a time. With GSO on (veth's default, gso_max_size 65536), htb passes a
+  whole 64 KB segment whenever its tokens are non-negative, so after an idle gap up to 64 KB
+  leave ahead of the rate (a 160 KB transfer at 5 Mbit/s took 0.81x bytes / rate; 0.98-1.0x
+  without GSO). htb's own burst / cburst is already one frame (tc's default at these rates:
+  1600 bytes). The price is CPU: a frame per skb caps a link at what the host can push frame by
+  frame (on the 2-core benchmark machine, under load, a 4 MB send took 84 ms on a 10 Gbit/s
+  class and 97 ms at 1 Gbit/s, i.e. ~0.4 Gbit/s): rates of ~1 Gbit/s and more are CPU-bound.
+  A larger gso_max_segs trades burst (gso_max_segs x 1448 bytes ahead of the rate after an
+  idle gap) for CPU; it applies to connections opened after the network is up.
+* ACKs first (`ack_priority`, on by default): each shaped link is an htb class at the link's
+  rate with two children that share it: TCP segments without payload (ACKs, SYNs) at priority
+  0, everything else at priority 1. With one FIFO per link, the ACKs of the data a rank
+  receives wait behind the data it sends on the same link (htb's leaf queue holds up to 1000
+  frames, 2.4 s at 5 Mbit/s); when both directions of a pair are busy at once (an all-gather),
+  one direction then stalls for want of ACKs: a 160 KB exchange at 5 Mbit/s took 1.0x-1.6x a
+  one-way send. ACKs still count against the link's rate. Only payload-free segments jump
+  the queue: a segment with stream bytes overtaking earlier ones would arrive out of order.
 
 Latency is *not* applied: this kernel has no netem (nor prio/ifb to build a delay from), so the
 harness only limits rate; link latency lives in the cost model (`plan.predict(stage_latency=...)`).
@@ -46,6 +66,13 @@ IFACE = "hl0"
 """The veth interface name inside every rank namespace (use it for *_SOCKET_IFNAME)."""
 SUBNET = "10.77"
 """Rank i gets SUBNET.{(i+1)//256}.{(i+1)%256}/16 — inside its own namespace only."""
+
+CHILD_STRIDE = 0x5000
+MAX_WORLD = CHILD_STRIDE - 16
+"""htb minor ids are 16 bits: a link to peer j is 1:(j+16), its children add CHILD_STRIDE, 2 x it."""
+ACK_SHARE = 0.02
+"""Share of a link's rate guaranteed to its ACK child (the ACKs of a full-rate transfer the other
+way take ~2%); each child may borrow up to the whole rate."""
 
 Coords = tuple[int, int]  # (replica, stage)
 
@@ -156,7 +183,7 @@ def available() -> tuple[bool, str]:
     """(True, '') if this process can build shaped namespaces, else (False, why).
 
     Checks root, the `ip` and `tc` tools, and then builds and deletes a probe: two namespaces, a
-    veth pair between them, an htb qdisc with a class and a u32 filter.
+    veth pair between them (GSO limited), an htb qdisc with a class, a child and a u32 filter.
     """
     if os.geteuid() != 0:
         return False, "network namespaces need root (euid is %d)" % os.geteuid()
@@ -172,8 +199,11 @@ def available() -> tuple[bool, str]:
         _sh("tc", "-n", a, "qdisc", "add", "dev", IFACE, "root", "handle", "1:", "htb", "default", "0")
         _sh("tc", "-n", a, "class", "add", "dev", IFACE, "parent", "1:", "classid", "1:10",
             "htb", "rate", "8mbit")
+        _sh("tc", "-n", a, "class", "add", "dev", IFACE, "parent", "1:10", "classid", "1:11",
+            "htb", "rate", "1mbit", "ceil", "8mbit", "prio", "0")
         _sh("tc", "-n", a, "filter", "add", "dev", IFACE, "parent", "1:", "protocol", "ip", "prio",
-            "1", "u32", "match", "ip", "dst", "10.77.0.2/32", "flowid", "1:10")
+            "1", "u32", "match", "ip", "dst", "10.77.0.2/32", *_PURE_ACK_MATCHES[0].split(), "flowid", "1:11")
+        _sh("ip", "-n", a, "link", "set", "dev", IFACE, "gso_max_segs", "1")
     except (RuntimeError, OSError) as e:
         return False, f"cannot build shaped namespaces: {e}"
     finally:
@@ -209,11 +239,16 @@ class ShapedNetwork:
         stage_rate_bps, replica_rate_bps: egress rate of each stage / replica link in bits/s;
             None leaves that class unshaped.
         other_rate_bps: rate for links of neither class (None = unshaped).
+        ack_priority: TCP segments without payload (ACKs) ahead of data on each shaped link,
+            inside its rate (module docstring); False = one FIFO per link.
+        gso_max_segs: TCP segments per skb on every rank's veth (module docstring); None keeps
+            the veth's default (GSO bursts of up to 64 KB).
     """
 
     def __init__(self, world: int, rank_coords: Callable[[int], Coords] | Sequence[Coords],
                  stage_rate_bps: float | None = None, replica_rate_bps: float | None = None,
-                 other_rate_bps: float | None = None):
+                 other_rate_bps: float | None = None, ack_priority: bool = True,
+                 gso_max_segs: int | None = 1):
         if not isinstance(world, int) or world < 1:
             raise ValueError(f"world must be a positive integer, got {world!r}")
         for name, r in (("stage_rate_bps", stage_rate_bps), ("replica_rate_bps", replica_rate_bps),
@@ -222,10 +257,16 @@ class ShapedNetwork:
                 raise ValueError(f"{name} must be > 0 bits/s or None, got {r!r}")
         get = rank_coords if callable(rank_coords) else rank_coords.__getitem__
         self.coords = [tuple(get(r)) for r in range(world)]
+        if world > MAX_WORLD:
+            raise ValueError(f"world must be at most {MAX_WORLD} (htb class ids), got {world}")
         if len(set(self.coords)) != world:
             raise ValueError(f"rank_coords maps two ranks to the same (replica, stage): {self.coords}")
         self.world = world
         self.rates = {"stage": stage_rate_bps, "replica": replica_rate_bps, "other": other_rate_bps}
+        self.ack_priority = ack_priority
+        if gso_max_segs is not None and not (isinstance(gso_max_segs, int) and 1 <= gso_max_segs <= 65535):
+            raise ValueError(f"gso_max_segs must be an integer in 1..65535 or None, got {gso_max_segs!r}")
+        self.gso_max_segs = gso_max_segs
         self.name = f"{PREFIX}{os.getpid()}-{random.randrange(16**6):06x}"
         self.hub = f"{self.name}-hub"
         self.namespaces = [f"{self.name}-{i}" for i in range(world)]
@@ -266,8 +307,10 @@ class ShapedNetwork:
             _sh("ip", "-n", self.hub, "link", "add", f"p{i}", "type", "veth",
                 "peer", "name", IFACE, "netns", ns)
             hub_cmds += [f"link set p{i} master br0", f"link set p{i} up"]
+            gso = [] if self.gso_max_segs is None else [f"link set dev {IFACE} gso_max_segs {self.gso_max_segs}"]
             _sh("ip", "-n", ns, "-batch", "-", input="\n".join([
                 "link set lo up",
+                *gso,  # no GSO burst past htb (module docstring)
                 f"addr add {self.addresses[i]}/16 dev {IFACE}",
                 f"link set {IFACE} up",
             ]) + "\n")
@@ -284,14 +327,43 @@ class ShapedNetwork:
             rate = self.rates[link_class(self.coords[i], self.coords[j])]
             if rate is None:
                 continue
-            cid = f"1:{j + 16:x}"
-            r = f"{int(rate)}bit"
-            cmds += [f"class add dev {IFACE} parent 1: classid {cid} htb rate {r} ceil {r}",
-                     f"filter add dev {IFACE} parent 1: protocol ip prio 1 u32 match ip dst "
-                     f"{self.addresses[j]}/32 flowid {cid}"]
+            cmds += self._class_commands("add", j, rate)
+            dst = f"match ip dst {self.addresses[j]}/32"
+            if self.ack_priority:  # segments without payload -> the ACK child
+                cmds += [f"filter add dev {IFACE} parent 1: protocol ip prio 1 u32 {dst} {m} flowid {_classid(j, 1)}"
+                         for m in _PURE_ACK_MATCHES]
+            cmds.append(f"filter add dev {IFACE} parent 1: protocol ip prio 2 u32 {dst} "
+                        f"flowid {_classid(j, 2 if self.ack_priority else 0)}")
         if cmds:  # unclassified traffic (default 0) bypasses shaping
             cmds.insert(0, f"qdisc add dev {IFACE} root handle 1: htb default 0")
         return cmds
+
+    def _class_commands(self, verb: str, peer: int, rate: float) -> list[str]:
+        """htb class(es) of the link to `peer` at `rate`: `verb` is "add" or "change"."""
+        def cls(parent: str, child: int, bps: float, prio: int | None = None) -> str:
+            r, c = f"{max(int(bps), 8)}bit", f"{int(rate)}bit"
+            tail = "" if prio is None else f" prio {prio}"
+            return f"class {verb} dev {IFACE} parent {parent} classid {_classid(peer, child)} htb rate {r} ceil {c}{tail}"
+
+        out = [cls("1:", 0, rate)]
+        if self.ack_priority:
+            small = rate * ACK_SHARE  # guaranteed share; either child may borrow up to the link rate
+            out += [cls(_classid(peer, 0), 1, small, 0), cls(_classid(peer, 0), 2, rate - small, 1)]
+        return out
+
+    def set_rate(self, bps: float, link: str | None = None) -> None:
+        """Change the rate of every shaped link (of class `link`: "stage", "replica", "other",
+        or all when None) to `bps` bits/s, while processes run. Only links shaped at start exist."""
+        if not (isinstance(bps, (int, float)) and bps > 0):
+            raise ValueError(f"bps must be > 0, got {bps!r}")
+        for i, ns in enumerate(self.namespaces):
+            cmds = []
+            for j in range(self.world):
+                cls = link_class(self.coords[i], self.coords[j])
+                if j != i and self.rates[cls] is not None and link in (None, cls):
+                    cmds += self._class_commands("change", j, bps)
+            if cmds:
+                _sh("tc", "-n", ns, "-batch", "-", input="\n".join(cmds) + "\n")
 
     def down(self) -> None:
         """Kill what runs in the namespaces and delete them; safe to call twice."""
@@ -400,9 +472,22 @@ class ShapedNetwork:
         out: dict[tuple[int, int], int] = {}
         for i, ns in enumerate(self.namespaces):
             text = _sh("tc", "-n", ns, "-s", "class", "show", "dev", IFACE, check=False).stdout
-            for m in re.finditer(r"class htb 1:([0-9a-f]+) .*?\n\s*Sent (\d+) bytes", text, re.S):
-                out[(i, int(m.group(1), 16) - 16)] = int(m.group(2))
+            for m in re.finditer(r"class htb 1:([0-9a-f]+) root .*?\n\s*Sent (\d+) bytes", text, re.S):
+                out[(i, int(m.group(1), 16) - 16)] = int(m.group(2))  # a link's class counts its children
         return out
+
+
+_PURE_ACK_MATCHES = [
+    f"match ip protocol 6 0xff match u8 0x05 0x0f at 0 match u16 {20 + 4 * doff:#06x} 0xffff at 2 "
+    f"match u8 {doff << 4:#04x} 0xf0 at 32" for doff in range(5, 16)]
+"""u32 keys of a TCP segment without payload: IPv4 header of 20 bytes, TCP data offset `doff`
+words, IP total length 20 + 4 * doff (ACKs with or without timestamps and SACK blocks, SYNs).
+Segments that carry stream bytes stay in order behind the link's other data."""
+
+
+def _classid(peer: int, child: int) -> str:
+    """htb class id of the link to `peer`: child 0 the link itself, 1 its ACKs, 2 the rest."""
+    return f"1:{(peer + 16) + child * CHILD_STRIDE:x}"
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
@@ -417,7 +502,8 @@ def run_shaped(cmd_for_rank: Callable[[int], Sequence[str]], world: int,
                stage_rate_bps: float | None, replica_rate_bps: float | None,
                timeout: float = 600.0, *, other_rate_bps: float | None = None,
                env: Mapping[str, str] | None = None, cwd: str | None = None,
-               fail_fast: float | None = 10.0) -> list[RankResult]:
+               fail_fast: float | None = 10.0, ack_priority: bool = True,
+               gso_max_segs: int | None = 1) -> list[RankResult]:
     """Build a shaped network, run one command per rank in it, tear it down; the results by rank.
 
     Example, the engine on 2 replicas x 4 stages with 100 Mbit/s stage links and 1 Gbit/s
@@ -427,5 +513,6 @@ def run_shaped(cmd_for_rank: Callable[[int], Sequence[str]], world: int,
                          8, deepspeed_coords(2), 100e6, 1e9, timeout=600)
         assert all(x.returncode == 0 for x in res)
     """
-    with ShapedNetwork(world, rank_coords, stage_rate_bps, replica_rate_bps, other_rate_bps) as net:
+    with ShapedNetwork(world, rank_coords, stage_rate_bps, replica_rate_bps, other_rate_bps,
+                       ack_priority, gso_max_segs) as net:
         return net.run(cmd_for_rank, timeout, env=env, cwd=cwd, fail_fast=fail_fast)

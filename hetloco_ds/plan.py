@@ -29,10 +29,16 @@ Model of one inner step (one optimizer step of one replica, n_mb micro-batches o
   - overlap=False: every transfer blocks the stage (DeepSpeed's PipelineEngine issues blocking
     p2p inside its instruction stream): n_mb transfers each way on the critical path,
     time = (n_mb + S - 1) * t_compute + n_mb * (t_fwd + t_bwd).
-* outer sync every H inner steps: each stage group all-gathers its compact payloads over a ring of
-  M replicas, (M - 1) * (payload * 8 / bw + latency); the S stage groups use disjoint links and
-  run at the same time, so the slowest stage group sets the time. It blocks (no overlap with the
-  inner loop) and is amortised as sync / H per inner step.
+* outer sync every H inner steps: each stage group all-gathers its compact payloads, every rank
+  sending its payload to the M - 1 others (NCCL: `all_gather`, a ring; gloo: the engine's
+  receive-first pairwise exchange, `hetloco_ds.exchange`), (M - 1) * (payload * 8 / bw + latency),
+  receiving at the same time (full duplex). This assumes each rank's outgoing bytes share one
+  link of rate bw (a ring hop, a site's uplink). Where every pair of ranks has a link of its own
+  (netlab's per-peer shaping), the exchange's M - 1 sends run side by side and take one payload
+  time: the formula then over-predicts by up to (M - 1)x for M > 2 (the shaped-link benchmark
+  measures M = 2, where the two agree). The S stage groups use disjoint links and run at the
+  same time, so the slowest stage group sets the time. It blocks (no overlap with the inner
+  loop) and is amortised as sync / H per inner step.
 * compute utilisation = compute time of the busiest stage / total time, with
   total = (n_mb + S - 1) * slot + sync / H = compute + bubble + link stall + outer sync.
 """
@@ -345,7 +351,7 @@ class Prediction:
     outer_bytes_per_replica: int
     """Sum of the payloads over a replica's stages (what one replica sends per outer step)."""
     outer_sync_time: float
-    """Per outer step: slowest stage group's ring all-gather."""
+    """Per outer step: slowest stage group's all-gather, (M - 1) payloads over each rank's link."""
     breakdown: dict[str, float]
     """Per inner step: compute (busiest stage), pipeline bubble, stage-link stall, outer sync / H."""
     total_time: float

@@ -64,14 +64,25 @@ def test_bad_arguments_name_the_value():
         netlab.ShapedNetwork(2, [(0, 0), (0, 1)], stage_rate_bps=-5)
     with pytest.raises(ValueError, match="same"):
         netlab.ShapedNetwork(2, [(0, 0), (0, 0)])
+    with pytest.raises(ValueError, match="gso_max_segs"):
+        netlab.ShapedNetwork(2, [(0, 0), (0, 1)], gso_max_segs=0)
 
 
 @needs_netns
 def test_teardown_on_error_leaves_no_namespace():
-    """An exception inside the context still deletes every namespace of the run."""
+    """An exception inside the context still deletes every namespace of the run (and, while it
+    is up, the veth has no GSO burst and set_rate changes every class of the link)."""
     with pytest.raises(RuntimeError, match="boom"):
         with netlab.ShapedNetwork(2, [(0, 0), (0, 1)], 8e6, None) as net:
             assert set(net.namespaces) <= set(netlab.list_namespaces())
+            # No GSO burst past htb; the link's class with its ACK and data children at the rate.
+            link = netlab._sh("ip", "-n", net.namespaces[0], "-d", "link", "show", netlab.IFACE).stdout
+            assert "gso_max_segs 1 " in link
+            classes = netlab._sh("tc", "-n", net.namespaces[0], "class", "show", "dev", netlab.IFACE).stdout
+            assert classes.count("ceil 8Mbit") == 3 and "prio 0" in classes
+            net.set_rate(2e6)
+            classes = netlab._sh("tc", "-n", net.namespaces[0], "class", "show", "dev", netlab.IFACE).stdout
+            assert classes.count("ceil 2Mbit") == 3
             raise RuntimeError("boom")
     assert not [n for n in netlab.list_namespaces() if n.startswith(net.name)]
 
