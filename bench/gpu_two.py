@@ -11,6 +11,16 @@ Configurations, each in 2 fresh processes (one per GPU, spawned by this script),
   b_ours_sl    HetlocoEngine, S = 1, M = 2, SparseLoCo H = `--inner-steps` (50): inner steps timed on their
                own, then `--outer-repeats` outer steps (each after one untimed inner step) timed on their own
   b_ds_dp      stock DeepSpeed PipelineEngine, S = 1, M = 2 (data parallel; gradient all-reduce every step)
+With `--compiled-rows` (opt-in; off by default, and then rows, keys and order are as without it), after those:
+  a_ours_r1_compiled  a_ours_r1 with hetloco.train.compile (torch.compile of each decoder layer and the loss,
+                      hetloco_ds.initialize.compile_stage)
+  a_ours_r8_compiled  a_ours_r8 (ratio 8, whatever `--ratios` says) with hetloco.train.compile
+  b_ours_sl_compiled  b_ours_sl with hetloco.train.compile
+  Their rows have the eager rows' fields; every row then also has "compile" (true / false). Compilation
+  happens in the untimed warm-up steps (at least 1 even under `--warmup 0`; see warmup_s_all), and a
+  compiled row may run `--compiled-timeout` (300 s) instead of `--config-timeout`. From run_gpu2.sh:
+  BENCH_GPU2_ARGS="--compiled-rows" BENCH_GPU2_TIMEOUT=480 bash bench/run_gpu2.sh (device tool timeout_s
+  600; ~2 min more than without).
 
 Every configuration: preset `--shape` (178M), vocab 32000, seq 2048, random tokens, micro-batch `--micro`
 (4) x gradient_accumulation_steps `--gas` (8) per optimizer step and replica (so an S = 2 pipeline runs 8
@@ -45,6 +55,7 @@ Bytes (per optimizer step):
 
     python bench/gpu_two.py --out $OUT/gpu_two.json       # the GPU run (bench/run_gpu2.sh)
     python bench/gpu_two.py --cpu-smoke                   # tiny, seq 64, gloo, 2 ranks, 1+2 steps
+    python bench/gpu_two.py --compiled-rows ...           # + the 3 compiled rows of ours (see above)
 """
 from __future__ import annotations
 
@@ -68,13 +79,27 @@ from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed a
 WORLD = 2
 
 
-def config_list(ratios: list[int]) -> list[dict]:
+COMPILED_ROWS = (("a_ours_r1", 2, 1), ("a_ours_r8", 2, 8), ("b_ours_sl", 1, 1))  # (eager name, S, ratio)
+
+
+def config_list(ratios: list[int], compiled_rows: bool = False) -> list[dict]:
+    """The configurations in run order; `compiled_rows` appends the compiled rows of ours and gives every
+    spec a "compile" key (without it no spec has one: the eager rows' JSON stays as it was)."""
     out = [dict(name="a_ours_r1", system="ours", stages=2, ratio=1)]
     out.append(dict(name="a_ds", system="ds", stages=2, ratio=1))
     out += [dict(name=f"a_ours_r{r}", system="ours", stages=2, ratio=r) for r in ratios]
     out.append(dict(name="b_ours_sl", system="ours", stages=1, ratio=1))
     out.append(dict(name="b_ds_dp", system="ds", stages=1, ratio=1))
+    if compiled_rows:
+        for spec in out:
+            spec["compile"] = False
+        out += [dict(name=f"{name}_compiled", system="ours", stages=s, ratio=r, compile=True, eager=name)
+                for name, s, r in COMPILED_ROWS]
     return out
+
+
+def args_configs(args) -> list[dict]:
+    return config_list([int(r) for r in args.ratios.split(",") if r], args.compiled_rows)
 
 
 def parse_args(argv=None):
@@ -93,6 +118,10 @@ def parse_args(argv=None):
     p.add_argument("--config-timeout", type=float, default=120.0, help="seconds per configuration (both ranks)")
     p.add_argument("--time-budget", type=float, default=300.0,
                    help="seconds; a configuration that would start after this is skipped")
+    p.add_argument("--compiled-rows", action="store_true",
+                   help="append a_ours_r1_compiled, a_ours_r8_compiled, b_ours_sl_compiled (hetloco.train.compile)")
+    p.add_argument("--compiled-timeout", type=float, default=300.0,
+                   help="seconds per compiled configuration (both ranks; compilation in the warm-up steps)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_two.json or bench/results/)")
     p.add_argument("--cpu-smoke", action="store_true", help="preset tiny, vocab 1024, seq 64, micro 2, gas 2, 1+2 steps, gloo")
     # internal: one rank of one configuration
@@ -100,7 +129,7 @@ def parse_args(argv=None):
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
         p.set_defaults(shape="tiny", vocab=1024, seq=64, micro=2, gas=2, warmup=1, steps=2, outer_repeats=2,
-                       config_timeout=400.0, time_budget=3000.0)
+                       config_timeout=400.0, time_budget=3000.0, compiled_timeout=1500.0)
     return p.parse_args(argv)
 
 
@@ -129,10 +158,12 @@ def run_ours(spec, cfg, args, part) -> None:
     stages, ratio = spec["stages"], spec["ratio"]
     b_part = stages == 1
     subspace = ({"ratio": ratio, "compressed_replicas": "all"} if ratio > 1 else {"compressed_replicas": "none"})
+    # Compiled rows: hetloco.train.compile; eager rows' config exactly as before (no compile key).
+    train = {"compile": True} if spec.get("compile") else {}
     # (a): M = 1, the outer step has no link to cross: H out of reach. (b): H = --inner-steps,
     # never reached inside the timed steps; the outer steps are timed on their own.
     raw = ours_config(args.micro, args.gas, stages, not args.no_bf16, args.inner_steps if b_part else 10**9,
-                      subspace, args.seq, max(256, cfg.vocab_size))
+                      subspace, args.seq, max(256, cfg.vocab_size), **train)
     part["ds_config"] = raw
     module, engine = build_ours(raw, cfg, args.seq, source="bench/gpu_two.py")
     part.update(ours_part_info(engine, module, cfg))
@@ -145,7 +176,9 @@ def run_ours(spec, cfg, args, part) -> None:
     def after(rec):
         return {"loss": rec.loss, "bytes": rec.bytes, "outer": rec.outer, "tokens": rec.tokens}
 
-    warm, timed, extras = timed_loop(step, args.warmup, args.steps, after)
+    # Compiled: torch.compile compiles in the first step(s), so at least one untimed warm-up step.
+    warmup = max(args.warmup, 1) if spec.get("compile") else args.warmup
+    warm, timed, extras = timed_loop(step, warmup, args.steps, after)
     part.update(warm_s=warm, step_s=timed, steps=extras, peak_mem_gib=peak_gib())
     if b_part:
         meter = get_meter()
@@ -186,7 +219,7 @@ def run_ds(spec, cfg, args, part) -> None:
 
 
 def worker_main(args) -> int:
-    spec = {c["name"]: c for c in config_list([int(r) for r in args.ratios.split(",") if r])}[args.worker]
+    spec = {c["name"]: c for c in args_configs(args)}[args.worker]
     run = run_ours if spec["system"] == "ours" else run_ds
     return run_worker(args, COUNTER, lambda cfg, part: run(spec, cfg, args, part), system=spec["system"], spec=spec)
 
@@ -202,6 +235,10 @@ def summarize(name: str, parts: list[dict], args) -> dict:
     for key in ("param_dtype", "grad_acc_dtype", "communication_data_type", "ds_config"):
         if key in p0:
             res[key] = p0[key]
+    if "compile" in p0["spec"]:  # only under --compiled-rows
+        res["compile"] = p0["spec"]["compile"]
+        if p0["spec"].get("eager"):
+            res["eager_config"] = p0["spec"]["eager"]
     step_lists = [p["step_s"] for p in parts]
     per_step = [max(xs) for xs in zip(*step_lists)]
     step = statistics.median(per_step)
@@ -305,66 +342,85 @@ def print_tables(report: dict) -> None:
     print(f"shape {s['shape']}  vocab {s['vocab']}  seq {s['seq']}  micro {s['micro']}  gas {s['gas']}  "
           f"bf16 {not s['no_bf16']}  median of {s['steps']} steps after {s['warmup']}")
     rows = report["results"]
+    w = max([12] + [len(r["config"]) for r in rows])  # config column: 12 unless compiled rows are there
     print("\n(a) S = 2, M = 1: stage link, bytes per optimizer step (measured / analytic)")
-    print(f"{'config':12} {'step ms':>8} {'tok/s/GPU':>10} {'activation sent':>23} {'activation_grad sent':>23} "
+    print(f"{'config':{w}} {'step ms':>8} {'tok/s/GPU':>10} {'activation sent':>23} {'activation_grad sent':>23} "
           f"{'match':>5} {'link x':>6} {'peakGiB':>7}")
     base = next((r.get("stage_link_bytes_per_step") for r in rows if r["config"] == "a_ours_r1"), None)
     for r in rows:
         if not r["config"].startswith("a_"):
             continue
         if "step_s_median" not in r:
-            print(f"{r['config']:12}  -- {str(r.get('error') or r.get('skipped'))[:100]}")
+            print(f"{r['config']:{w}}  -- {str(r.get('error') or r.get('skipped'))[:100]}")
             continue
         sl = r["stage_link"]
         a = f"{sl['activation_sent']} / {sl['activation_sent_analytic']}"
         g = f"{sl['activation_grad_sent']} / {sl['activation_grad_sent_analytic']}"
         x = f"{base / r['stage_link_bytes_per_step']:6.1f}" if base and r.get("stage_link_bytes_per_step") else f"{'-':>6}"
-        print(f"{r['config']:12} {r['step_s_median'] * 1e3:8.1f} {r['tokens_per_s_per_gpu']:10.0f} {a:>23} {g:>23} "
+        print(f"{r['config']:{w}} {r['step_s_median'] * 1e3:8.1f} {r['tokens_per_s_per_gpu']:10.0f} {a:>23} {g:>23} "
               f"{str(sl['match']):>5} {x} {str(r['peak_mem_gib']):>7}")
-    print(f"{'':12} link x = a_ours_r1's stage-link bytes / this row's; analytic per micro-batch: forward "
+    print(f"{'':{w}} link x = a_ours_r1's stage-link bytes / this row's; analytic per micro-batch: forward "
           "b*L*k*2 (+ b*L*2 int16 ids when compressed; stock: + b*L*8 int64 ids), backward b*L*k*2")
     print("\n(b) S = 1, M = 2: replica link (bytes sent per GPU; payload convention, see JSON)")
-    print(f"{'config':12} {'step ms':>8} {'tok/s/GPU':>10} {'outer ms':>8} {'tok/s/GPU H':>11} "
+    print(f"{'config':{w}} {'step ms':>8} {'tok/s/GPU':>10} {'outer ms':>8} {'tok/s/GPU H':>11} "
           f"{'B/step/GPU':>11} {'B/outer':>9} {'peakGiB':>7}")
     for r in rows:
         if not r["config"].startswith("b_"):
             continue
         if "step_s_median" not in r:
-            print(f"{r['config']:12}  -- {str(r.get('error') or r.get('skipped'))[:100]}")
+            print(f"{r['config']:{w}}  -- {str(r.get('error') or r.get('skipped'))[:100]}")
             continue
         outer = f"{r['outer_step_s_median'] * 1e3:8.1f}" if r.get("outer_step_s_median") is not None else f"{'-':>8}"
         amort = (f"{r['tokens_per_s_per_gpu_amortized']:11.0f}" if "tokens_per_s_per_gpu_amortized" in r
                  else f"{r['tokens_per_s_per_gpu']:11.0f}")
-        print(f"{r['config']:12} {r['step_s_median'] * 1e3:8.1f} {r['tokens_per_s_per_gpu']:10.0f} {outer} {amort} "
+        print(f"{r['config']:{w}} {r['step_s_median'] * 1e3:8.1f} {r['tokens_per_s_per_gpu']:10.0f} {outer} {amort} "
               f"{fmt_bytes(r.get('dp_bytes_per_step_per_gpu')):>11} {fmt_bytes(r.get('outer_bytes_sent_per_gpu')):>9} "
               f"{str(r['peak_mem_gib']):>7}")
         if "dp_analytic" in r:
             a = r["dp_analytic"]
-            print(f"{'':12} analytic: grad all-reduce {fmt_bytes(a['grad_all_reduce_payload'])} + param all-gather "
+            print(f"{'':{w}} analytic: grad all-reduce {fmt_bytes(a['grad_all_reduce_payload'])} + param all-gather "
                   f"{fmt_bytes(a['param_all_gather_sent'])} sent = {fmt_bytes(a['sent_per_gpu'])} "
                   f"(P = {r['n_params']}; ring wire {fmt_bytes(a['ring_wire_sent_per_gpu'])})")
             ops = {k: (o["calls"], fmt_bytes(o["sent"])) for k, o in r["collectives_per_step_rank"][0].items()}
-            print(f"{'':12} measured ops (calls, sent): {ops}")
+            print(f"{'':{w}} measured ops (calls, sent): {ops}")
         if "H" in r:
-            print(f"{'':12} H = {r['H']}: tok/s/GPU H = (H inner + 1 outer) amortised; B/step/GPU = outer/H "
+            print(f"{'':{w}} H = {r['H']}: tok/s/GPU H = (H inner + 1 outer) amortised; B/step/GPU = outer/H "
                   f"(inner steps send {r['inner_step_bytes_sent_per_gpu']} B); payload {r['outer_payload_bytes']} B")
     by = {r["config"]: r for r in rows}
     ours, ds = by.get("b_ours_sl", {}), by.get("b_ds_dp", {})
     if ours.get("dp_bytes_per_step_per_gpu") and ds.get("dp_bytes_per_step_per_gpu"):
-        print(f"{'':12} replica-link bytes per step per GPU, stock / ours: "
+        print(f"{'':{w}} replica-link bytes per step per GPU, stock / ours: "
               f"{ds['dp_bytes_per_step_per_gpu'] / ours['dp_bytes_per_step_per_gpu']:.0f}x")
+    pairs = [(r, by.get(r.get("eager_config"), {})) for r in rows if r.get("compile") and "step_s_median" in r]
+    if pairs:
+        print("\ncompiled vs eager (hetloco.train.compile; compile time is in the untimed warm-up, warmup_s_all)")
+        print(f"{'config':{w}} {'step ms':>8} {'eager ms':>8} {'speed-up':>8} {'warm-up s':>9} {'same bytes':>10} "
+              f"{'loss':>9} {'eager loss':>10}")
+        for r, e in pairs:
+            key = "stage_link_bytes_per_step" if r["config"].startswith("a_") else "dp_bytes_per_step_per_gpu"
+            warm = max(sum(x) for x in r["warmup_s_all"])  # the slower rank's untimed warm-up
+            e_ms = f"{e['step_s_median'] * 1e3:8.1f}" if "step_s_median" in e else f"{'-':>8}"
+            speed = f"{e['step_s_median'] / r['step_s_median']:8.2f}" if "step_s_median" in e else f"{'-':>8}"
+            same_b = str(r.get(key) == e.get(key)) if "step_s_median" in e else "-"
+            e_loss = f"{e['last_loss'][-1]:10.4f}" if "step_s_median" in e else f"{'-':>10}"
+            print(f"{r['config']:{w}} {r['step_s_median'] * 1e3:8.1f} {e_ms} {speed} {warm:9.1f} {same_b:>10} "
+                  f"{r['last_loss'][-1]:9.4f} {e_loss}")
 
 
 def driver_main(args) -> int:
     t0 = time.perf_counter()
     out_path = driver_setup(args, "gpu_two.json")
-    configs = config_list([int(r) for r in args.ratios.split(",") if r])
+    configs = args_configs(args)
+    compiled = {c["name"] for c in configs if c.get("compile")}
     names = pick_configs([c["name"] for c in configs], args.configs, sorted(c["name"] for c in configs))
     report = new_report(
         args, "this script spawns 2 processes per configuration (fresh), one per GPU; the driver writes this file",
         __doc__.split("Bytes (per optimizer step):")[1].split("    python")[0].strip())
+    if not args.compiled_rows:  # flag off: the JSON exactly as before the flag existed
+        for key in ("compiled_rows", "compiled_timeout"):
+            report["settings"].pop(key)
     passthru = worker_argv(args, ["--shape", "--vocab", "--seq", "--micro", "--gas", "--ratios", "--warmup", "--steps",
-                                  "--inner-steps", "--outer-repeats"], ["--no-bf16", "--cpu-smoke"])
+                                  "--inner-steps", "--outer-repeats"], ["--no-bf16", "--cpu-smoke", "--compiled-rows"])
     ok = True
     with tempfile.TemporaryDirectory(prefix="gpu_two_") as tmp:
         for name in names:
@@ -376,7 +432,8 @@ def driver_main(args) -> int:
                 ok = False
                 continue
             print(f"[gpu_two] {name} ({elapsed:.0f} s) ...", flush=True)
-            parts, error, wall = spawn_workers(__file__, name, WORLD, passthru, tmp, args.config_timeout,
+            limit = args.compiled_timeout if name in compiled else args.config_timeout  # room to compile
+            parts, error, wall = spawn_workers(__file__, name, WORLD, passthru, tmp, limit,
                                                args.cpu_smoke, "gpu_two", tail_chars=3000)
             res, row_ok = config_row(report, name, parts, error, lambda: summarize(name, parts, args))
             ok = ok and row_ok

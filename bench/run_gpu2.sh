@@ -10,6 +10,11 @@
 #
 # BENCH_SMOKE=1 bash bench/run_gpu2.sh   the same sequence on this CPU (gloo, tiny, seq 64), no wheel
 # install (checks the script itself; OUT defaults to /tmp/bench_smoke_out2).
+#
+# BENCH_GPU2_ARGS: extra gpu_two.py flags (device and smoke mode), e.g. "--compiled-rows" (+3 rows of ours
+# under hetloco.train.compile: a_ours_r1_compiled, a_ours_r8_compiled, b_ours_sl_compiled; ~2 min more
+# on the GPUs, so give it BENCH_GPU2_TIMEOUT=480 and the device tool timeout_s 600). BENCH_GPU2_TIMEOUT:
+# gpu_two.py's outer limit in seconds (default 420 on the device, 900 in smoke mode).
 source "$(dirname "$0")/_gpu_env.sh" || exit 1   # pipefail, link settings, wheels, env check
 bench_begin run_gpu2 /tmp/bench_smoke_out2
 # gpu_two.py sets RANK / WORLD_SIZE / MASTER_PORT for each of its 2 worker processes itself.
@@ -17,11 +22,11 @@ unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_PORT
 
 if [ "$SMOKE" = 1 ]; then
   bench_smoke_path
-  ARGS="--cpu-smoke"; TIMEOUT=900; NEED=0
+  ARGS="--cpu-smoke ${BENCH_GPU2_ARGS:-}"; TIMEOUT=${BENCH_GPU2_TIMEOUT:-900}; NEED=0
 else
   bench_install_wheels || exit 1
   bench_nvidia_smi topo
-  ARGS="${BENCH_GPU2_ARGS:-}"; TIMEOUT=420; NEED=2
+  ARGS="${BENCH_GPU2_ARGS:-}"; TIMEOUT=${BENCH_GPU2_TIMEOUT:-420}; NEED=2
 fi
 
 stamp "environment"

@@ -92,6 +92,13 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def corpus_label(description: str) -> str:
+    """A few words for the plot title from the corpus description the run recorded."""
+    if "site-packages" in description:
+        return "Python sources corpus"
+    return "stdlib corpus" if "standard library" in description else description.split("(")[0].strip()[:40]
+
+
 def plot(summary: list[dict], meta: dict, path: str) -> None:
     import matplotlib
 
@@ -99,7 +106,7 @@ def plot(summary: list[dict], meta: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, source, title in ((axes[0], "ours", f"this repo: {meta['model']}, stdlib corpus, {meta['steps']} steps"),
+    for ax, source, title in ((axes[0], "ours", f"this repo: {meta['model']}, {corpus_label(meta['data'])}, {meta['steps']} steps"),
                               (axes[1], "paper", "paper: 512M, DCLM, 10B tokens (Table 2)")):
         for kind, marker in (("pp", "o-"), ("het", "s--")):
             pts = sorted((r["ratio"], r) for r in summary
