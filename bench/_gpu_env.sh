@@ -1,5 +1,5 @@
 # Shared preamble of the GPU bench scripts: sourced (not run) by bench/run_gpu.sh, run_gpu2.sh and
-# run_gpu4.sh, and usable by bench/run_tables.sh. One copy of the link settings, the wheel install and
+# run_gpu4.sh and run_tables.sh. One copy of the link settings, the wheel install and
 # the environment check, so a fix to them (a new pin, a new env switch) reaches every device call.
 #
 #   source "$(dirname "$0")/_gpu_env.sh"

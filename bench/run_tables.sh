@@ -1,26 +1,24 @@
 #!/usr/bin/env bash
 # One GPU call of the paper-table rows (bench/paper_tables.py) over every visible GPU, PROCS_PER_GPU
-# worker processes on each, optionally after the throughput bench. Device tool, carry [".whl", ".benchdata"]:
+# worker processes on each. Device tool, carry [".whl", ".benchdata/code_bpe8192_seq256.pt"]:
 #   calibrate: CALIBRATE=1 PROCS=1,4,8,12 STEPS=20 TAG=cal bash bench/run_tables.sh
 #   full run:  STEPS=1500 SEEDS=0,1 PROCS_PER_GPU=6 TAG=h200x2 bash bench/run_tables.sh
 # Each worker rewrites $OUT/paper_tables_${TAG}_g<gpu>p<proc>.json after every row it finishes and
 # starts no row that would end after BUDGET seconds (judged by its previous row). Optional: ROWS
 # (default: all 12), MODEL (20M), DEVICE (cuda), DATA (.benchdata/code_bpe8192_seq256.pt, made by
 # bench/make_code_corpus.py; carry it instead of the whole .benchdata to stay under 64 MiB). The summary of this run goes to $OUT/summary.
-set -o pipefail
+source "$(dirname "$0")/_gpu_env.sh" || exit 1   # pipefail, link settings, wheels (shared with run_gpu*.sh)
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}" "${TAG:?TAG must be set}"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda
+BENCH_TAG=run_tables
 export MASTER_ADDR=127.0.0.1 MASTER_PORT=29512 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:.
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/card_$TAG.txt"
-nproc | tee -a "$OUT/card_$TAG.txt"
-if [ "${THROUGHPUT:-0}" = 1 ]; then
-  timeout -k 10 300 python3 bench/gpu_throughput.py --time-budget 120 --systems ours,ds,hf --extra "" --profile-shapes 178M --out "$OUT/gpu_throughput.json" 2>&1 \
-    | grep --line-buffered -v -E '^(CPU Virtual Memory|MA [0-9.]+ GB)|WARNING' | tail -30
+if [ "${DEVICE:-cuda}" = cuda ]; then
+  bench_install_wheels || exit 1
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/card_$TAG.txt"
+else
+  bench_smoke_path
 fi
+nproc | tee -a "$OUT/card_$TAG.txt"
 args=(--data "${DATA:-.benchdata/code_bpe8192_seq256.pt}" --model "${MODEL:-20M}" --seeds "${SEEDS:-0,1}" --steps "${STEPS:-300}"
       --device "${DEVICE:-cuda}" --procs-per-gpu "${PROCS_PER_GPU:-6}" --budget-s "${BUDGET:-540}" --tag "$TAG" --out "$OUT")
 [ -n "${ROWS:-}" ] && args+=(--rows "$ROWS")
