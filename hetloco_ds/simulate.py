@@ -283,7 +283,9 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     # Losses stay on the device until an outer step (which syncs anyway), every 50 steps or the
     # end: the host never waits on the device between those, so it keeps queueing work.
     pending: list[torch.Tensor] = []
-    synced: set[int] = set()
+
+    def syncs(step: int) -> bool:
+        return hetloco.sparseloco.enabled and (step % H == 0 or step == steps)
 
     def flush() -> None:
         first = len(history) + 1
@@ -296,7 +298,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         for step in range(first, len(history) + 1):
             for m, loss in enumerate(history[step - 1]):
                 stage_bytes = link["stage_links_per_step"][m]
-                sync = link["outer_payload_per_replica"] * stages if step in synced else 0
+                sync = link["outer_payload_per_replica"] * stages if syncs(step) else 0
                 out.write(json.dumps({
                     "kind": "step", "variant": variant.name, "step": step, "replica": m, "loss": loss,
                     "tokens": tokens_per_step, "seconds": None,
@@ -307,10 +309,9 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
 
     for step in range(1, steps + 1):
         pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
-        if hetloco.sparseloco.enabled and (step % H == 0 or step == steps):
+        if syncs(step):
             sim.outer_step()
-            synced.add(step)
-        if step in synced or step == steps or len(pending) >= 50:
+        if syncs(step) or step == steps or len(pending) >= 50:
             flush()
     bar.close()
     val = sim.validation_loss(val_batches)
