@@ -203,7 +203,7 @@ def calibrate(args, gpus: list[str]) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True, help="torch file with int32 'train'/'val' blocks [N, seq]")
+    p.add_argument("--data", required=True, help="torch file with int16 or int32 'train'/'val' blocks [N, seq] (bench/make_code_corpus.py)")
     p.add_argument("--model", default="20M")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--stages", type=int, default=4)

@@ -63,3 +63,25 @@ def test_pipeline_loss_and_grads_match_transformers(stages, fixture, request):
     assert set(merged) == set(ref_grads), set(merged) ^ set(ref_grads)
     for name, g in ref_grads.items():
         torch.testing.assert_close(merged[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_rmsnorm_is_hf_in_fp32_and_keeps_bf16_under_autocast():
+    """model.RMSNorm computes exactly LlamaRMSNorm in fp32, and under bf16 autocast (fp32
+    weight, bf16 residual stream) returns bf16 equal to a bf16 LlamaRMSNorm's output. Breaks if
+    the fp32 weight promotes the output to fp32 again (the elementwise cost it exists to remove)
+    or if the normalisation itself changes."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hetloco_ds.model import RMSNorm
+
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(32, eps=1e-5), LlamaRMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        ref.weight.copy_(ours.weight)
+    x = torch.randn(3, 5, 32)
+    assert torch.equal(ours(x), ref(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ours(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, ref.bfloat16()(x.bfloat16()))
