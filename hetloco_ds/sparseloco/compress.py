@@ -4,16 +4,12 @@ Pure functions of tensors: no processes, no collectives, no optimizer state. Eve
 works on any device and on an optional leading batch dimension (a stack of same-shape
 tensors), so the outer step can compress all same-shape parameters of a stage in one pass.
 
-Chunking (METHOD.md, "Outer step")
-    2-D [R, C]: tiles of tr x tc, tr = largest divisor of R that is <= side, tc = largest
-    divisor of C that is <= side, side = isqrt(chunk_size) (64 for 4096). Tiles are numbered
-    row-major over the tile grid; each tile is flattened row-major into one chunk.
-    Anything else (1-D, 0-D, >= 3-D) is flattened; chunk length = largest divisor of numel
-    that is <= chunk_size.
+Chunking, k per chunk, index widths and section sizes are size rules: they live in
+`hetloco_ds.sizes` (shared with the cost model) and are only applied here. Tiles are numbered
+row-major over the tile grid; each tile is flattened row-major into one chunk.
 
 Top-k
-    k = topk_per_chunk(chunk_len) = min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
-    (Python's round: halves go to even). Selection is `torch.topk(|x|, k, sorted=False)` per
+    k = sizes.topk_per_chunk(chunk_len). Selection is `torch.topk(|x|, k, sorted=False)` per
     chunk; the *signed* values are sent. Ties in magnitude are broken however torch.topk
     breaks them on that device (PyTorch leaves it unspecified). Either choice is valid under
     error feedback (the entry not sent stays in the error buffer), and only the sender ever
@@ -55,22 +51,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .. import sizes
+from ..sizes import QUANT_BITS
+
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
-QUANT_BITS = (2, 4, 8)
-PAYLOAD_ALIGN = 4
 
 
 # --------------------------------------------------------------------------- chunking
-def largest_divisor(n: int, cap: int) -> int:
-    """The largest divisor of n that is <= cap (n >= 1, cap >= 1)."""
-    if n < 1 or cap < 1:
-        raise ValueError(f"largest_divisor needs n >= 1 and cap >= 1, got n={n}, cap={cap}")
-    for d in range(min(n, cap), 0, -1):
-        if n % d == 0:
-            return d
-    return 1  # unreachable: 1 divides n
-
-
 @dataclass(frozen=True)
 class ChunkLayout:
     """How a tensor of `shape` is cut into `n_chunks` chunks of `chunk_len` elements.
@@ -86,16 +73,8 @@ class ChunkLayout:
 
     @classmethod
     def for_shape(cls, shape, chunk_size: int = 4096) -> "ChunkLayout":
-        shape = tuple(int(s) for s in shape)
-        numel = math.prod(shape)
-        if numel == 0:
-            raise ValueError(f"cannot chunk an empty tensor of shape {shape}")
-        if len(shape) == 2:
-            side = math.isqrt(chunk_size)
-            tr, tc = largest_divisor(shape[0], side), largest_divisor(shape[1], side)
-            return cls(shape, numel // (tr * tc), tr * tc, (tr, tc))
-        length = largest_divisor(numel, chunk_size)
-        return cls(shape, numel // length, length, None)
+        c = sizes.chunking(shape, chunk_size)  # the rule lives in sizes
+        return cls(c.shape, c.n_chunks, c.chunk_len, c.tile)
 
     @property
     def numel(self) -> int:
@@ -155,11 +134,6 @@ class ChunkLayout:
 
 
 # --------------------------------------------------------------------------- top-k
-def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = 4096) -> int:
-    """k for a chunk of `chunk_len`: `topk` per `chunk_size`, scaled, at least 1, at most chunk_len."""
-    return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
-
-
 def topk_abs(chunks: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Per chunk (last axis) the k entries of largest magnitude: (signed values, int64 indices).
 
@@ -202,24 +176,6 @@ def dequantise(codes: Tensor, lut: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- packing
-def index_bits(chunk_len: int) -> int:
-    """Bits per in-chunk index on the wire: 12 up to 4096 elements, then 16, then 32."""
-    if chunk_len <= 1 << 12:
-        return 12
-    if chunk_len <= 1 << 16:
-        return 16
-    return 32
-
-
-def packed_index_nbytes(n: int, bits: int = 12) -> int:
-    return 3 * ((n + 1) // 2) if bits == 12 else n * (bits // 8)
-
-
-def packed_code_nbytes(n: int, bits: int) -> int:
-    per = 8 // bits
-    return (n + per - 1) // per
-
-
 def _pad_last(t: Tensor, multiple: int) -> Tensor:
     pad = (-t.shape[-1]) % multiple
     if pad == 0:
@@ -278,7 +234,6 @@ def unpack_codes(packed: Tensor, n: int, bits: int) -> Tensor:
         raise ValueError(f"code bits must be one of {QUANT_BITS}, got {bits}")
     if bits == 8:
         return packed[..., :n].to(torch.uint8)
-    per = 8 // bits
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
     out = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return out.reshape(*packed.shape[:-1], -1)[..., :n]
@@ -302,14 +257,16 @@ class Selection(NamedTuple):
     values: Tensor  # float32 signed values before quantisation
 
 
-def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype) -> None:
-    """One error naming the bad value, for every place these settings enter."""
-    if chunk_size < 1 or topk < 1:
-        raise ValueError(f"chunk_size and topk must be >= 1, got {chunk_size}, {topk}")
-    if quant_bits is not None and quant_bits not in QUANT_BITS:
-        raise ValueError(f"quant_bits must be None or one of {QUANT_BITS}, got {quant_bits}")
+def value_nbytes(value_dtype: torch.dtype) -> int:
+    """Wire bytes of one unquantised value; one error naming the dtype if it cannot travel."""
     if value_dtype not in VALUE_DTYPES:
         raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {value_dtype}")
+    return torch.empty((), dtype=value_dtype).element_size()
+
+
+def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype) -> None:
+    """One error naming the bad value, for every place these settings enter (`sizes.check_codec`)."""
+    sizes.check_codec(chunk_size, topk, quant_bits, value_nbytes(value_dtype))
 
 
 @dataclass(frozen=True)
@@ -330,37 +287,25 @@ class TensorCodec:
     n_selected: int = field(init=False)
     index_bits: int = field(init=False)
     nbytes: int = field(init=False)
+    _head_nbytes: int = field(init=False, repr=False)
+    _index_nbytes: int = field(init=False, repr=False)
+    _code_nbytes: int = field(init=False, repr=False)
     _tables: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype)
         shape = tuple(int(s) for s in self.shape)
-        layout = ChunkLayout.for_shape(shape, self.chunk_size)
-        k = topk_per_chunk(layout.chunk_len, self.topk, self.chunk_size)
-        n_sel = layout.n_chunks * k
-        ibits = index_bits(layout.chunk_len)
+        wire = sizes.tensor_wire(shape, self.chunk_size, self.topk, self.quant_bits, value_nbytes(self.value_dtype))
         set_ = object.__setattr__
         set_(self, "shape", shape)
-        set_(self, "layout", layout)
-        set_(self, "k", k)
-        set_(self, "n_selected", n_sel)
-        set_(self, "index_bits", ibits)
-        set_(self, "nbytes", _round_up(self._head_nbytes + self._index_nbytes + self._code_nbytes, PAYLOAD_ALIGN))
-
-    # section sizes (bytes): [head = values or lut][indices][codes][pad]
-    @property
-    def _head_nbytes(self) -> int:
-        if self.quant_bits is None:
-            return self.n_selected * torch.empty((), dtype=self.value_dtype).element_size()
-        return 4 << self.quant_bits  # float32 lut of 2**bits levels
-
-    @property
-    def _index_nbytes(self) -> int:
-        return packed_index_nbytes(self.n_selected, self.index_bits)
-
-    @property
-    def _code_nbytes(self) -> int:
-        return 0 if self.quant_bits is None else packed_code_nbytes(self.n_selected, self.quant_bits)
+        set_(self, "layout", ChunkLayout(shape, wire.chunks.n_chunks, wire.chunks.chunk_len, wire.chunks.tile))
+        set_(self, "k", wire.k)
+        set_(self, "n_selected", wire.n_selected)
+        set_(self, "index_bits", wire.index_bits)
+        set_(self, "nbytes", wire.nbytes)
+        # section sizes (bytes): [head = values or lut][indices][codes][pad]
+        set_(self, "_head_nbytes", wire.head_nbytes)
+        set_(self, "_index_nbytes", wire.index_nbytes)
+        set_(self, "_code_nbytes", wire.code_nbytes)
 
     def _positions(self, idx: Tensor) -> Tensor:
         """[B, n_chunks, k] in-chunk indices -> [B, n_selected] flat positions in each tensor."""
@@ -457,7 +402,3 @@ class TensorCodec:
         flat = target.view(target.shape[0], -1)  # raises for a non-contiguous `out`
         flat.scatter_(1, pos, flat.gather(1, pos) + values.to(flat.dtype))
         return out
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
