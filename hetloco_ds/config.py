@@ -99,9 +99,17 @@ class TrainConfig(_Section):
     """torch.compile each decoder layer and the loss (the first steps are slower while it compiles)."""
 
 
+class PipelineConfig(_Section):
+    schedule: Literal["overlapped", "blocking"] = "overlapped"
+    """overlapped: stage-link transfers run beside the compute (receives posted ahead, sends in the
+    background, 3(S-1-s)+1 micro-batches in flight on stage s). blocking: DeepSpeed's 1F1B, every
+    transfer stalls the stage. Same losses and parameters bit for bit; only timing differs."""
+
+
 class HetlocoConfig(_Section):
     sparseloco: SparseLoCoConfig = Field(default_factory=SparseLoCoConfig)
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
 
 

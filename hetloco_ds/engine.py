@@ -10,7 +10,9 @@ it differs from the stock engine in this, and nothing else:
   master weights across replicas and all-gathers them every step);
 - every H steps, the outer step of each stage inside that stage's data-parallel group;
 - its own sends and receives on the stage links, so every byte is counted, by kind, in this
-  engine's ByteMeter.
+  engine's ByteMeter;
+- by default its own schedule (`pipe.schedule.OverlappedTrainSchedule`): stage-link transfers
+  run beside the compute instead of blocking it (`hetloco.pipeline.schedule`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from .algorithm import StageAlgorithm
 from .config import RunConfig
 from .meter import ByteMeter, nbytes
 from .patches import PipelineEngineAdapter
-from .pipe.links import StageLinks
+from .pipe import order, schedule as pipe_schedule
+from .pipe.links import DirectedGroups, StageLinks
 from .transport.static import GroupTransport, PipeStageLink
 
 # DeepSpeed's PipelineEngine.__init__ puts these on the wire before our counters exist: a
@@ -55,6 +58,16 @@ def _ids(members) -> list:
 
 
 class HetlocoEngine(PipelineEngineAdapter):
+    INSTRUCTIONS = {
+        pipe_schedule.PostRecvActivation: "post_recv_activations",
+        pipe_schedule.WaitRecvActivation: "exec_wait_recv_activation",
+        pipe_schedule.SendActivationAsync: "exec_send_activation_async",
+        pipe_schedule.PostRecvGrad: "post_recv_grads",
+        pipe_schedule.WaitRecvGrad: "exec_wait_recv_grad",
+        pipe_schedule.SendGradAsync: "exec_send_grad_async",
+        pipe_schedule.WaitSends: "wait_sends",
+    }
+
     def __init__(self, *args, run: RunConfig, seq_len: int, **kwargs):
         self.run = run
         self.hetloco = hetloco = run.hetloco
@@ -67,10 +80,18 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
         self._count_deepspeed_init_traffic()
+        self.schedule = hetloco.pipeline.schedule
+        groups = None
+        if self.schedule == "overlapped" and self.num_stages > 1:
+            replicas = [[self.grid.stage_to_global(s, data=m) for s in range(self.num_stages)]
+                        for m in range(self.num_replicas)]
+            groups = DirectedGroups(replicas, self.global_rank, self.device, self.meter)
         self.links = StageLinks(
             self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
             self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None,
-            self.device, self.meter)
+            self.device, self.meter, groups, self.stage_id)
+        self.compute_seconds = 0.0
+        """Host seconds in forward and backward passes (CPU: the compute; CUDA: launch time)."""
         self.stage_link = PipeStageLink(self.pipe_group, self.grid.stage_to_global(0), self.is_first_stage(),
                                         self.num_stages, self.device, self.meter)
         self.transport = GroupTransport(self.dp_group, self.meter)
@@ -123,6 +144,56 @@ class HetlocoEngine(PipelineEngineAdapter):
         spec = [s for s in self._message_spec() if s[1].is_floating_point]
         grads = self.links.recv(spec, False, "activation_grad")
         return grads[0] if isinstance(outputs, torch.Tensor) else grads
+
+    # ------------------------------------------------- overlapped schedule (adapter hooks)
+    def train_schedule(self):
+        if self.schedule == "blocking":
+            return super().train_schedule()
+        return pipe_schedule.OverlappedTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+
+    @property
+    def _in_flight(self) -> int:
+        """Sends kept in flight: the micro-batches this stage holds (their tensors are alive anyway)."""
+        return order.depth(self.schedule, self.num_stages, self.stage_id, self.micro_batches)
+
+    def post_recv_activations(self, micro_batch):
+        self.links.post_recv(micro_batch, self._message_spec(), True, "activation")
+
+    def wait_recv_activations(self, micro_batch):
+        message = self.links.wait_recv(micro_batch, True)
+        for t in message:
+            t.requires_grad = t.is_floating_point()
+        return message[0] if len(message) == 1 else tuple(message)
+
+    def isend_activations(self, outputs, micro_batch):
+        self.links.isend(outputs if isinstance(outputs, tuple) else (outputs,), True, "activation",
+                         keep=self._in_flight)
+
+    def post_recv_grads(self, micro_batch):
+        spec = [s for s in self._message_spec() if s[1].is_floating_point]
+        self.links.post_recv(micro_batch, spec, False, "activation_grad")
+
+    def wait_recv_grads(self, outputs, micro_batch):
+        grads = self.links.wait_recv(micro_batch, False)
+        return grads[0] if isinstance(outputs, torch.Tensor) else grads
+
+    def isend_grads(self, inputs, micro_batch):
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        self.links.isend([t.grad for t in inputs if t.is_floating_point()], False, "activation_grad",
+                         keep=self._in_flight)
+
+    def wait_sends(self):
+        self.links.wait_sends()
+
+    def forward_pass(self, buffer_id):
+        start = time.perf_counter()
+        super().forward_pass(buffer_id)
+        self.compute_seconds += time.perf_counter() - start
+
+    def backward_pass(self, buffer_id):
+        start = time.perf_counter()
+        super().backward_pass(buffer_id)
+        self.compute_seconds += time.perf_counter() - start
 
     def reduce_tied_grads(self):
         # Tied embedding/head gradients are summed over the replica's own first and last stage.

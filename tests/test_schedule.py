@@ -1,0 +1,165 @@
+"""The overlapped pipeline schedule: DeepSpeed's order where it should be, no deadlock, same bits."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from distributed import build_from_hf, run_ranks
+
+SEQ = 16
+VOCAB = 96
+
+
+def _instructions(schedule) -> list:
+    return [cmd for step in schedule for cmd in step]
+
+
+@pytest.mark.parametrize("stages", range(1, 9))
+@pytest.mark.parametrize("micro_batches", [1, 2, 5, 12])
+def test_blocking_order_is_deepspeeds_train_schedule(stages, micro_batches):
+    """order.compute_order("blocking") is the order of DeepSpeed's TrainSchedule passes, so the
+    cost model times the schedule the engine runs. Breaks if DeepSpeed changes its 1F1B warm-up."""
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
+
+    from hetloco_ds.pipe.order import compute_order
+
+    for s in range(stages):
+        sched = TrainSchedule(micro_batches, stages, s)
+        ds, fwd, bwd = [], 0, 0
+        for cmd in _instructions(sched):
+            if isinstance(cmd, ForwardPass):
+                ds.append(("F", fwd))
+                fwd += 1
+            elif isinstance(cmd, BackwardPass):
+                ds.append(("B", bwd))
+                bwd += 1
+        assert compute_order("blocking", stages, s, micro_batches) == ds
+
+
+def _run_streams(streams: list[list]) -> list[list[tuple[str, int]]]:
+    """Execute every stage's instruction stream with instant links: a wait blocks until the
+    peer has issued the matching send, and must follow its own posted receive. Returns
+    each stage's compute order; raises on deadlock or a message out of order."""
+    from hetloco_ds.pipe import schedule as ps
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
+
+    S = len(streams)
+    pos = [0] * S
+    sent = {("act", s): [] for s in range(S)} | {("grad", s): [] for s in range(S)}  # by receiver
+    posted = {("act", s): [] for s in range(S)} | {("grad", s): [] for s in range(S)}
+    waited = {("act", s): 0 for s in range(S)} | {("grad", s): 0 for s in range(S)}
+    done = [[] for _ in range(S)]
+    while any(pos[s] < len(streams[s]) for s in range(S)):
+        progressed = False
+        for s in range(S):
+            while pos[s] < len(streams[s]):
+                cmd = streams[s][pos[s]]
+                if isinstance(cmd, ps.PostRecvActivation):
+                    posted[("act", s)].append(cmd.micro_batch)
+                elif isinstance(cmd, ps.PostRecvGrad):
+                    posted[("grad", s)].append(cmd.micro_batch)
+                elif isinstance(cmd, (ps.SendActivationAsync, ps.SendGradAsync)):
+                    key = ("act", s + 1) if isinstance(cmd, ps.SendActivationAsync) else ("grad", s - 1)
+                    sent[key].append(cmd.micro_batch)  # non-blocking: moves once the receive is posted
+                elif isinstance(cmd, (ps.WaitRecvActivation, ps.WaitRecvGrad)):
+                    key = ("act", s) if isinstance(cmd, ps.WaitRecvActivation) else ("grad", s)
+                    if len(sent[key]) <= waited[key]:
+                        break  # blocked
+                    assert sent[key][waited[key]] == cmd.micro_batch
+                    assert cmd.micro_batch in posted[key], f"stage {s} waits for {key} {cmd.micro_batch} unposted"
+                    waited[key] += 1
+                elif isinstance(cmd, ForwardPass):
+                    done[s].append(("F", cmd.buffer_id))
+                elif isinstance(cmd, BackwardPass):
+                    done[s].append(("B", cmd.buffer_id))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise AssertionError(f"deadlock at {[str(streams[s][pos[s]]) for s in range(S) if pos[s] < len(streams[s])]}")
+    for key, n in waited.items():
+        assert n == len(posted[key]) == len(sent[key]), (key, n, posted[key], sent[key])
+    return done
+
+
+@pytest.mark.parametrize("stages", range(2, 9))
+@pytest.mark.parametrize("micro_batches", [1, 3, 8, 32])
+def test_overlapped_schedule_never_deadlocks_and_backwards_run_in_order(stages, micro_batches):
+    """Every stage's overlapped stream, run against its neighbours: each wait follows its posted
+    receive and is eventually met, in message order, nothing is left posted, and each
+    stage runs backward passes in micro-batch order (the gradient sum order of the blocking
+    schedule). Breaks on a receive posted too late or a wait that comes too early (deadlock)."""
+    from hetloco_ds.pipe.order import compute_order, depth
+    from hetloco_ds.pipe.schedule import OverlappedTrainSchedule
+
+    streams = [_instructions(OverlappedTrainSchedule(micro_batches, stages, s)) for s in range(stages)]
+    done = _run_streams(streams)
+    for s in range(stages):
+        order = compute_order("overlapped", stages, s, micro_batches)
+        w = depth("overlapped", stages, s, micro_batches)
+        assert done[s] == [(k, i % w) for k, i in order]
+        assert [i for k, i in order if k == "B"] == list(range(micro_batches))
+        assert w == min(micro_batches, 3 * (stages - 1 - s) + 1)
+
+
+# ---------------------------------------------------------------------------- processes
+def _config(schedule: str, tied_embeddings: str | None = None) -> dict:
+    sparseloco = {"inner_steps": 2, "topk": 32, "error_decay": 0.95, "outer_lr": 1.0}
+    if tied_embeddings is not None:
+        sparseloco["tied_embeddings"] = tied_embeddings
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        "gradient_clipping": 1.0,
+        "pipeline": {"stages": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "hetloco": {
+            "sparseloco": sparseloco,
+            "subspace": {"ratio": 4, "compressed_replicas": [1]},
+            "pipeline": {"schedule": schedule},
+            "train": {"seq_len": SEQ},
+        },
+    }
+
+
+def _batches(replica: int, step: int):
+    g = torch.Generator().manual_seed(1000 * replica + step)
+    ids = torch.randint(0, VOCAB, (3, 2, SEQ), generator=g)
+    return [(m, m) for m in ids]
+
+
+def _digest(module) -> str:
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _both_schedules_body(rank, hf_dir, steps, tied_embeddings):
+    """Train `steps` steps under each schedule in turn, from the same checkpoint and batches."""
+    out = {}
+    for schedule in ("blocking", "overlapped"):
+        engine, module, _ = build_from_hf(hf_dir, _config(schedule, tied_embeddings), SEQ)
+        rows = []
+        for step in range(1, steps + 1):
+            rec = engine.train_batch(iter(_batches(engine.replica, step)))
+            rows.append((rec.loss, _digest(module), rec.outer is not None,
+                         rec.bytes["activation"], rec.bytes["activation_grad"]))
+        out[schedule] = rows
+    return out
+
+
+@pytest.mark.parametrize("fixture,tied_embeddings", [("hf_untied", None), ("hf_tied", "every_step"),
+                                                     ("hf_tied", "outer_step")])
+def test_overlapped_and_blocking_schedules_train_bitwise_alike(fixture, tied_embeddings, request):
+    """2 replicas x 2 stages, replica 1 compressed (ratio 4), 3 micro-batches a step, through an
+    outer step: every step's replica loss, every stage's parameters (hash of the bits) and the
+    stage-link bytes are the same under both schedules, for an untied model and a tied one
+    (either way of tying). Breaks if the overlapped schedule reorders gradient accumulation,
+    hands a micro-batch the wrong message or buffer, or drops or duplicates a transfer."""
+    hf_dir = request.getfixturevalue(fixture)
+    results = run_ranks(_both_schedules_body, 4, hf_dir, 3, tied_embeddings)
+    for r in results:
+        assert any(row[2] for row in r["blocking"])  # an outer step happened
+        assert r["overlapped"] == r["blocking"]
