@@ -40,6 +40,10 @@ class SparseLoCoConfig(_Section):
     """Quantise the selected values to this many bits with a per-tensor lookup table; null sends float32."""
     aggregation: Literal["mean", "selected_count"] = "mean"
     """mean: divide the sum by the replicas that contributed (paper eq. 2). selected_count: by how many selected each coordinate."""
+    tied_embeddings: Literal["outer_step", "every_step"] = "outer_step"
+    """A tied model split over stages (tie_word_embeddings, S > 1). outer_step: the embedding and the head copy
+    train separately between outer steps and are made equal again at each one from their sparse aggregates;
+    every_step: their gradients are all-reduced every step (a dense vocab x d tensor on the first-last stage link)."""
 
 
 class SubspaceConfig(_Section):

@@ -93,13 +93,15 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.compute_seconds = 0.0
         """Host seconds in forward and backward passes (CPU: the compute; CUDA: launch time)."""
         self.stage_link = PipeStageLink(self.pipe_group, self.grid.stage_to_global(0), self.is_first_stage(),
-                                        self.num_stages, self.device, self.meter)
+                                        self.num_stages, self.device, self.meter,
+                                        self.grid.stage_to_global(self.num_stages - 1), self.is_last_stage())
         self.transport = GroupTransport(self.dp_group, self.meter)
         cfg = self.module.llama_config
         self.algorithm = StageAlgorithm(
             self.trainable_params(), hetloco, replica=self.replica, num_replicas=self.num_replicas,
             hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, device=self.device,
-            embeddings=self.module.embeddings(), layers=list(self.module.local_layers().values()))
+            embeddings=self.module.embeddings(), layers=list(self.module.local_layers().values()),
+            tied=bool(cfg.tie_word_embeddings) and self.num_stages > 1)
         self.module.autocast_dtype = torch.bfloat16 if run.bf16 else None
         self.module.configure_boundary(self.algorithm.basis, torch.bfloat16 if run.bf16 else torch.float32)
         self.algorithm.setup(self.stage_link)
@@ -196,7 +198,9 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.compute_seconds += time.perf_counter() - start
 
     def reduce_tied_grads(self):
-        # Tied embedding/head gradients are summed over the replica's own first and last stage.
+        if self.algorithm.tied_apart:
+            return  # the copies train apart and meet at the outer step (StageAlgorithm.sync_embeddings)
+        # Exact tying: gradients summed over the replica's own first and last stage (dense V x d).
         for weight, group in self.module.get_tied_weights_and_groups():
             if weight.grad is not None:
                 dist.all_reduce(weight.grad, group=group)
@@ -222,8 +226,10 @@ class HetlocoEngine(PipelineEngineAdapter):
     # ---------------------------------------------------------------- compute
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.trainable_params() if p.grad is not None]
-        # A tied copy on a stage that is not its owner is counted once, by the owner.
-        sq = optim.grad_sq_norm([p.grad for p in params if self.module.tied_copy_owned(p, self.global_rank)])
+        # Exactly tied, a copy on a stage that is not its owner is counted once, by the owner;
+        # tied apart, the copies are two parameters with their own gradients.
+        sq = optim.grad_sq_norm([p.grad for p in params
+                                 if self.algorithm.tied_apart or self.module.tied_copy_owned(p, self.global_rank)])
         sq = sq.to(self.device)
         if self.num_stages > 1:
             dist.all_reduce(sq, group=self.pipe_group)

@@ -30,13 +30,16 @@ from .pipe.module import BoundaryCodec
 from .transport import Gathered, LocalStageLink
 
 
-def build_layers(config, seed: int) -> list[nn.Module]:
-    """All layers, each seeded by its index exactly as the pipeline seeds it (so the same model)."""
+def build_layers(config, seed: int, tied_apart: bool = False) -> list[nn.Module]:
+    """All layers, each seeded by its index exactly as the pipeline seeds it (so the same model).
+
+    A tied head is the embedding module itself (gradients add up: exact tying), or with
+    `tied_apart` a copy of it with parameters of its own, as the pipeline's last stage holds."""
     layers: list[nn.Module] = []
     tied: dict[str, nn.Module] = {}
     for idx, entry in enumerate(layer_list(config)):
         if entry.tied in tied:
-            layers.append(tied[entry.tied])  # the tied head: the same module, gradients add up
+            layers.append(copy.deepcopy(tied[entry.tied]) if tied_apart else tied[entry.tied])
             continue
         seed_layer(seed, idx)
         module = entry.build()
@@ -57,6 +60,7 @@ class Variant:
     embedding_adaptation: bool = True
     project_residual_weights: bool = False
     seed: int = 0
+    tied_embeddings: str | None = None  # "outer_step" | "every_step"; None keeps the config's
 
     def hetloco(self, base: HetlocoConfig, replicas: int) -> HetlocoConfig:
         cfg = base.model_copy(deep=True)
@@ -66,6 +70,8 @@ class Variant:
         cfg.subspace.ratio = self.ratio
         cfg.subspace.embedding_adaptation = self.embedding_adaptation
         cfg.subspace.project_residual_weights = self.project_residual_weights
+        if self.tied_embeddings is not None:
+            cfg.sparseloco.tied_embeddings = self.tied_embeddings
         cfg.train.seed = self.seed
         return cfg
 
@@ -91,11 +97,12 @@ class SimReplica:
                         params.append(p)
             self.stage_params.append(params)
         self.params = [p for ps in self.stage_params for p in ps]
+        tied = bool(config.tie_word_embeddings) and stages > 1
         self.algorithms = [
             StageAlgorithm(self.stage_params[s], hetloco, replica=replica, num_replicas=num_replicas,
                            hidden_size=config.hidden_size, vocab_size=config.vocab_size, device=device,
                            embeddings=[m for m in self.stage_layers(s) if isinstance(m, TokenEmbedding)],
-                           layers=self.stage_layers(s))
+                           layers=self.stage_layers(s), tied=tied)
             for s in range(stages)]
         self.links = LocalStageLink.for_replica(stages)
         wire = torch.bfloat16 if run.bf16 else torch.float32
@@ -152,7 +159,9 @@ class Simulation:
     def __init__(self, run: RunConfig, hetloco: HetlocoConfig, llama_config, replicas: int, stages: int, device):
         self.run, self.hetloco, self.M, self.S, self.device = run, hetloco, replicas, stages, device
         self.micro, self.gas = run.micro_batch, run.grad_accum
-        layers = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed)]
+        tied_apart = (bool(llama_config.tie_word_embeddings) and stages > 1 and hetloco.sparseloco.enabled
+                      and hetloco.sparseloco.tied_embeddings == "outer_step")
+        layers = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed, tied_apart)]
         self.replicas = [SimReplica(layers, run, hetloco, m, replicas, stages, device) for m in range(replicas)]
         self.members = tuple(str(m) for m in range(replicas))
         self.step = 0
@@ -175,12 +184,16 @@ class Simulation:
 
     def outer_step(self) -> dict:
         """Per stage: every replica prepares, the payloads are 'all-gathered' (a list), all
-        finish; stages in order, so each replica's first stage shares its T_S aggregate first."""
+        finish; then every stage syncs its embeddings, stages in order, after every owner of a
+        sparse aggregate has offered it (StageAlgorithm.finish)."""
         excluded: set[str] = set()
         for s in range(self.S):
             gathered = Gathered([r.algorithms[s].prepare() for r in self.replicas], self.members)
             for r in self.replicas:
                 excluded.update(r.algorithms[s].finish(gathered, r.links[s]).excluded)
+        for r in self.replicas:
+            for alg, link in zip(r.algorithms, r.links):
+                alg.sync_embeddings(link)
         self.outer_steps += 1
         return {"outer_step": self.outer_steps, "excluded": sorted(int(m) for m in excluded)}
 
@@ -308,9 +321,13 @@ def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Var
         compressed = {"pp": replicas, "het": replicas // 2}.get(kind, 0)
         if kind not in ("pp", "het", "sparseloco", "adamw"):
             raise ConfigError(f"--variants: unknown row {item!r}")
+        if flags - {"noadapt", "wproj", "tiestep", "tieouter"}:
+            raise ConfigError(f"--variants: unknown flag(s) {sorted(flags - {'noadapt', 'wproj', 'tiestep', 'tieouter'})} "
+                              f"in {item!r}")
+        tie = "every_step" if "tiestep" in flags else ("outer_step" if "tieouter" in flags else None)
         variants.append(Variant(name=f"{item}@seed{seed}", mode=mode, ratio=ratio if compressed else 1,
                                 compressed=compressed, embedding_adaptation="noadapt" not in flags,
-                                project_residual_weights="wproj" in flags, seed=seed))
+                                project_residual_weights="wproj" in flags, seed=seed, tied_embeddings=tie))
     return variants
 
 
@@ -347,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", type=int, help="virtual stages (default: the config's pipeline.stages)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--variants", default="sparseloco,pp:8,het:8",
-                   help="comma-separated rows: sparseloco, pp:R, het:R, adamw, adamw-pp:R, adamw-het:R; suffix :noadapt or :wproj")
+                   help="comma-separated rows: sparseloco, pp:R, het:R, adamw, adamw-pp:R, adamw-het:R; suffix :noadapt, "
+                        ":wproj, or for a tied model :tiestep / :tieouter (sparseloco.tied_embeddings every_step / outer_step)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="directory for results.json and metrics.jsonl")
