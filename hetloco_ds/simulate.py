@@ -86,6 +86,8 @@ class SimReplica:
         self.layers = copy.deepcopy(layers)
         config = self.layers[1].layer.self_attn.config
         self.parts = sizes.stage_parts(config.num_hidden_layers, stages)
+        # How each layer is called: the tied head through its forward_fn (logits = hidden @ TE^T).
+        self.calls = [e.forward_fn for e in layer_list(config)]
         self.stage_params = []
         seen: set[int] = set()
         for s in range(stages):
@@ -126,8 +128,8 @@ class SimReplica:
             for s in range(stages):
                 if s > 0:
                     x = self.codecs[s].decode(x)
-                for layer in self.stage_layers(s):
-                    x = layer(x)
+                for i in range(self.parts[s], self.parts[s + 1]):
+                    x = self.calls[i](self.layers[i], x) if self.calls[i] else self.layers[i](x)
                 if s < stages - 1:
                     x = self.codecs[s].encode(x)
         return causal_lm_loss(x, labels)

@@ -18,24 +18,22 @@ def _instructions(schedule) -> list:
 
 @pytest.mark.parametrize("stages", range(1, 9))
 @pytest.mark.parametrize("micro_batches", [1, 2, 5, 12])
-def test_blocking_order_is_deepspeeds_train_schedule(stages, micro_batches):
-    """order.compute_order("blocking") is the order of DeepSpeed's TrainSchedule passes, so the
-    cost model times the schedule the engine runs. Breaks if DeepSpeed changes its 1F1B warm-up."""
-    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass, TrainSchedule
+def test_blocking_ops_are_deepspeeds_train_schedule(stages, micro_batches):
+    """order.link_ops("blocking") is DeepSpeed's TrainSchedule instruction for instruction (its
+    sends, receives and passes, on the same buffers), so the cost model times the schedule the
+    engine runs. Breaks if DeepSpeed changes its 1F1B order or our copy of it drifts."""
+    from deepspeed.runtime.pipe import schedule as ds
 
-    from hetloco_ds.pipe.order import compute_order
+    from hetloco_ds.pipe.order import compute_order, link_ops
 
+    names = {ds.ForwardPass: "F", ds.BackwardPass: "B", ds.SendActivation: "send_act",
+             ds.RecvActivation: "recv_act", ds.SendGrad: "send_grad", ds.RecvGrad: "recv_grad"}
     for s in range(stages):
-        sched = TrainSchedule(micro_batches, stages, s)
-        ds, fwd, bwd = [], 0, 0
-        for cmd in _instructions(sched):
-            if isinstance(cmd, ForwardPass):
-                ds.append(("F", fwd))
-                fwd += 1
-            elif isinstance(cmd, BackwardPass):
-                ds.append(("B", bwd))
-                bwd += 1
-        assert compute_order("blocking", stages, s, micro_batches) == ds
+        sched = ds.TrainSchedule(micro_batches, stages, s)
+        theirs = [(names[type(c)], c.buffer_id) for c in _instructions(sched) if type(c) in names]
+        ops = link_ops("blocking", stages, s, micro_batches)
+        assert [(op, i % sched.num_pipe_buffers()) for op, i in ops] == theirs
+        assert [(op, i) for op, i in ops if op in "FB"] == compute_order("blocking", stages, s, micro_batches)
 
 
 def _run_streams(streams: list[list]) -> list[list[tuple[str, int]]]:

@@ -49,3 +49,67 @@ def compute_order(schedule: str, stages: int, stage_id: int, micro_batches: int)
         if i + w < micro_batches:
             order.append(("F", i + w))
     return order
+
+
+def _deepspeed_step(step_id: int, stages: int, stage_id: int) -> tuple[int, bool]:
+    """(micro-batch, is_forward) of DeepSpeed TrainSchedule's step `step_id` on `stage_id`."""
+    even_step, even_stage = step_id % 2 == 0, stage_id % 2 == 0
+    if even_step == even_stage:  # a forward step
+        base = step_id // 2 if even_step else (step_id - 1) // 2
+        return base - stage_id // 2, True
+    if even_step:  # odd stage, backward
+        return step_id // 2 - stages + (stage_id + 1) // 2, False
+    return (step_id - 1) // 2 - stages + 1 + stage_id // 2, False
+
+
+def link_ops(schedule: str, stages: int, stage_id: int, micro_batches: int) -> list[tuple[str, int]]:
+    """Every operation of one stage's training step in order, compute and link alike:
+
+    F, B                      forward, backward of micro-batch i
+    blocking:   send_act, recv_act, send_grad, recv_grad   (each waits for its transfer)
+    overlapped: post_act, wait_act, isend_act, post_grad, wait_grad, isend_grad
+
+    blocking is DeepSpeed's TrainSchedule instruction for instruction; overlapped is what
+    `pipe.schedule.OverlappedTrainSchedule` runs (it is generated from this list).
+    """
+    n, S, s = micro_batches, stages, stage_id
+    first, last = s == 0, s == S - 1
+    ops: list[tuple[str, int]] = []
+    if schedule == "blocking":
+        depth(schedule, S, s, n)  # validates
+        prev = -1
+        for step in range(2 * (n + S - 1)):
+            i, forward = _deepspeed_step(step, S, s)
+            if forward:
+                if 0 <= prev < n and not first:
+                    ops.append(("send_grad", prev))
+                if 0 <= i < n and not first:
+                    ops.append(("recv_act", i))
+            else:
+                if 0 <= i < n and not last:
+                    ops.append(("recv_grad", i))
+                if 0 <= prev < n and not last:
+                    ops.append(("send_act", prev))
+            if 0 <= i < n:
+                ops.append(("F" if forward else "B", i))
+            prev = i
+        return ops
+    ahead = 0 if first else depth(schedule, S, s - 1, n)
+    if not first:
+        ops += [("post_act", i) for i in range(min(ahead, n))]
+    for kind, i in compute_order(schedule, S, s, n):
+        if kind == "F":
+            if not first:
+                ops.append(("wait_act", i))
+                if i + ahead < n:
+                    ops.append(("post_act", i + ahead))
+            ops.append(("F", i))
+            if not last:
+                ops += [("isend_act", i), ("post_grad", i)]
+        else:
+            if not last:
+                ops.append(("wait_grad", i))
+            ops.append(("B", i))
+            if not first:
+                ops.append(("isend_grad", i))
+    return ops

@@ -12,7 +12,7 @@ transfer into a post and a wait:
     SendGradAsync(i)        isend right after BackwardPass(i)
     WaitSends()             at the end of the step: every send has completed
 
-and runs the passes in `order.compute_order("overlapped", ...)`. Why the posting distances
+in the order of `order.link_ops("overlapped", ...)` (the cost model times that same list). Why the posting distances
 cannot deadlock and always find a receive waiting:
 
 * stage s posts activation receives up to `depth(s - 1)` ahead of the one it consumes. The
@@ -41,7 +41,7 @@ from deepspeed.runtime.pipe.schedule import (
     ReduceTiedGrads,
 )
 
-from .order import compute_order, depth
+from .order import depth, link_ops
 
 
 class PostRecvActivation(PipeInstruction):
@@ -103,27 +103,18 @@ class OverlappedTrainSchedule(PipeSchedule):
     def steps(self):
         first, last = self.is_first_stage, self.is_last_stage
         w = self.num_pipe_buffers()
-        ahead = 0 if first else depth("overlapped", self.stages, self.stage_id - 1, self.micro_batches)
-        if not first:
-            yield [PostRecvActivation(i) for i in range(min(ahead, self.micro_batches))]
-        for kind, i in compute_order("overlapped", self.stages, self.stage_id, self.micro_batches):
-            buf = i % w
-            cmds = []
-            if kind == "F":
-                if not first:
-                    cmds.append(WaitRecvActivation(buf, i))
-                    if i + ahead < self.micro_batches:
-                        cmds.append(PostRecvActivation(i + ahead))
-                if first or last:
-                    cmds.append(LoadMicroBatch(buf))
-                cmds.append(ForwardPass(buf))
-                if not last:
-                    cmds += [SendActivationAsync(buf, i), PostRecvGrad(i)]
+        make = {
+            "post_act": lambda i: PostRecvActivation(i),
+            "wait_act": lambda i: WaitRecvActivation(i % w, i),
+            "isend_act": lambda i: SendActivationAsync(i % w, i),
+            "post_grad": lambda i: PostRecvGrad(i),
+            "wait_grad": lambda i: WaitRecvGrad(i % w, i),
+            "isend_grad": lambda i: SendGradAsync(i % w, i),
+            "B": lambda i: BackwardPass(i % w),
+        }
+        for op, i in link_ops("overlapped", self.stages, self.stage_id, self.micro_batches):
+            if op == "F":
+                yield ([LoadMicroBatch(i % w)] if first or last else []) + [ForwardPass(i % w)]
             else:
-                if not last:
-                    cmds.append(WaitRecvGrad(buf, i))
-                cmds.append(BackwardPass(buf))
-                if not first:
-                    cmds.append(SendGradAsync(buf, i))
-            yield cmds
+                yield [make[op](i)]
         yield [ReduceTiedGrads(), ReduceGrads(), OptimizerStep(), WaitSends()]
