@@ -233,7 +233,7 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "compute utilisation" in text and "dominant term" in text
     d = json.loads(out.read_text())
-    assert d["utilisation"] > 0.97 and d["k"] == 1024
+    assert d["utilisation"] > 0.94 and d["k"] == 1024
     assert plan.main(["--model", "7B"]) == 2
     assert "'7B'" in capsys.readouterr().err
 
