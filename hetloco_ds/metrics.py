@@ -58,13 +58,14 @@ def human_bytes(n: float) -> str:
 
 
 class Progress:
-    """tqdm bar on one rank: step, loss, tokens/s and bytes sent so far by kind."""
+    """tqdm bar on one rank: step, loss, tokens/s and bytes sent so far by kind (every kind the
+    meter counts: a dense tensor on a stage link shows, whatever it is labelled)."""
 
     def __init__(self, total: int, initial: int, enabled: bool, monitor=None):
         self.enabled = enabled
         self.monitor = monitor if (monitor is not None and getattr(monitor, "enabled", False)) else None
         self.bar = tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, desc="train")
-        self.sent = {"activation": 0, "activation_grad": 0, "outer_sync": 0}
+        self.sent = {"activation": 0, "activation_grad": 0, "outer_sync": 0, "embedding_sync": 0, "control": 0}
         self.tokens = 0
         self.seconds = 0.0
 
@@ -77,7 +78,8 @@ class Progress:
         if self.enabled:
             self.bar.set_postfix_str(
                 f"loss {rec.loss:.3f} | {tps:,.0f} tok/s | sent act {human_bytes(self.sent['activation'])} "
-                f"grad {human_bytes(self.sent['activation_grad'])} sync {human_bytes(self.sent['outer_sync'])}",
+                f"grad {human_bytes(self.sent['activation_grad'])} sync {human_bytes(self.sent['outer_sync'])} "
+                f"emb {human_bytes(self.sent['embedding_sync'])} ctl {human_bytes(self.sent['control'])}",
                 refresh=False,
             )
             self.bar.update(1)
