@@ -17,6 +17,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per replica (0: load, convert, save)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
     p.add_argument("--nproc", type=int, help="spawn this many local ranks (default: 2 x pipeline stages when not under a launcher)")
+    p.add_argument("--link", action="append", metavar="CLASS=RATE",
+                   help="rehearse on emulated links (Linux, root): shape stage or replica links, e.g. --link stage=100mbit "
+                        "--link replica=1G; ends with measured vs planned step time (hetloco_ds.rehearse)")
     # The `deepspeed` launcher appends --local_rank=N; the environment's LOCAL_RANK says the same.
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
 
@@ -42,6 +45,12 @@ def _train(args) -> int:
                       out=out, steps=args.steps, resume=args.resume, text_field=args.text_field)
     if under_launcher():
         return main_rank(targs)
+    if args.link:  # a rehearsal on shaped links: check it can run before anything else
+        from . import rehearse
+
+        if (why := rehearse.problem(args.link)) is not None:
+            print(f"hetloco-ds train: error: {why}", file=sys.stderr)
+            return 2
     from .config import load_config
 
     try:
@@ -61,6 +70,8 @@ def _train(args) -> int:
             argv += [flag, value]
     if args.resume:
         argv.append("--resume")
+    if args.link:
+        return rehearse.run(nproc, argv, args.link, out, stages)
     return spawn(nproc, argv)
 
 

@@ -91,7 +91,8 @@ class HetlocoEngine(PipelineEngineAdapter):
             self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None,
             self.device, self.meter, groups, self.stage_id)
         self.compute_seconds = 0.0
-        """Host seconds in forward and backward passes (CPU: the compute; CUDA: launch time)."""
+        """Host seconds in forward and backward passes since the last step record (CPU: the
+        compute; CUDA: mostly launch time, the device runs ahead)."""
         self.stage_link = PipeStageLink(self.pipe_group, self.grid.stage_to_global(0), self.is_first_stage(),
                                         self.num_stages, self.device, self.meter,
                                         self.grid.stage_to_global(self.num_stages - 1), self.is_last_stage())
@@ -266,10 +267,13 @@ class HetlocoEngine(PipelineEngineAdapter):
 
     def _record(self, local_loss: torch.Tensor, seconds: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()
-        vec = torch.tensor([float(local_loss)] + self.meter.as_vector(counts), dtype=torch.float64, device=self.device)
+        compute = [0.0] * self.num_stages
+        compute[self.stage_id], self.compute_seconds = self.compute_seconds, 0.0
+        vec = torch.tensor([float(local_loss)] + self.meter.as_vector(counts) + compute, dtype=torch.float64,
+                           device=self.device)
         if self.num_stages > 1:
             # One small reduction on the replica's own stage links: the loss from the last
-            # stage and every stage's byte counters, summed.
+            # stage, every stage's byte counters (summed) and each stage's compute seconds.
             self.meter.add("sent", nbytes(vec), "control")
             self.meter.add("recv", nbytes(vec), "control")
             dist.all_reduce(vec, group=self.pipe_group)
@@ -281,9 +285,10 @@ class HetlocoEngine(PipelineEngineAdapter):
             loss=values[0],
             tokens=tokens,
             seconds=seconds,
-            bytes=ByteMeter.from_vector(values[1:]),
+            bytes=ByteMeter.from_vector(values[1:-self.num_stages]),
             outer=outer,
-            extra={"grad_norm": float(getattr(self, "last_grad_norm", float("nan"))), "lr": self.get_lr()[0]},
+            extra={"grad_norm": float(getattr(self, "last_grad_norm", float("nan"))), "lr": self.get_lr()[0],
+                   "compute_seconds": values[-self.num_stages:]},
         )
 
     def outer_step(self) -> dict:

@@ -38,6 +38,7 @@ class MetricsWriter:
             "bytes": rec.bytes,
             "grad_norm": rec.extra.get("grad_norm"),
             "lr": rec.extra.get("lr"),
+            "compute_seconds": rec.extra.get("compute_seconds"),
             "time": time.time(),
         })
         if rec.outer is not None:
