@@ -134,30 +134,30 @@ def _digest(module) -> str:
     return h.hexdigest()
 
 
-def _both_schedules_body(rank, hf_dir, steps, tied_embeddings):
-    """Train `steps` steps under each schedule in turn, from the same checkpoint and batches."""
+def _both_schedules_body(rank, cases, steps):
+    """Per case, train `steps` steps under each schedule in turn, from the same checkpoint and batches."""
     out = {}
-    for schedule in ("blocking", "overlapped"):
-        engine, module, _ = build_from_hf(hf_dir, _config(schedule, tied_embeddings), SEQ)
-        rows = []
-        for step in range(1, steps + 1):
-            rec = engine.train_batch(iter(_batches(engine.replica, step)))
-            rows.append((rec.loss, _digest(module), rec.outer is not None,
-                         rec.bytes["activation"], rec.bytes["activation_grad"]))
-        out[schedule] = rows
+    for name, hf_dir, tied_embeddings in cases:
+        for schedule in ("blocking", "overlapped"):
+            engine, module, _ = build_from_hf(hf_dir, _config(schedule, tied_embeddings), SEQ)
+            rows = []
+            for step in range(1, steps + 1):
+                rec = engine.train_batch(iter(_batches(engine.replica, step)))
+                rows.append((rec.loss, _digest(module), rec.outer is not None,
+                             rec.bytes["activation"], rec.bytes["activation_grad"]))
+            out[name, schedule] = rows
     return out
 
 
-@pytest.mark.parametrize("fixture,tied_embeddings", [("hf_untied", None), ("hf_tied", "every_step"),
-                                                     ("hf_tied", "outer_step")])
-def test_overlapped_and_blocking_schedules_train_bitwise_alike(fixture, tied_embeddings, request):
+def test_overlapped_and_blocking_schedules_train_bitwise_alike(hf_untied, hf_tied):
     """2 replicas x 2 stages, replica 1 compressed (ratio 4), 3 micro-batches a step, through an
     outer step: every step's replica loss, every stage's parameters (hash of the bits) and the
     stage-link bytes are the same under both schedules, for an untied model and a tied one
     (either way of tying). Breaks if the overlapped schedule reorders gradient accumulation,
     hands a micro-batch the wrong message or buffer, or drops or duplicates a transfer."""
-    hf_dir = request.getfixturevalue(fixture)
-    results = run_ranks(_both_schedules_body, 4, hf_dir, 3, tied_embeddings)
+    cases = [("untied", hf_untied, None), ("tied apart", hf_tied, "outer_step"), ("tied exactly", hf_tied, "every_step")]
+    results = run_ranks(_both_schedules_body, 4, cases, 3)
     for r in results:
-        assert any(row[2] for row in r["blocking"])  # an outer step happened
-        assert r["overlapped"] == r["blocking"]
+        for name, _, _ in cases:
+            assert any(row[2] for row in r[name, "blocking"])  # an outer step happened
+            assert r[name, "overlapped"] == r[name, "blocking"], name
