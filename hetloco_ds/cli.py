@@ -43,14 +43,14 @@ def _train(args) -> int:
     out = args.out or default_out()
     targs = TrainArgs(config=args.config, model=args.model, model_config=args.model_config, data=args.data,
                       out=out, steps=args.steps, resume=args.resume, text_field=args.text_field)
-    if under_launcher():
-        return main_rank(targs)
     if args.link:  # a rehearsal on shaped links: check it can run before anything else
         from . import rehearse
 
-        if (why := rehearse.problem(args.link)) is not None:
+        if (why := rehearse.problem(args.link, under_launcher())) is not None:
             print(f"hetloco-ds train: error: {why}", file=sys.stderr)
             return 2
+    if under_launcher():
+        return main_rank(targs)
     from .config import load_config
 
     try:

@@ -20,7 +20,10 @@ comparison is about the links and the schedule, not the device. With heterogeneo
 the slowest replica's prediction counts: replicas wait for each other at every outer step.
 
 Needs Linux, root, `ip` and `tc`: without them it stops with one line naming what is missing,
-before any rank starts.
+before any rank starts. The shaping applies to TCP through each namespace's veth: gloo always;
+NCCL only over sockets, so the ranks get NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 (on GPUs the
+engine's compute seconds are host launch time, so the measured utilisation is only meaningful on
+CPU).
 """
 from __future__ import annotations
 
@@ -59,12 +62,14 @@ def parse_links(specs: list[str]) -> dict[str, float]:
     return rates
 
 
-def problem(specs: list[str]) -> str | None:
-    """Why a rehearsal cannot run here (bad --link, no root, no tc), or None."""
+def problem(specs: list[str], launched: bool = False) -> str | None:
+    """Why a rehearsal cannot run here (bad --link, under a launcher, no root, no tc), or None."""
     try:
         parse_links(specs)
     except ValueError as err:
         return str(err)
+    if launched:
+        return "--link starts its own ranks, one per network namespace: run it without a launcher (use --nproc)"
     ok, why = netlab.available()
     return None if ok else f"--link needs shaped network namespaces: {why}"
 
@@ -73,7 +78,7 @@ def run(nproc: int, argv: list[str], specs: list[str], out: str, stages: int) ->
     """Run `python -m hetloco_ds.cli *argv` as `nproc` ranks on shaped links, then print the summary line."""
     rates = parse_links(specs)
     replicas = nproc // stages
-    env = dict(os.environ)
+    env = dict(os.environ, NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")  # NCCL through the shaped sockets
     start = time.time()
     with netlab.ShapedNetwork(nproc, netlab.deepspeed_coords(replicas), rates.get("stage"),
                               rates.get("replica")) as net, tempfile.TemporaryDirectory(prefix="hl-rehearse-") as tmp:
