@@ -27,6 +27,12 @@ slower when the other stages compute at the same time, which the overlapped sche
 them do: calibrating per point keeps that CPU effect out of what is compared (links and
 schedule). Also recorded: the prediction from the unlimited visit's compute alone.
 
+The plan's blocking schedule holds a sender until its receiver has posted the receive and,
+since each tensor of a message is its own rendezvous, until every tensor but the last has
+arrived. `blocking_send_probe` measures what that rests on: on a shaped link, gloo's blocking
+send of one tensor returns as soon as the receive is posted (the kernel takes the data), and the
+data arrive one transfer time after the receive is posted, not before (a rendezvous).
+
 Pass criteria (`agreement`): at every point where the plan predicts overlapped >= 1.8x blocking,
 each schedule's measured step within 15% of its prediction, and the measured speed-up
 (blocking / overlapped step) >= 0.85x the predicted one. The machine's load average is recorded
@@ -80,6 +86,55 @@ def crossover_rate(stages: int, ratio: int, compute_mb: float) -> float:
     return fwd * 8 / compute_mb / LINK_EFF
 
 
+SEND_PROBE = r"""
+import json, sys, time, torch, torch.distributed as dist
+nbytes, reps, late = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+dist.init_process_group("gloo")
+rank, x = dist.get_rank(), torch.zeros(int(sys.argv[1]) // 4)
+for _ in range(2):  # connection up, out of slow start
+    dist.send(x, 1) if rank == 0 else dist.recv(x, 0)
+out = []
+for _ in range(reps):
+    dist.barrier()
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(x, 1)
+    else:
+        time.sleep(late)
+        dist.recv(x, 0)
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    both = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(both, dt)
+    out.append([float(b) for b in both])
+if rank == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def blocking_send_probe(tmp: str, env: dict, log) -> list[dict]:
+    """gloo's blocking send on a shaped link: when does it return, when does the data arrive, with
+    the receive posted at once or 0.1 s late? (The plan's blocking-send semantics rest on this.)"""
+    prog = os.path.join(tmp, "send_probe.py")
+    Path(prog).write_text(SEND_PROBE)
+    out = []
+    for nbytes, rate in ((67584, 4.65e6), (524288, 34.2e6)):  # one compressed / uncompressed message
+        for late in (0.0, 0.1):
+            with netlab.ShapedNetwork(2, netlab.deepspeed_coords(1), stage_rate_bps=rate) as net:
+                res = net.run(lambda r: [sys.executable, prog, str(nbytes), "8", str(late)], timeout=300, env=env)
+            if any(r.returncode != 0 for r in res):
+                raise RuntimeError(f"send probe failed: {[r.stderr[-1000:] for r in res]}")
+            rows = json.loads(res[0].stdout.strip().splitlines()[-1])[1:]
+            T = nbytes * 8 / (rate * LINK_EFF)
+            row = {"bytes": nbytes, "rate_bps": rate, "receive_posted_late_s": late, "transfer_s": T,
+                   "send_returns_s": statistics.median(r[0] for r in rows),
+                   "recv_done_s": statistics.median(r[1] for r in rows)}
+            out.append(row)
+            log(f"send probe {nbytes} B @ {rate / 1e6:g} Mbit/s, receive posted {late} s late: send returns "
+                f"{row['send_returns_s']:.4f} s, data in {row['recv_done_s']:.4f} s (transfer {T:.4f} s)")
+    return out
+
+
 def one_run(tmp: str, stages: int, ratio: int, schedule: str, rates: list[float] | None, env: dict, quick: bool,
             log) -> tuple[list[dict], list[float]]:
     """Train under `schedule`, visiting unlimited then `rates` (from this run's calibration when None)."""
@@ -128,6 +183,11 @@ def points_of(stages: int, ratio: int, schedule: str, visits: list[dict]) -> lis
         p_unl = predict(stages, ratio, min(bw, 1e15), schedule, statistics.median(unl))
         step = statistics.median(secs)
         act = [r["bytes"]["activation"]["sent"] + r["bytes"]["activation_grad"]["sent"] for r in rows]
+        # Diagnostic: the schedule simulation fed with each stage's own measured compute (forward
+        # 1/3, backward 2/3) instead of FLOP proportions scaled to the busiest stage.
+        by_stage = [statistics.median(r["compute_seconds"][s] for r in rows) / N_MB for s in range(stages)]
+        sim_own = plan.simulate_schedule(schedule, stages, N_MB, [c / 3 for c in by_stage], [2 * c / 3 for c in by_stage],
+                                         p.link_time_fwd, p.link_time_bwd)
         out.append({
             "stages": stages, "ratio": ratio, "schedule": schedule, "stage_bw_bps": None if bw == sl.UNLIMITED else bw,
             "label": sl.label(bw), "step_seconds": sl.summary(secs),
@@ -139,7 +199,9 @@ def points_of(stages: int, ratio: int, schedule: str, visits: list[dict]) -> lis
                           "stage_link_bytes_per_step": p.stage_link_bytes_per_step,
                           "link_time_fwd": p.link_time_fwd, "link_time_bwd": p.link_time_bwd,
                           "compute_time_microbatch": max(p.compute_time_microbatch), "breakdown": p.breakdown,
-                          "step_seconds_unlimited_calibration": p_unl.total_time},
+                          "step_seconds_unlimited_calibration": p_unl.total_time,
+                          "schedule_seconds_with_each_stages_measured_compute": sim_own},
+            "compute_seconds_per_microbatch_by_stage": by_stage,
             "measured_over_predicted": step / p.total_time,
         })
     return out
@@ -233,10 +295,12 @@ def main(argv=None) -> int:
                HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     info = sl.machine()
     tmp = tempfile.mkdtemp(prefix="overlap-links-")
+    probe: list[dict] = []
     points: list[dict] = []
     rates_used: dict = {}
     try:
         sl.prepare_cache(env)
+        probe = blocking_send_probe(tmp, env, log)
         for S in (int(x) for x in args.stages.split(",")):
             for r in (int(x) for x in args.ratios.split(",")):
                 rates = None
@@ -264,6 +328,7 @@ def main(argv=None) -> int:
                               "calibration": "per point: busiest stage's measured compute per micro-batch"},
                      "nice": " ".join(sl.NICE), "OMP_NUM_THREADS": 1, "step_margin_s": sl.MARGIN_S},
         "agreement": agree,
+        "blocking_send_probe": probe,
         "points": points,
         "log": logs,
     }

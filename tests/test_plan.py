@@ -138,7 +138,8 @@ def test_schedule_simulation_by_hand(schedule):
     """simulate_schedule on uniform stages (forward 1, backward 2): without transfers both
     schedules take (n + S - 1) slots of 3; at S = 2 DeepSpeed's blocking 1F1B puts both
     transfers of every micro-batch on the critical path, (n + 1) * 3 + n * (T_f + T_b) (what
-    shaped-link runs measured, bench/results/shaped_links.json); the overlapped schedule with a
+    shaped-link runs measured, bench/results/shaped_links.json), however long a send holds its
+    sender; the overlapped schedule with a
     transfer as long as a micro-batch's compute runs one micro-batch per 3 after the first
     round trip (F + T + 3 + T). Breaks if the event simulation mis-orders operations or lets a
     stage start a pass before its message has arrived."""
@@ -148,6 +149,11 @@ def test_schedule_simulation_by_hand(schedule):
         assert simulate_schedule(schedule, S, n, [1] * S, [2] * S, 0, 0) == (n + S - 1) * 3
     if schedule == "blocking":
         assert simulate_schedule(schedule, 2, 8, [1, 1], [2, 2], 1.5, 0.5) == 9 * 3 + 8 * 2
+        # At S = 2 every send is followed by a receive that waits anyway: holding senders changes
+        # nothing; at S = 4 a held sender posts its next receive later and the chain grows.
+        assert simulate_schedule(schedule, 2, 8, [1, 1], [2, 2], 1.5, 0.5, hold_down=1.5) == 9 * 3 + 8 * 2
+        free, held = (simulate_schedule(schedule, 4, 8, [1] * 4, [2] * 4, 3, 3, hold_down=h) for h in (0, 3))
+        assert free < held
     else:
         assert simulate_schedule(schedule, 2, 8, [1, 1], [2, 2], 3, 3) == (1 + 3 + 3 + 3) + 7 * 3 + 2
         # a link slower than the compute sets the pace: one micro-batch per transfer

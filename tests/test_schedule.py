@@ -102,7 +102,7 @@ def test_overlapped_schedule_never_deadlocks_and_backwards_run_in_order(stages, 
 
 
 # ---------------------------------------------------------------------------- processes
-def _config(schedule: str, tied_embeddings: str | None = None) -> dict:
+def _config(schedule: str, tied_embeddings: str | None = None, stages: int = 2, compressed=(1,)) -> dict:
     sparseloco = {"inner_steps": 2, "topk": 32, "error_decay": 0.95, "outer_lr": 1.0}
     if tied_embeddings is not None:
         sparseloco["tied_embeddings"] = tied_embeddings
@@ -110,11 +110,11 @@ def _config(schedule: str, tied_embeddings: str | None = None) -> dict:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 3,
         "gradient_clipping": 1.0,
-        "pipeline": {"stages": 2},
+        "pipeline": {"stages": stages},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "hetloco": {
             "sparseloco": sparseloco,
-            "subspace": {"ratio": 4, "compressed_replicas": [1]},
+            "subspace": {"ratio": 4, "compressed_replicas": compressed if compressed == "all" else list(compressed)},
             "pipeline": {"schedule": schedule},
             "train": {"seq_len": SEQ},
         },
@@ -137,9 +137,10 @@ def _digest(module) -> str:
 def _both_schedules_body(rank, cases, steps):
     """Per case, train `steps` steps under each schedule in turn, from the same checkpoint and batches."""
     out = {}
-    for name, hf_dir, tied_embeddings in cases:
+    for name, hf_dir, tied_embeddings, stages in cases:
         for schedule in ("blocking", "overlapped"):
-            engine, module, _ = build_from_hf(hf_dir, _config(schedule, tied_embeddings), SEQ)
+            cfg = _config(schedule, tied_embeddings, stages, (1,) if stages == 2 else "all")
+            engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
             rows = []
             for step in range(1, steps + 1):
                 rec = engine.train_batch(iter(_batches(engine.replica, step)))
@@ -153,11 +154,13 @@ def test_overlapped_and_blocking_schedules_train_bitwise_alike(hf_untied, hf_tie
     """2 replicas x 2 stages, replica 1 compressed (ratio 4), 3 micro-batches a step, through an
     outer step: every step's replica loss, every stage's parameters (hash of the bits) and the
     stage-link bytes are the same under both schedules, for an untied model and a tied one
-    (either way of tying). Breaks if the overlapped schedule reorders gradient accumulation,
-    hands a micro-batch the wrong message or buffer, or drops or duplicates a transfer."""
-    cases = [("untied", hf_untied, None), ("tied apart", hf_tied, "outer_step"), ("tied exactly", hf_tied, "every_step")]
+    (either way of tying); and for 4 stages of one compressed replica (tied apart). Breaks if
+    the overlapped schedule reorders gradient accumulation, hands a micro-batch the wrong
+    message or buffer, or drops or duplicates a transfer."""
+    cases = [("untied", hf_untied, None, 2), ("tied apart", hf_tied, "outer_step", 2),
+             ("tied exactly", hf_tied, "every_step", 2), ("S=4 tied apart", hf_tied, "outer_step", 4)]
     results = run_ranks(_both_schedules_body, 4, cases, 3)
     for r in results:
-        for name, _, _ in cases:
+        for name, *_ in cases:
             assert any(row[2] for row in r[name, "blocking"])  # an outer step happened
             assert r[name, "overlapped"] == r[name, "blocking"], name

@@ -24,9 +24,14 @@ One inner step (one optimizer step of one replica, n_mb micro-batches of b x L t
     arrived. With 3(S-1-s)+1 micro-batches in flight the steady state is one micro-batch per
     max(t_compute, t_link), t_link = max(fwd, bwd) bytes * 8 / bw + latency; fill and drain
     carry the transfers of the first and last micro-batch.
-  - overlap=False, DeepSpeed's TrainSchedule (`blocking`): every send and receive holds its
-    stage until the transfer is done. At S = 2 this is (n_mb + 1) * t_compute + n_mb * (t_fwd +
-    t_bwd) (checked against shaped-link runs, bench/results/shaped_links.json).
+  - overlap=False, DeepSpeed's TrainSchedule (`blocking`): a receive holds its stage until the
+    message has arrived; a send until the receiver has posted its receive, and then, because
+    each tensor of a message is its own rendezvous, until every tensor but the last has arrived:
+    a compressed boundary's forward message is [activations, ids], so its sender waits out the
+    activations; a one-tensor message lets its sender go once the transport has taken the data
+    (gloo over TCP: probed on shaped links, a blocking send returns as soon as the receive is
+    posted). At S = 2 either way gives (n_mb + 1) * t_compute + n_mb * (t_fwd + t_bwd);
+    bench/results/overlap_links.json checks S = 2 and 4, compressed and not.
 * outer sync every H inner steps: each stage group all-gathers its compact payloads
   (`sizes.stage_payload_nbytes`), every rank sending its payload to the M - 1 others,
   (M - 1) * (payload * 8 / bw + latency), receiving at the same time (full duplex). This assumes
@@ -370,17 +375,20 @@ class Prediction:
 
 
 def simulate_schedule(schedule: str, stages: int, n_mb: int, fwd: Sequence[float], bwd: Sequence[float],
-                      t_down: float, t_up: float) -> float:
+                      t_down: float, t_up: float, hold_down: float = 0.0, hold_up: float = 0.0) -> float:
     """Seconds of one training step's pipeline schedule (the module docstring's semantics).
 
     `fwd[s]`, `bwd[s]`: one micro-batch's forward and backward on stage s; `t_down`, `t_up`: one
-    activation / gradient transfer on any stage link."""
+    activation / gradient transfer on any stage link; `hold_down`, `hold_up`: how long after its
+    transfer starts a blocking send still holds its sender (the transfer of every tensor of the
+    message but the last)."""
     S = stages
     ops = [link_ops(schedule, S, s, n_mb) for s in range(S)]
     pos, clock = [0] * S, [0.0] * S
     sent: dict = {}      # (direction, link, i) -> time the sender handed it over
     posted: dict = {}    # ... -> time the receiver posted (blocking: reached) its receive
     arrival: dict = {}   # ... -> time the transfer ended
+    started: dict = {}   # ... -> time the transfer started
     free: dict = {}      # (direction, link) -> time it is free
     nxt: dict = {}       # (direction, link) -> next message index it carries
 
@@ -390,7 +398,7 @@ def simulate_schedule(schedule: str, stages: int, n_mb: int, fwd: Sequence[float
             k = (direction, link, nxt.get(key, 0))
             if k not in sent or k not in posted:
                 return
-            start = max(sent[k], posted[k], free.get(key, 0.0))
+            started[k] = start = max(sent[k], posted[k], free.get(key, 0.0))
             arrival[k] = free[key] = start + (t_down if direction == "down" else t_up)
             nxt[key] = k[2] + 1
 
@@ -417,7 +425,11 @@ def simulate_schedule(schedule: str, stages: int, n_mb: int, fwd: Sequence[float
                     if op in blocking_ops:
                         if k not in arrival:
                             break
-                        clock[s] = max(clock[s], arrival[k])
+                        if role == "send":
+                            hold = hold_down if direction == "down" else hold_up
+                            clock[s] = max(clock[s], started[k] + hold)
+                        else:
+                            clock[s] = max(clock[s], arrival[k])
                 pos[s] += 1
                 progressed = True
         if all(pos[s] == len(ops[s]) for s in range(S)):
@@ -456,7 +468,9 @@ def predict(model: str | ModelShape = "512M", settings: Settings | None = None, 
     kind = "overlapped" if s.overlap else "blocking"
     # A backward pass is twice a forward's FLOPs (6P = 2P forward + 4P backward).
     f_s, b_s = [t / 3 for t in t_mb], [2 * t / 3 for t in t_mb]
-    schedule = simulate_schedule(kind, s.stages, s.n_mb, f_s, b_s, t_f, t_b)
+    # A compressed forward message is [activations, ids]: a blocking sender waits out the activations.
+    hold = t_b if (fwd > bwd and not s.overlap) else 0.0
+    schedule = simulate_schedule(kind, s.stages, s.n_mb, f_s, b_s, t_f, t_b, hold_down=hold)
     link_free = simulate_schedule(kind, s.stages, s.n_mb, f_s, b_s, 0.0, 0.0)
     bubble, stall = link_free - s.n_mb * t_c, schedule - link_free
     slot = max(t_c, t_f, t_b) if s.overlap else t_c + t_f + t_b
