@@ -70,6 +70,37 @@ class Variant:
         return cfg
 
 
+def stage_params(layers, parts) -> list[list[nn.Parameter]]:
+    """Each stage's trainable parameters in layer order, a tied module's once (on its first stage)."""
+    out, seen = [], set()
+    for s in range(len(parts) - 1):
+        params = []
+        for layer in layers[parts[s]:parts[s + 1]]:
+            for p in layer.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        out.append(params)
+    return out
+
+
+def stage_algorithms(layers, parts, hetloco: HetlocoConfig, replica: int, num_replicas: int, device):
+    """Per virtual stage of one replica: the StageAlgorithm a pipeline rank of that stage holds
+    (set up: T_S / T_perp split, theta snapshot) and its LocalStageLink."""
+    config = layers[1].layer.self_attn.config
+    params = stage_params(layers, parts)
+    algorithms = [
+        StageAlgorithm(params[s], hetloco, replica=replica, num_replicas=num_replicas,
+                       hidden_size=config.hidden_size, vocab_size=config.vocab_size, device=device,
+                       embeddings=[m for m in layers[parts[s]:parts[s + 1]] if isinstance(m, TokenEmbedding)],
+                       layers=layers[parts[s]:parts[s + 1]])
+        for s in range(len(parts) - 1)]
+    links = LocalStageLink.for_replica(len(parts) - 1)
+    for alg, link in zip(algorithms, links):
+        alg.setup(link)
+    return params, algorithms, links
+
+
 class SimReplica:
     """One replica: its own copy of every layer, optimizer and schedule, and per virtual stage
     the same StageAlgorithm and BoundaryCodec a pipeline rank of that stage holds."""
@@ -80,28 +111,12 @@ class SimReplica:
         self.layers = copy.deepcopy(layers)
         config = self.layers[1].layer.self_attn.config
         self.parts = sizes.stage_parts(config.num_hidden_layers, stages)
-        self.stage_params = []
-        seen: set[int] = set()
-        for s in range(stages):
-            params = []
-            for layer in self.stage_layers(s):
-                for p in layer.parameters():
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        params.append(p)
-            self.stage_params.append(params)
+        self.stage_params, self.algorithms, self.links = stage_algorithms(
+            self.layers, self.parts, hetloco, replica, num_replicas, device)
         self.params = [p for ps in self.stage_params for p in ps]
-        self.algorithms = [
-            StageAlgorithm(self.stage_params[s], hetloco, replica=replica, num_replicas=num_replicas,
-                           hidden_size=config.hidden_size, vocab_size=config.vocab_size, device=device,
-                           embeddings=[m for m in self.stage_layers(s) if isinstance(m, TokenEmbedding)],
-                           layers=self.stage_layers(s))
-            for s in range(stages)]
-        self.links = LocalStageLink.for_replica(stages)
         wire = torch.bfloat16 if run.bf16 else torch.float32
         self.codecs = [BoundaryCodec(config.hidden_size, config.vocab_size, alg.basis, wire) for alg in self.algorithms]
-        for alg, link, codec in zip(self.algorithms, self.links, self.codecs):
-            alg.setup(link)
+        for alg, codec in zip(self.algorithms, self.codecs):
             codec.perp = alg.perp
         self.bf16 = run.bf16
         self.optimizer = optim.build_optimizer(self.params, run.optimizer)
@@ -174,15 +189,8 @@ class Simulation:
         return losses
 
     def outer_step(self) -> dict:
-        """Per stage: every replica prepares, the payloads are 'all-gathered' (a list), all
-        finish; stages in order, so each replica's first stage shares its T_S aggregate first."""
-        excluded: set[str] = set()
-        for s in range(self.S):
-            gathered = Gathered([r.algorithms[s].prepare() for r in self.replicas], self.members)
-            for r in self.replicas:
-                excluded.update(r.algorithms[s].finish(gathered, r.links[s]).excluded)
         self.outer_steps += 1
-        return {"outer_step": self.outer_steps, "excluded": sorted(int(m) for m in excluded)}
+        return {"outer_step": self.outer_steps, **outer_step_all(self.replicas, self.members)}
 
     @torch.no_grad()
     def validation_losses(self, batches) -> list[float]:
@@ -203,6 +211,60 @@ class Simulation:
         outer = sum(sizes.stage_payload_nbytes([tuple(p.shape) for p in ps], sl.chunk_size, sl.topk, sl.quant_bits)
                     for ps in self.replicas[0].stage_params)
         return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
+
+
+@torch.no_grad()
+def outer_step_all(replicas, members: tuple[str, ...]) -> dict:
+    """One outer step of every stage of every replica (`replicas[m].algorithms[s]`, `.links[s]`),
+    exactly as the engine's ranks take it: per stage every replica prepares, the payloads are
+    'all-gathered' (a list), all finish; stages in order, so each replica's first stage shares its
+    T_S aggregate before the others need it.
+
+    Returns the replicas excluded and the per-sync diagnostics, computed from what the outer step
+    has anyway (theta at the last sync, the replicas' parameters, the payloads, the error buffers),
+    never inside inner steps:
+      replicas_per_selected  entries sent / coordinates sent by anyone: 1 = no overlap, M = all agree
+      update_cosine          cosine of the applied update theta_prev - theta_new (T_perp's part of
+                             the embedding included) with the dense mean of the pseudo-gradients
+      update_norm, dense_norm  their norms (1/M aggregation shrinks the first)
+      error_norm             the error buffer's norm after this step, mean over replicas
+    """
+    excluded: set[str] = set()
+    selected = distinct = 0
+    dev = replicas[0].algorithms[0].device
+    dot, applied_sq, dense_sq = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(3))
+    error_sq = torch.zeros(len(replicas), dtype=torch.float64, device=dev)
+    for s in range(len(replicas[0].algorithms)):
+        algs = [r.algorithms[s] for r in replicas]
+        ref = algs[0]
+        before = [t.clone() for t in ref.outer.theta_prev]  # the synced theta, alike on every replica
+        dense = [tp - torch.stack([a.params[i].detach().float() for a in algs]).mean(0) for i, tp in enumerate(before)]
+        emb = [i for i, p in enumerate(ref.params) if any(p is e.weight for e in ref.embeddings)]
+        perp = ref.perp.clone() if emb and ref.perp is not None else None
+        gathered = Gathered([a.prepare() for a in algs], members)
+        for m, (r, a) in enumerate(zip(replicas, algs)):
+            result = a.finish(gathered, r.links[s], count_selected=m == 0)
+            excluded.update(result.excluded)
+            if m == 0:
+                selected, distinct = selected + result.selected, distinct + result.distinct
+            error_sq[m] += torch.stack(torch._foreach_norm(a.outer.error)).double().pow(2).sum()
+        applied = [b - p.detach().float() for b, p in zip(before, ref.params)]
+        if perp is not None:
+            for i in emb:
+                applied[i] += perp - ref.perp
+        for a, d in zip(applied, dense):
+            dot += (a.double() * d.double()).sum()
+            applied_sq += a.double().pow(2).sum()
+            dense_sq += d.double().pow(2).sum()
+    dot, applied_sq, dense_sq, error = dot.item(), applied_sq.item(), dense_sq.item(), error_sq.sqrt().mean().item()
+    return {
+        "excluded": sorted(int(m) for m in excluded),
+        "replicas_per_selected": selected / distinct if distinct else None,
+        "update_cosine": dot / (applied_sq * dense_sq) ** 0.5 if applied_sq and dense_sq else None,
+        "update_norm": applied_sq ** 0.5,
+        "dense_norm": dense_sq ** 0.5,
+        "error_norm": error,
+    }
 
 
 def replica_losses(losses: torch.Tensor) -> list[list[float]]:

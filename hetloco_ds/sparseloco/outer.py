@@ -129,6 +129,11 @@ class OuterReport:
     """Replica indices excluded for a non-finite pseudo-gradient."""
     averages: dict[int, Tensor] = field(default_factory=dict)
     """Parameter index -> dense fp32 average `avg`, only for the indices asked via `keep_average`."""
+    selected: int | None = None
+    """With `count_selected`: entries the contributors sent, summed over them (n * k per chunk)."""
+    distinct: int | None = None
+    """With `count_selected`: coordinates at least one contributor sent; selected / distinct is the
+    mean number of replicas behind each coordinate of the aggregate."""
 
 
 @dataclass
@@ -285,12 +290,14 @@ class SparseLoCoState:
 
     @torch.no_grad()
     def finish(self, params: Sequence[Tensor], payloads: Sequence[Tensor],
-               keep_average: bool | Iterable[int] = False) -> OuterReport:
+               keep_average: bool | Iterable[int] = False, count_selected: bool = False) -> OuterReport:
         """Aggregate the gathered payloads (in list order), apply the outer step, write the
         synced theta into `params` in place.
 
         `keep_average`: True, or the parameter indices, for which the report carries the dense
         fp32 `avg` (the embedding resync needs the averaged T_S pseudo-gradient).
+        `count_selected`: the report carries `selected` and `distinct` (one boolean pass over
+        each group's state and one host sync; a diagnostic, off in training).
         """
         params = self._check(params)
         if not self._pending:
@@ -303,6 +310,7 @@ class SparseLoCoState:
         lr, n = self.cfg.outer_lr, len(contributors)
         by_count = self.cfg.aggregation == "selected_count"
         averages: dict[int, Tensor] = {}
+        selected, distinct = 0, torch.zeros((), dtype=torch.int64, device=self.device)
         for g in self._groups:
             size, numel = len(g.members), g.theta_prev[0].numel()
             if n == 0:
@@ -314,6 +322,11 @@ class SparseLoCoState:
             pos, values = g.codec.unpack(rows.view(n * size, g.codec.nbytes))
             pos = (pos.view(n, size, -1) + g.row_offsets.view(1, size, 1)).view(n, -1)
             values = values.reshape(n, -1)
+            if count_selected:
+                hit = torch.zeros(size * numel, dtype=torch.bool, device=self.device)
+                hit[pos.reshape(-1)] = True
+                distinct += hit.sum()
+                selected += pos.numel()
             # Sum in contributor order. Positions inside one payload are distinct, so each
             # scatter_add_ adds exactly one value per address: the same bits on every replica and
             # every run, atomics or not.
@@ -336,7 +349,8 @@ class SparseLoCoState:
         # every replica, the excluded ones too, leaves with the synced theta
         torch._foreach_copy_(params, self.theta_prev)
         self._pending = False
-        return OuterReport(self.nbytes, contributors, excluded, averages)
+        counts = (selected, int(distinct)) if count_selected else (None, None)
+        return OuterReport(self.nbytes, contributors, excluded, averages, *counts)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
