@@ -6,6 +6,12 @@ applies), the same AdamW + clipping + DeepSpeed LR schedule, the same SparseLoCo
 (replica, stage) and the same embedding resync as HetlocoEngine, only without processes:
 per-step losses match a real multi-process run with the same seeds and data (a test checks).
 Bytes are not measured here but computed from the shapes that would cross each link.
+
+Two drivers share everything but the forward/backward: `Simulation` (one `SimReplica`, i.e. one
+module set and optimizer, per replica: the reference) and `simulate_batched.BatchedSimulation`
+(the replicas stacked and run as one batched computation: the default, `--per-replica` picks
+the reference). Both take their outer steps through `outer_step_all`, which also writes the
+per-sync diagnostics into metrics.jsonl (`"kind": "outer"` rows).
 """
 from __future__ import annotations
 
@@ -111,6 +117,7 @@ class SimReplica:
         self.layers = copy.deepcopy(layers)
         config = self.layers[1].layer.self_attn.config
         self.parts = sizes.stage_parts(config.num_hidden_layers, stages)
+        self.forward_fns = [e.forward_fn for e in layer_list(config)]
         self.stage_params, self.algorithms, self.links = stage_algorithms(
             self.layers, self.parts, hetloco, replica, num_replicas, device)
         self.params = [p for ps in self.stage_params for p in ps]
@@ -134,8 +141,8 @@ class SimReplica:
             for s in range(stages):
                 if s > 0:
                     x = self.codecs[s].decode(x)
-                for layer in self.stage_layers(s):
-                    x = layer(x)
+                for layer, fn in zip(self.stage_layers(s), self.forward_fns[self.parts[s]:self.parts[s + 1]]):
+                    x = layer(x) if fn is None else fn(layer, x)  # a tied head: its forward_fn, as the pipeline calls it
                 if s < stages - 1:
                     x = self.codecs[s].encode(x)
         return causal_lm_loss(x, labels)
@@ -282,7 +289,11 @@ def step_batches(feeds, gas: int, device) -> list[list[tuple[torch.Tensor, torch
 
 
 def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, replicas: int, stages: int, steps: int,
-                     device, metrics_path: str | None = None, progress: bool = True) -> dict:
+                     device, metrics_path: str | None = None, progress: bool = True, batched: bool = True,
+                     compile: bool = False) -> dict:
+    """Train one row and validate every replica; `batched` runs the replicas as one batched
+    computation (`simulate_batched`), else one `SimReplica` each (the reference); `compile`
+    torch.compiles the batched stage functions."""
     from tqdm import tqdm
 
     from .data import ReplicaBatches
@@ -290,7 +301,12 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
 
     hetloco = variant.hetloco(run.hetloco, replicas)
     torch.manual_seed(hetloco.train.seed)
-    sim = Simulation(run, hetloco, llama_config, replicas, stages, device)
+    if batched:
+        from .simulate_batched import BatchedSimulation
+
+        sim = BatchedSimulation(run, hetloco, llama_config, replicas, stages, device, compile=compile)
+    else:
+        sim = Simulation(run, hetloco, llama_config, replicas, stages, device)
     seq_len = hetloco.train.seq_len
     feeds = [ReplicaBatches(corpus.train, m, replicas, sim.micro, seed=hetloco.train.seed) for m in range(replicas)]
     val_it = validation_batches(corpus.val, sim.micro)
@@ -304,6 +320,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     # Losses stay on the device until an outer step (which syncs anyway), every 50 steps or the
     # end: the host never waits on the device between those, so it keeps queueing work.
     pending: list[torch.Tensor] = []
+    outer_rows: list[dict] = []
 
     def syncs(step: int) -> bool:
         return hetloco.sparseloco.enabled and (step % H == 0 or step == steps)
@@ -327,11 +344,14 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
                               "activation_grad": {"sent": stage_bytes // 2, "recv": stage_bytes // 2},
                               "outer_sync": {"sent": sync, "recv": sync * (replicas - 1)}},
                 }) + "\n")
+        for row in outer_rows:
+            if first <= row["step"] <= len(history):  # this flush's syncs, after their steps' rows
+                out.write(json.dumps({"kind": "outer", "variant": variant.name, **row}) + "\n")
 
     for step in range(1, steps + 1):
         pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
         if syncs(step):
-            sim.outer_step()
+            outer_rows.append({"step": step, **sim.outer_step()})
         if syncs(step) or step == steps or len(pending) >= 50:
             flush()
     bar.close()
@@ -355,6 +375,12 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         "stage_link_bytes_per_token": stage_bytes / tokens_per_step,
         "outer_sync_bytes_per_replica_per_outer_step": link["outer_payload_per_replica"],
         "seconds": time.perf_counter() - t0,
+        "simulator": "batched" if batched else "per_replica",
+        "compile": compile,
+        "tokens_per_replica_step": tokens_per_step,
+        "n_params": sum(p.numel() for p in sim.replicas[0].params),
+        "outer_steps": len(outer_rows),
+        "outer": outer_rows,
     }
 
 
@@ -413,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="directory for results.json and metrics.jsonl")
+    p.add_argument("--per-replica", action="store_true",
+                   help="one module set per replica (the reference) instead of the replica-batched simulator")
+    p.add_argument("--compile", action="store_true", help="torch.compile the batched simulator's stage functions")
     args = p.parse_args(argv)
     try:
         run = load_config(args.config)
@@ -439,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         metrics = os.path.join(args.out, "metrics.jsonl")
     device = torch.device(args.device)
-    results = [simulate_variant(run, v, llama_config, corpus, args.replicas, stages, args.steps, device, metrics)
+    results = [simulate_variant(run, v, llama_config, corpus, args.replicas, stages, args.steps, device, metrics,
+                                batched=not args.per_replica, compile=args.compile)
                for v in variants]
     rows = degradation_table(results)
     print(format_table(rows))
