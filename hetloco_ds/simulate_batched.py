@@ -137,10 +137,9 @@ class BatchedSimulation:
                 if b is not None:
                     self.basis[m, :, :b.shape[1]] = b
         self._encode, self._decode = vmap(subspace.encode), vmap(subspace.decode)
-        if compile:
-            self._stage_fns = [torch.compile(f) for f in self._stage_fns]
-            self._loss = torch.compile(self._loss)
-            self._encode, self._decode = torch.compile(self._encode), torch.compile(self._decode)
+        # One compiled graph for the whole forward and loss: compiling the vmapped pieces one
+        # by one would put them all in the cache of functorch's one `wrapped` code object.
+        self._forward = torch.compile(self._forward_eager) if compile else self._forward_eager
 
         self.optimizer = optim.build_optimizer(self.params, run.optimizer)
         self.scheduler = optim.build_scheduler(run.scheduler, self.optimizer)
@@ -168,6 +167,9 @@ class BatchedSimulation:
 
     def losses(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Every replica's loss on its own [b, L] batch (ids [M, b, L]): a float32 [M] tensor."""
+        return self._forward(ids, labels)
+
+    def _forward_eager(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = ids
         with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             for s in range(self.S):
