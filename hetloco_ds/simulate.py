@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -63,6 +64,10 @@ class Variant:
     embedding_adaptation: bool = True
     project_residual_weights: bool = False
     seed: int = 0
+    lr: float | None = None
+    """Inner AdamW lr of this row (None: the run's)."""
+    sparseloco: dict = field(default_factory=dict)
+    """`hetloco.sparseloco` fields this row sets (e.g. aggregation, outer_lr), validated by the config."""
 
     def hetloco(self, base: HetlocoConfig, replicas: int) -> HetlocoConfig:
         cfg = base.model_copy(deep=True)
@@ -73,7 +78,24 @@ class Variant:
         cfg.subspace.embedding_adaptation = self.embedding_adaptation
         cfg.subspace.project_residual_weights = self.project_residual_weights
         cfg.train.seed = self.seed
+        for key, value in self.sparseloco.items():
+            try:
+                setattr(cfg.sparseloco, key, value)
+            except (ValueError, AttributeError) as err:  # pydantic's ValidationError is a ValueError
+                raise ConfigError(f"row {self.name}: sparseloco.{key} = {value!r}: {str(err).splitlines()[-1].strip()}") from None
         return cfg
+
+    def run(self, run: RunConfig) -> RunConfig:
+        """The run's settings with this row's inner lr."""
+        if self.lr is None:
+            return run
+        return dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer, lr=self.lr))
+
+    @property
+    def base_key(self) -> tuple:
+        """What a row shares with the uncompressed row it is measured against: mode, seed, inner lr,
+        outer-step settings (so 'het:8' is against 'sparseloco', 'adamw-het:8' against 'adamw')."""
+        return self.mode, self.seed, self.lr, tuple(sorted(self.sparseloco.items()))
 
 
 def stage_params(layers, parts) -> list[list[nn.Parameter]]:
@@ -290,16 +312,23 @@ def step_batches(feeds, gas: int, device) -> list[list[tuple[torch.Tensor, torch
 
 def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, replicas: int, stages: int, steps: int,
                      device, metrics_path: str | None = None, progress: bool = True, batched: bool = True,
-                     compile: bool = False) -> dict:
-    """Train one row and validate every replica; `batched` runs the replicas as one batched
-    computation (`simulate_batched`), else one `SimReplica` each (the reference); `compile`
-    torch.compiles the batched stage functions."""
+                     compile: bool = False, deadline: float | None = None, state_path: str | None = None) -> dict:
+    """Train one row and validate every replica; the result's "status" is "done".
+
+    `batched` runs the replicas as one batched computation (`simulate_batched`), else one
+    `SimReplica` each (the reference); `compile` torch.compiles the batched forward.
+    `deadline` (a time.time() value): at each outer-step boundary (every 50 steps without outer
+    steps) the row stops when, at this call's pace, it could not reach the next boundary before
+    the deadline. With `state_path` it then saves its state there ("status": "saved") and a later
+    call with the same path continues from it, ending exactly as an uninterrupted run; without,
+    it stops as soon as it is projected to end after the deadline ("status": "abandoned")."""
     from tqdm import tqdm
 
     from .data import ReplicaBatches
     from .train import validation_batches
 
     hetloco = variant.hetloco(run.hetloco, replicas)
+    run = variant.run(run)
     torch.manual_seed(hetloco.train.seed)
     if batched:
         from .simulate_batched import BatchedSimulation
@@ -308,19 +337,30 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     else:
         sim = Simulation(run, hetloco, llama_config, replicas, stages, device)
     seq_len = hetloco.train.seq_len
-    feeds = [ReplicaBatches(corpus.train, m, replicas, sim.micro, seed=hetloco.train.seed) for m in range(replicas)]
+    history, outer_rows, done, spent = [], [], 0, 0.0
+    if state_path and not batched:
+        raise ConfigError("resuming a row (state_path) needs the batched simulator")
+    if state_path and os.path.exists(state_path):
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        if state["variant"] != asdict(variant) or state["steps"] != steps:
+            raise ConfigError(f"{state_path} holds row {state['variant']['name']} of {state['steps']} steps, "
+                              f"not {variant.name} of {steps}")
+        sim.load_state_dict(state["sim"])
+        history, outer_rows, done, spent = state["history"], state["outer"], state["step"], state["seconds"]
+    feeds = [ReplicaBatches(corpus.train, m, replicas, sim.micro, seed=hetloco.train.seed, position=done * sim.gas)
+             for m in range(replicas)]
     val_it = validation_batches(corpus.val, sim.micro)
     val_batches = [tuple(t.to(device) for t in next(val_it)) for _ in range(hetloco.train.eval_batches)]
     H = hetloco.sparseloco.inner_steps if hetloco.sparseloco.enabled else 1
     link = sim.link_bytes_per_step(seq_len)
     tokens_per_step = sim.micro * sim.gas * seq_len
-    history, t0 = [], time.perf_counter()
+    t0 = time.perf_counter()
     out = open(metrics_path, "a") if metrics_path else None
-    bar = tqdm(total=steps, desc=variant.name, disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=steps, initial=done, desc=variant.name, disable=not progress, dynamic_ncols=True)
     # Losses stay on the device until an outer step (which syncs anyway), every 50 steps or the
     # end: the host never waits on the device between those, so it keeps queueing work.
     pending: list[torch.Tensor] = []
-    outer_rows: list[dict] = []
+    interval = H if hetloco.sparseloco.enabled else 50  # steps between boundaries (nothing pending)
 
     def syncs(step: int) -> bool:
         return hetloco.sparseloco.enabled and (step % H == 0 or step == steps)
@@ -348,12 +388,29 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
             if first <= row["step"] <= len(history):  # this flush's syncs, after their steps' rows
                 out.write(json.dumps({"kind": "outer", "variant": variant.name, **row}) + "\n")
 
-    for step in range(1, steps + 1):
+    for step in range(done + 1, steps + 1):
         pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
         if syncs(step):
             outer_rows.append({"step": step, **sim.outer_step()})
         if syncs(step) or step == steps or len(pending) >= 50:
             flush()
+        if deadline is None or step == steps or step % interval:
+            continue
+        pace = (time.perf_counter() - t0) / (step - done)
+        stop = (time.time() + pace * interval > deadline if state_path
+                else time.time() + pace * (steps - step) > deadline)
+        if stop:
+            bar.close()
+            if out:
+                out.close()
+            seconds = spent + time.perf_counter() - t0
+            if state_path:
+                tmp = state_path + ".tmp"
+                torch.save({"variant": asdict(variant), "steps": steps, "step": step, "sim": sim.state_dict(),
+                            "history": history, "outer": outer_rows, "seconds": seconds}, tmp)
+                os.replace(tmp, state_path)
+            return {"status": "saved" if state_path else "abandoned", "variant": asdict(variant), "step": step,
+                    "steps": steps, "seconds": seconds}
     bar.close()
     val_losses = sim.validation_losses(val_batches)
     val = sum(val_losses) / len(val_losses)
@@ -364,7 +421,10 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     tail = max(1, min(H, steps) if hetloco.sparseloco.enabled else min(10, steps))
     final_train = sum(sum(l) / len(l) for l in history[-tail:]) / tail
     stage_bytes = sum(link["stage_links_per_step"]) / replicas
+    if state_path and os.path.exists(state_path):
+        os.remove(state_path)
     return {
+        "status": "done",
         "variant": asdict(variant),
         "replicas": replicas, "stages": stages, "steps": steps, "inner_steps": H,
         "train_losses": [sum(l) / len(l) for l in history],
@@ -374,7 +434,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         "val_losses": val_losses,
         "stage_link_bytes_per_token": stage_bytes / tokens_per_step,
         "outer_sync_bytes_per_replica_per_outer_step": link["outer_payload_per_replica"],
-        "seconds": time.perf_counter() - t0,
+        "seconds": spent + time.perf_counter() - t0,
         "simulator": "batched" if batched else "per_replica",
         "compile": compile,
         "tokens_per_replica_step": tokens_per_step,
@@ -384,35 +444,53 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     }
 
 
+ROW_HEADS = ("sparseloco", "pp", "het", "adamw", "adamw-pp", "adamw-het", "diloco")
+
+
 def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Variant]:
-    """Rows like 'sparseloco', 'pp:8' (all compress at ratio 8), 'het:8' (half), 'adamw',
-    'adamw-pp:8', 'adamw-het:8', 'pp:8:noadapt', 'pp:8:wproj'."""
+    """Rows HEAD[:RATIO][:FLAG...] x seeds. HEAD: sparseloco, pp (every replica compresses at
+    RATIO), het (the last half do), adamw, adamw-pp, adamw-het (plain data parallelism), diloco
+    (SparseLoCo's loop with `aggregation: dense`, the dense-averaging control). FLAG: noadapt
+    (Table 5a), wproj (Table 5b), lr=X (this row's inner lr), or KEY=VALUE for any
+    `hetloco.sparseloco` field (e.g. aggregation=selected_count, outer_lr=2)."""
     variants = []
     for item, seed in itertools.product(spec, seeds):
         parts = item.split(":")
-        head, ratio, flags = parts[0], int(parts[1]) if len(parts) > 1 else 1, set(parts[2:])
-        mode = "adamw" if head.startswith("adamw") else "sparseloco"
-        kind = head.split("-")[-1] if "-" in head else head
+        head, rest = parts[0], parts[1:]
+        ratio = int(rest.pop(0)) if rest and rest[0].isdigit() else 1
+        if head not in ROW_HEADS:
+            raise ConfigError(f"--variants: unknown row {item!r} (rows start with one of {', '.join(ROW_HEADS)})")
+        kind = head.split("-")[-1]
         compressed = {"pp": replicas, "het": replicas // 2}.get(kind, 0)
-        if kind not in ("pp", "het", "sparseloco", "adamw"):
-            raise ConfigError(f"--variants: unknown row {item!r}")
-        variants.append(Variant(name=f"{item}@seed{seed}", mode=mode, ratio=ratio if compressed else 1,
-                                compressed=compressed, embedding_adaptation="noadapt" not in flags,
-                                project_residual_weights="wproj" in flags, seed=seed))
+        if compressed and ratio < 2:
+            raise ConfigError(f"--variants: row {item!r} needs a ratio >= 2 (e.g. {head}:8)")
+        settings = dict(f.split("=", 1) for f in rest if "=" in f)
+        unknown = [f for f in rest if "=" not in f and f not in ("noadapt", "wproj")]
+        if unknown:
+            raise ConfigError(f"--variants: row {item!r}: unknown flag(s) {unknown}")
+        if head == "diloco":
+            settings.setdefault("aggregation", "dense")
+        try:
+            lr = float(settings.pop("lr")) if "lr" in settings else None
+        except ValueError:
+            raise ConfigError(f"--variants: row {item!r}: lr must be a number") from None
+        variants.append(Variant(name=f"{item}@seed{seed}", mode="adamw" if head.startswith("adamw") else "sparseloco",
+                                ratio=ratio if compressed else 1, compressed=compressed,
+                                embedding_adaptation="noadapt" not in rest, project_residual_weights="wproj" in rest,
+                                seed=seed, lr=lr, sparseloco=settings))
     return variants
 
 
 def degradation_table(results: list[dict]) -> list[dict]:
-    """Relative degradation of each row's validation loss vs the uncompressed row of its mode and seed."""
-    base = {}
-    for r in results:
-        v = r["variant"]
-        if v["compressed"] == 0:
-            base[(v["mode"], v["seed"])] = r["val_loss"]
+    """Relative degradation of each row's validation loss (the mean over replicas) vs the
+    uncompressed row it shares `Variant.base_key` with."""
+    def key(r):
+        return Variant(**r["variant"]).base_key
+
+    base = {key(r): r["val_loss"] for r in results if r["variant"]["compressed"] == 0}
     rows = []
     for r in results:
-        v = r["variant"]
-        b = base.get((v["mode"], v["seed"]))
+        b = base.get(key(r))
         rows.append({**r, "delta_pct": None if b is None else 100.0 * (r["val_loss"] - b) / b})
     return rows
 
@@ -435,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", type=int, help="virtual stages (default: the config's pipeline.stages)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--variants", default="sparseloco,pp:8,het:8",
-                   help="comma-separated rows: sparseloco, pp:R, het:R, adamw, adamw-pp:R, adamw-het:R; suffix :noadapt or :wproj")
+                   help="comma-separated rows HEAD[:RATIO][:FLAG...]: sparseloco, pp:R, het:R, adamw, adamw-pp:R, "
+                        "adamw-het:R, diloco; flags noadapt, wproj, lr=X, or any sparseloco field as KEY=VALUE")
     p.add_argument("--seeds", default="0")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="directory for results.json and metrics.jsonl")

@@ -220,6 +220,26 @@ class BatchedSimulation:
         self.outer_steps += 1
         return {"outer_step": self.outer_steps, **outer_step_all(self.replicas, self.members)}
 
+    def state_dict(self) -> dict:
+        """Everything a row needs to continue (at an outer-step boundary): the stacked parameters,
+        AdamW, the LR schedule, every StageAlgorithm's state (views: serialise before stepping on)."""
+        return {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "algorithms": [[a.state_dict() for a in r.algorithms] for r in self.replicas],
+                "step": self.step, "outer_steps": self.outer_steps}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """In place, so every StageAlgorithm's views and the optimizer keep their tensors."""
+        torch._foreach_copy_([p.data for p in self.params], state["params"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        for r, algs in zip(self.replicas, state["algorithms"]):
+            for a, st in zip(r.algorithms, algs):
+                a.load_state_dict(st)
+        self.step, self.outer_steps = state["step"], state["outer_steps"]
+
     @torch.no_grad()
     def validation_losses(self, batches) -> list[float]:
         """Every replica's mean loss over the same held-out batches, each through its own pipeline."""

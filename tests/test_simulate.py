@@ -232,3 +232,39 @@ def test_outer_step_diagnostics_on_a_dense_sync():
     assert 1.0 <= sparse["replicas_per_selected"] < 1.5
     assert 0.0 < sparse["update_cosine"] < 0.9
     assert sparse["error_norm"] > 0
+
+
+def test_a_saved_row_resumes_where_it_stopped(tmp_path):
+    """A row stopped by its deadline at the first outer-step boundary saves its state; a second
+    call continues from it and ends with the same per-step losses, outer-step diagnostics and
+    validation losses as an uninterrupted run, bit for bit (AdamW moments, LR schedule, error
+    buffers, theta at the last sync, T_perp and the data positions all come back). Breaks if any
+    of them is lost or the data feed restarts."""
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.data import Corpus
+    from hetloco_ds.presets import model_config_for
+    from hetloco_ds.simulate import parse_variants, simulate_variant
+
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2}},
+                        "hetloco": {"sparseloco": {"inner_steps": 2}, "train": {"seq_len": 16, "eval_batches": 2}}})
+    g = torch.Generator().manual_seed(0)
+    corpus = Corpus(torch.randint(0, 96, (64, 16), generator=g, dtype=torch.int32),
+                    torch.randint(0, 96, (8, 16), generator=g, dtype=torch.int32), "random", tmp_path)
+    variant = parse_variants(["het:4"], 2, [0])[0]
+    llama = model_config_for("tiny", 96)
+    cpu = torch.device("cpu")
+
+    def row(**kw):
+        return simulate_variant(cfg, variant, llama, corpus, 2, 2, 6, cpu, progress=False, **kw)
+
+    full = row()
+    state = str(tmp_path / "row.pt")
+    first = row(deadline=0.0, state_path=state)
+    assert first["status"] == "saved" and first["step"] == 2
+    second = row(state_path=state)
+    assert second["status"] == "done" and not os.path.exists(state)
+    assert second["replica_losses"] == full["replica_losses"]
+    assert second["outer"] == full["outer"] and second["outer_steps"] == 3
+    assert second["val_losses"] == full["val_losses"]
+    assert row(deadline=0.0)["status"] == "abandoned"
