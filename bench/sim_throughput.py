@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 if BENCH not in sys.path:
@@ -158,7 +159,12 @@ def run_sim(cfg, args, result, system: str) -> None:
     def step():
         sim.train_step(feed[next(it) % len(feed)])
 
-    warm, timed = time_steps(step, args.warmup, args.steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warm, timed = time_steps(step, args.warmup, args.steps)
+    # An op without a vmap batching rule runs once per replica in a Python loop: name any.
+    result["vmap_fallbacks"] = sorted({str(w.message).split("batching rule for ")[-1].split(".")[0]
+                                       for w in caught if "batching rule" in str(w.message)})
     tokens = args.replicas * args.micro * args.gas * args.seq
     n_params = sum(p.numel() for p in sim.replicas[0].params)
     result.update(step_stats(timed, warm, tokens, flops_per_token(cfg, args.seq, n_params)))
