@@ -73,7 +73,7 @@ def run_config(args, seq_len: int) -> dict:
         "bf16": {"enabled": args.device == "cuda"},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupCosineLR",
-                      "params": {"total_num_steps": args.steps, "warmup_num_steps": max(1, args.steps // 20),
+                      "params": {"total_num_steps": args.steps, "warmup_num_steps": max(1, args.steps // 10),
                                  "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}},
         "hetloco": {"sparseloco": {"inner_steps": args.inner_steps, "outer_lr": 1.0, "error_decay": 0.95, "topk": 32},
                     "train": {"seq_len": seq_len, "eval_batches": args.eval_batches, "seed": 0}},
