@@ -1,4 +1,4 @@
-"""`hetloco-ds`: train, export, simulate, plan."""
+"""`hetloco-ds`: train, export, simulate, plan, lighthouse."""
 from __future__ import annotations
 
 import argparse
@@ -86,12 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         from .simulate import main as simulate_main
 
         return simulate_main(argv[1:])
+    if argv[:1] == ["lighthouse"]:
+        from .transport.lighthouse import main as lighthouse_main
+
+        return lighthouse_main(argv[1:])
     parser = argparse.ArgumentParser(prog="hetloco-ds", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _export_parser(sub)
     sub.add_parser("simulate", help="M replicas x S virtual stages in one process (see `hetloco-ds simulate -h`)")
     sub.add_parser("plan", help="predict step time, utilisation and bytes (see `hetloco-ds plan -h`)")
+    sub.add_parser("lighthouse", help="the lighthouse elastic replicas meet through (see `hetloco-ds lighthouse -h`)")
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)
