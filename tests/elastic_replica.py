@@ -21,14 +21,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch.distributed import TCPStore  # noqa: E402
-
 from hetloco_ds.sparseloco.outer import OuterConfig, SparseLoCoState  # noqa: E402
 from hetloco_ds.transport.auth import SECRET_ENV, FleetRefused, read_fleet_secret  # noqa: E402
-from hetloco_ds.transport.elastic import ElasticConfig, ElasticTransport  # noqa: E402
+from hetloco_ds.transport.elastic import ElasticConfig, ElasticTransport, replica_store  # noqa: E402
 
 SHAPES = {0: [(8, 8), (16,), (5, 8)], 1: [(8, 8), (12,)]}
-CFG = OuterConfig(chunk_size=16, topk=4, error_decay=0.9, outer_lr=0.7)
+CFG = OuterConfig(chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7)
 INNER = 4
 
 
@@ -83,23 +81,25 @@ def simulate(schedule: list[tuple[str, ...]], names: list[str], stage: int) -> l
 
 def run_replica(lighthouse: str, name: str, store_port: int, steps: int, log: str, stage: int = 0,
                 stages: int = 1, sleep: float = 0.05, go: str | None = None, timeout: float = 5.0,
-                secret_file: str | None = None, secret_env: str | None = None, die_in_exchange: int = -1) -> None:
+                secret_file: str | None = None, secret_env: str | None = None, die_in_exchange: int = -1,
+                diverge_at: int = -1) -> None:
     """Body of one stage process (a forkserver child, so torch and torchft are already imported).
 
     Runs until `steps` outer steps are committed; writes one JSONL line per step to `log`, stdout and
     stderr to `log`.out / `log`.err; exits 0, 2 (bad secret setting) or 3 (refused by the fleet).
     `die_in_exchange`: SIGKILL itself in that outer step, after the hello round, before its payload.
+    `diverge_at`: before that outer step, replace its history (chain) as a split brain would have.
     """
     out = os.open(log + ".out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     err = os.open(log + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(out, 1)
     os.dup2(err, 2)
     sys.exit(_run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, timeout, secret_file,
-                  secret_env, die_in_exchange))
+                  secret_env, die_in_exchange, diverge_at))
 
 
 def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, timeout, secret_file, secret_env,
-         die_in_exchange) -> int:
+         die_in_exchange, diverge_at) -> int:
     torch.set_num_threads(1)
     if secret_env is not None:
         os.environ[SECRET_ENV] = secret_env
@@ -110,8 +110,8 @@ def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, tim
     except ValueError as err:
         print(f"hetloco-ds: error: {err}", file=sys.stderr)
         return 2
-    # Stage 0 hosts this replica's store, as rank 0 of a launched job does.
-    store = TCPStore("127.0.0.1", store_port, is_master=stage == 0, wait_for_workers=False)  # noqa: F841
+    # Stage 0 hosts this replica's store, as rank 0 of a launched job does (here on localhost only).
+    store = replica_store("127.0.0.1", store_port) if stage == 0 else None  # noqa: F841
     params = initial_params(stage)
     state = SparseLoCoState(params, CFG)
     counter = {"outer": 0}
@@ -147,17 +147,21 @@ def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, tim
         try:
             while counter["outer"] < steps:
                 inner_steps(params, name, stage, counter["outer"], sleep)
+                if counter["outer"] == diverge_at:
+                    diverged = transport.state_dict()
+                    diverged["chain"] = hashlib.sha256(b"another history").digest()
+                    transport.load_state_dict(diverged)
                 t0 = time.time()
-                healed = transport.begin()
-                k = counter["outer"]
+                transport.begin()
                 payload = state.prepare(params)
                 gathered = transport.exchange(payload)
+                k = counter["outer"]  # after exchange: a heal inside it replaces the counter with the fleet's
                 state.finish(params, gathered.payloads)
                 counter["outer"] = k + 1
                 r = transport.last_report
                 f.write(json.dumps({"outer": k, "members": list(gathered.members), "participants": list(r.participants),
                                     "left": list(r.left), "joined": list(r.joined), "attempts": r.attempts,
-                                    "healed": healed, "t_begin": t0, "t_end": time.time(), "digest": digest(params)})
+                                    "healed": r.healed, "t_begin": t0, "t_end": time.time(), "digest": digest(params)})
                         + "\n")
                 f.flush()
         except FleetRefused as err:

@@ -73,6 +73,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import struct
 import time
 from contextlib import contextmanager
@@ -330,6 +331,18 @@ def payload_frame(secret: bytes, hello_mac: bytes, payload: torch.Tensor | None,
     return frame
 
 
+def replica_store(host: str, port: int = 0, timeout: timedelta = timedelta(seconds=300)) -> TCPStore:
+    """A TCPStore server for one replica's stage ranks (and the rendezvous of the cross-replica groups
+    when this replica is their primary) that listens on `host` only; c10d's own binds every interface."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return TCPStore(host.strip("[]"), port, is_master=True, wait_for_workers=False, timeout=timeout,
+                    master_listen_fd=sock.detach())
+
+
 class _BoundGloo(ProcessGroupGloo):
     """torchft's reconfigurable gloo group, with its sockets on `host` (torchft's uses the address
     the machine's hostname resolves to, torchft/process_group.py ProcessGroupGloo._create_pg)."""
@@ -471,7 +484,7 @@ class ElasticTransport:
         if self._refused is not None:
             # Take part in this attempt without a payload, so the fleet is not left waiting for us.
             try:
-                self._attempt(torch.zeros(0, dtype=torch.uint8), 0)
+                self._attempt(torch.zeros(0, dtype=torch.uint8), 0, self._manager.current_step())
             except Exception:  # noqa: BLE001 - the refusal is what we report
                 pass
             raise self._refused
@@ -481,7 +494,9 @@ class ElasticTransport:
         """This stage's payload to the fleet; the payloads of this step's members, sorted by name.
 
         Retries with a new quorum until an attempt commits on every stage of this replica, re-sending
-        the same payload. Members is empty when no replica could contribute (e.g. only healed ones are
+        the same payload. If the peers committed an attempt this replica failed, this stage is healed
+        during a retry: `load_state_dict` replaces the synced state (outer-step counter included; read
+        it after this call) and `last_report.healed` is set. Members is empty when no replica could contribute (e.g. only healed ones are
         left); the payload list then holds this replica's payload marked excluded, so that `finish`
         leaves the synced parameters as they are.
         """
@@ -490,14 +505,14 @@ class ElasticTransport:
         if payload.dtype != torch.uint8 or payload.dim() != 1:
             raise ValueError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
         own = payload.detach().to("cpu").contiguous()
-        step = self._manager.current_step()
         last: Exception | None = None
         for attempt in range(self.cfg.max_attempts):
             if attempt:
                 self._quorum()
+            step = self._manager.current_step()  # a heal in the new quorum moves it
             outcome = None
             try:
-                outcome = self._attempt(own, attempt)
+                outcome = self._attempt(own, attempt, step)
             except FleetRefused:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of the attempt means: do not commit
@@ -510,7 +525,7 @@ class ElasticTransport:
                 self._forget_stage_key(step, attempt)
                 return self._commit(step, attempt + 1, own, *outcome)
             self._forget_stage_key(step, attempt)
-        raise RuntimeError(f"{self.cfg.replica_id} stage {self.cfg.stage}: outer step {step} failed "
+        raise RuntimeError(f"{self.cfg.replica_id} stage {self.cfg.stage}: outer step {self.step} failed "
                            f"{self.cfg.max_attempts} attempts in a row; last error: {last}")
 
     def close(self) -> None:
@@ -547,12 +562,22 @@ class ElasticTransport:
                 raise RuntimeError("collective did not complete")
         return out
 
-    def _attempt(self, own: torch.Tensor, attempt: int):
+    def _attempt(self, own: torch.Tensor, attempt: int, step: int):
+        try:
+            return self._rounds(own, attempt, step)
+        except Exception:
+            # Siblings of this replica wait for this stage's accepted set: tell them now, not at their timeout.
+            try:
+                self._publish_stage(step, attempt, None)
+            except Exception:  # noqa: BLE001 - the store is gone too; they will time out
+                pass
+            raise
+
+    def _rounds(self, own: torch.Tensor, attempt: int, step: int):
         m, secret = self._manager, self.cfg.secret
         rank, n = m.participating_rank(), m.num_participants()
         if rank is None:
             raise _Retry("not in the quorum")
-        step = m.current_step()
         ok = m.errored() is None and self._refused is None
         contributing = ok and not self._stale and own.numel() > 0
         fp = HEADER.unpack_from(own[: HEADER.size].numpy().tobytes())[4] if own.numel() >= HEADER.size else 0
@@ -607,14 +632,22 @@ class ElasticTransport:
     def _stage_key(self, step: int, attempt: int, stage: int) -> str:
         return f"{self._prefix}/{step}/{attempt}/{stage}"
 
+    def _publish_stage(self, step: int, attempt: int, accepted: set[str] | None) -> None:
+        if self._store is not None:
+            value = None if accepted is None else sorted(accepted)
+            self._store.set(self._stage_key(step, attempt, self.cfg.stage), json.dumps(value))
+
     def _agree_across_stages(self, accepted: set[str], step: int, attempt: int) -> set[str]:
         if self._store is None:
             return accepted
-        self._store.set(self._stage_key(step, attempt, self.cfg.stage), json.dumps(sorted(accepted)))
+        self._publish_stage(step, attempt, accepted)
         keys = [self._stage_key(step, attempt, s) for s in range(self.cfg.stages)]
         self._store.wait(keys, timedelta(seconds=self.cfg.timeout))
-        for k in keys:
-            accepted &= set(json.loads(self._store.get(k)))
+        for s, k in enumerate(keys):
+            theirs = json.loads(self._store.get(k))
+            if theirs is None:
+                raise _Retry(f"stage {s} of this replica failed this attempt")
+            accepted &= set(theirs)
         return accepted
 
     def _forget_stage_key(self, step: int, attempt: int) -> None:
