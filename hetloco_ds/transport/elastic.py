@@ -44,7 +44,8 @@ their parameters stay bitwise equal. A replica that failed an attempt its peers 
 step behind: its next quorum includes them (the lighthouse waits for healthy replicas), torchft
 heals it, and it finishes that step with their payloads. If replicas at the same step nevertheless
 differ (a quorum formed without a peer that had committed), their chains differ: the most common
-chain wins, the others lower their step (`Manager.load_state_dict`) and are healed from a winner.
+chain wins, the others do not contribute, the winners commit without them, and torchft heals them
+(now a step behind) from a winner at their next quorum.
 
 Timeouts. A replica that dies or is stopped between boundaries costs the others at most the
 lighthouse's heartbeat timeout; a replica that is alive but does not reach the boundary (one of its
@@ -128,9 +129,10 @@ class ElasticConfig:
     secret: bytes = field(repr=False)
     """The fleet's shared secret (auth.read_fleet_secret)."""
     bind: str = "127.0.0.1"
-    """Address our servers listen on: state transfer, gloo sockets, torchft's ManagerServer."""
+    """Address our servers listen on: state transfer and torchft's ManagerServer."""
     advertise: str | None = None
-    """Address peers reach this rank at (default: bind; required when bind is a wildcard)."""
+    """Address peers reach this rank at (default: bind; required when bind is a wildcard). The gloo
+    sockets of the cross-replica groups listen on it: gloo binds one concrete address it can publish."""
     timeout: float = 30.0
     """Seconds: each collective of an exchange attempt, store waits, should_commit, state transfer."""
     quorum_timeout: float = 3600.0
@@ -154,6 +156,8 @@ class ElasticConfig:
         for name in ("timeout", "quorum_timeout", "heartbeat_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.bind.strip("[]") in ("", "0.0.0.0", "::") and not self.advertise:
+            raise ValueError(f"bind {self.bind!r} listens everywhere: give advertise, the address peers reach this host at")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
@@ -422,7 +426,7 @@ class ElasticTransport:
         if not store_addr or not store_port:
             raise ValueError("elastic transport needs this replica's TCPStore: set store_addr/store_port or "
                              "MASTER_ADDR/MASTER_PORT")
-        self._pg = _BoundGloo(cfg.bind, timeout)
+        self._pg = _BoundGloo(cfg.advertise or cfg.bind, timeout)
         self._ckpt = AuthenticatedStateTransport(cfg.secret, cfg.bind, cfg.advertise, timeout, cfg.replica_id)
         applied: list = []
         try:
@@ -495,10 +499,12 @@ class ElasticTransport:
 
         Retries with a new quorum until an attempt commits on every stage of this replica, re-sending
         the same payload. If the peers committed an attempt this replica failed, this stage is healed
-        during a retry: `load_state_dict` replaces the synced state (outer-step counter included; read
-        it after this call) and `last_report.healed` is set. Members is empty when no replica could contribute (e.g. only healed ones are
-        left); the payload list then holds this replica's payload marked excluded, so that `finish`
-        leaves the synced parameters as they are.
+        during a retry: `load_state_dict` replaces the synced state (the outer-step counter too: read
+        it after this call) and `last_report.healed` is set.
+
+        Members is empty when no replica could contribute (e.g. only healed ones are left); the
+        payload list then holds this replica's payload marked excluded, so that `finish` leaves the
+        synced parameters as they are.
         """
         if self._begun_at is None:
             raise RuntimeError("exchange() before begin(): call begin() at the outer boundary, before prepare()")
@@ -618,8 +624,8 @@ class ElasticTransport:
         if step < p.step:
             raise _Retry(f"this replica is at step {step}, the fleet at {p.step}; it heals at the next quorum")
         if self._chain != p.chain:
-            # Same step, other history: let torchft heal this stage from a replica with the fleet's chain.
-            m.load_state_dict({"step": step - 1, "batches_committed": m.batches_committed()})
+            # Same step, other history. The others commit without this replica, which leaves it a step
+            # behind them: torchft heals it from one of them at the next quorum that has them.
             raise _Retry("this replica's synced state differs from the fleet's; it heals at the next quorum")
 
         # d. all stages of this replica end the step with the same members

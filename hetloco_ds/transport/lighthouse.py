@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -69,7 +70,8 @@ def run(args, stop: threading.Event | None = None, out=None) -> int:
         return 2
     # torchft's address() names the machine's hostname; peers must use the address we bound.
     port = server.address().rpartition(":")[2]
-    print(f"lighthouse listening on http://{host}:{port}", file=out, flush=True)
+    shown = socket.gethostname() if host.strip("[]") in ("0.0.0.0", "::") else host
+    print(f"lighthouse listening on http://{shown}:{port}", file=out, flush=True)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
