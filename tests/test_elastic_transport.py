@@ -77,11 +77,12 @@ class Fleet:
             p.start()
             self.procs[(name, s)] = p
 
-    def start_together(self, names, steps, stages=1):
-        """Start replicas and let them begin only once all heartbeat, so the first quorum has them all."""
+    def start_together(self, names, steps, stages=1, options=None):
+        """Start replicas and let them begin only once all heartbeat, so the first quorum has them all.
+        `options`: name -> extra keyword arguments of run_replica."""
         go = str(self.tmp / "go")
         for n in names:
-            self.start(n, steps, stages, go=go)
+            self.start(n, steps, stages, go=go, **(options or {}).get(n, {}))
         self.wait(lambda: all(os.path.exists(self.log(n, s) + ".ready") for n in names for s in range(stages)), 60)
         open(go, "w").close()
 
@@ -128,6 +129,14 @@ def fleet(tmp_path):
     f.close()
 
 
+@pytest.fixture
+def patient_fleet(tmp_path):
+    """For runs without faults: timeouts no busy CI machine reaches, so nobody is left out by accident."""
+    f = Fleet(tmp_path, join_timeout=60, heartbeat_timeout=20)
+    yield f
+    f.close()
+
+
 def _schedule(f, names, steps, stage=0):
     """Members of each outer step as the survivors logged them (all survivors must agree)."""
     logs = {n: {r["outer"]: tuple(r["members"]) for s in range(1, f.starts[n] + 1) for r in f.rows(n, stage, s)}
@@ -152,17 +161,17 @@ def _assert_matches_reference(f, names, steps, stages=1):
 
 
 # ---------------------------------------------------------------------- whole fleets, real processes
-def test_no_fault_elastic_run_is_bitwise_the_static_run(fleet):
+def test_no_fault_elastic_run_is_bitwise_the_static_run(patient_fleet):
     """3 replicas x 2 stages, 3 outer steps: every stage's parameters after every outer step are bitwise
     those of the static run. Breaks if members are ordered differently, a payload is altered or
     dropped on the way, or a stage's sync uses another stage's peers."""
     names = ["r0", "r1", "r2"]
-    fleet.start_together(names, steps=3, stages=2)
-    fleet.join(names, stages=2)
+    patient_fleet.start_together(names, steps=3, stages=2)
+    patient_fleet.join(names, stages=2)
     for s in range(2):
         ref = er.simulate([tuple(names)] * 3, names, s)
         for n in names:
-            rows = fleet.rows(n, s)
+            rows = patient_fleet.rows(n, s)
             assert [r["members"] for r in rows] == [names] * 3 and [r["attempts"] for r in rows] == [1, 1, 1]
             assert [r["digest"] for r in rows] == ref, (n, s)
 
@@ -173,8 +182,7 @@ def test_replica_killed_mid_exchange_survivors_resend_same_payloads_within_one_t
     r2's death, and their parameters are bitwise the replay in which step 1 applied r0's and r1's
     payloads. Breaks if a retry re-prepared (the error buffer would absorb delta twice), if the
     survivors waited longer than the timeouts, or hung."""
-    fleet.start("r2", steps=4, die_in_exchange=1)
-    fleet.start_together(["r0", "r1"], steps=4)
+    fleet.start_together(["r0", "r1", "r2"], steps=4, options={"r2": dict(die_in_exchange=1)})
     fleet.join(["r0", "r1"])
     assert fleet.procs[("r2", 0)].exitcode == -signal.SIGKILL
     for n in ["r0", "r1"]:
@@ -185,26 +193,31 @@ def test_replica_killed_mid_exchange_survivors_resend_same_payloads_within_one_t
     _assert_matches_reference(fleet, ["r0", "r1", "r2"], 4)
 
 
+def _first_without(f, name, survivors, stages=1):
+    """Per survivor and stage, the log row of the first outer step `name` was not a member of."""
+    return {(n, s): next(r for r in f.rows(n, s) if name not in r["members"]) for n in survivors for s in range(stages)}
+
+
 def test_replica_killed_between_boundaries_is_left_out_then_rejoins_bitwise(fleet):
-    """r2 is SIGKILLed during the inner steps of outer step 2, right before the boundary: r0 and r1
-    finish step 2 with 2 contributors within the heartbeat timeout. r2 is restarted (a fresh process):
-    it joins at a later boundary by receiving the synced state from a live peer, contributes nothing
-    that step, and its parameters then equal the others' bitwise; from the next step on it contributes.
-    Breaks if a dead replica held the fleet beyond the timeout, if healing sent other state than the
-    synced one, or if a healed replica's (zero) pseudo-gradient diluted the average."""
+    """r2 is SIGKILLed during the inner steps of outer step 2: r0 and r1 finish their next step with
+    2 contributors within the heartbeat timeout. r2 is restarted (a fresh process): it joins at a
+    later boundary by receiving the synced state from a live peer, contributes nothing that step, and
+    its parameters then equal the others' bitwise; from the next step on it contributes. Breaks if a
+    dead replica held the fleet beyond the timeout, if healing sent other state than the synced one,
+    or if a healed replica's (zero) pseudo-gradient diluted the average."""
     names = ["r0", "r1", "r2"]
     fleet.start_together(names, steps=9)
     fleet.wait(lambda: len(fleet.rows("r2")) == 2, 60, "r2's outer step 1")
-    time.sleep(0.15)  # inside the 0.2 s of inner steps of outer step 2
+    time.sleep(0.1)  # inside the 0.2 s of inner steps of outer step 2 (or, on a slow box, a bit later)
     fleet.signal("r2", signal.SIGKILL)
     killed = time.time()
     fleet.wait(lambda: len(fleet.rows("r0")) >= 4, 60, "the survivors' outer step 3")
     fleet.start("r2", steps=9)
     fleet.join(names)
-    for n in ["r0", "r1"]:
-        step2 = fleet.rows(n)[2]
-        assert step2["members"] == ["r0", "r1"] and step2["left"] == ["r2"]
-        assert step2["t_end"] - killed < HEARTBEAT_S + SLACK_S
+    for (n, _), row in _first_without(fleet, "r2", ["r0", "r1"]).items():
+        assert row["members"] == ["r0", "r1"] and row["left"] == ["r2"], (n, row)
+        # a kill inside the exchange is noticed sooner (the connection resets), then as here
+        assert row["t_end"] - killed < HEARTBEAT_S + SLACK_S, (n, row["t_end"] - killed)
     back = fleet.rows("r2", start=2)
     assert back and back[0]["healed"] and back[0]["members"] == ["r0", "r1"]
     assert back[0]["outer"] >= 4 and back[-1]["outer"] == 8
@@ -215,10 +228,11 @@ def test_replica_killed_between_boundaries_is_left_out_then_rejoins_bitwise(flee
 
 def test_stopped_rank_is_left_out_within_join_timeout_and_replica_rejoins_per_stage(fleet):
     """3 replicas x 2 stages. Stage 1 of r2 is SIGSTOPped mid-inner-step (a hang: r2's stage 0 still
-    heartbeats): r0 and r1 finish the next outer step, on both stages, with 2 contributors within the
-    join timeout. Then r2 is killed and restarted: both its stages heal (possibly from different
-    peers) and match the fleet bitwise. Breaks if a hung rank held the fleet unboundedly, if stages
-    of one replica ended a step with different members, or if a stage healed from wrong state."""
+    heartbeats): r0 and r1 finish their next outer step, on both stages, with 2 contributors within
+    the join timeout (plus the exchange timeout, should the stop land inside an exchange). Then r2 is
+    killed and restarted: both its stages heal (possibly from different peers) and match the fleet
+    bitwise. Breaks if a hung rank held the fleet unboundedly, if stages of one replica ended a step
+    with different members, or if a stage healed from wrong state."""
     names = ["r0", "r1", "r2"]
     fleet.start_together(names, steps=8, stages=2)
     fleet.wait(lambda: len(fleet.rows("r2", 1)) == 1, 60, "r2's outer step 0")
@@ -230,11 +244,10 @@ def test_stopped_rank_is_left_out_within_join_timeout_and_replica_rejoins_per_st
         fleet.signal("r2", signal.SIGKILL, stage=s)
     fleet.start("r2", steps=8, stages=2)
     fleet.join(names, stages=2)
-    for n in ["r0", "r1"]:
-        for s in (0, 1):
-            step1 = fleet.rows(n, s)[1]
-            assert step1["members"] == ["r0", "r1"], (n, s, step1)
-            assert step1["t_end"] - stopped < JOIN_S + SLACK_S
+    first = _first_without(fleet, "r2", ["r0", "r1"], stages=2)
+    assert len({row["outer"] for row in first.values()}) == 1, first
+    for (n, s), row in first.items():
+        assert row["members"] == ["r0", "r1"] and row["t_end"] - stopped < JOIN_S + TIMEOUT_S + SLACK_S, (n, s, row)
     for s in (0, 1):
         back = fleet.rows("r2", s, start=2)
         assert back and back[0]["healed"] and back[-1]["outer"] == 7
@@ -247,8 +260,7 @@ def test_replica_with_another_history_is_healed_from_the_majority(fleet):
     on its parameters equal theirs bitwise. Breaks if replicas at the same step but with different
     synced states were summed together (they would silently diverge for good)."""
     names = ["r0", "r1", "r2"]
-    fleet.start("r2", steps=6, diverge_at=2)
-    fleet.start_together(["r0", "r1"], steps=6)
+    fleet.start_together(names, steps=6, options={"r2": dict(diverge_at=2)})
     fleet.join(names)
     rows = {n: {r["outer"]: r for r in fleet.rows(n)} for n in names}
     assert [rows["r0"][k]["members"] for k in range(4)] == [names, names, ["r0", "r1"], ["r0", "r1"]]
