@@ -299,6 +299,42 @@ def test_replica_without_the_secret_is_refused_in_one_line_and_fleet_goes_on(fle
     _assert_matches_reference(fleet, ["r0", "r1"], 8)
 
 
+def _listening(pid: int) -> set[str]:
+    """Addresses the process listens on (TCP, IPv4 and IPv6), from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    ip = bytes.fromhex(cols[1].split(":")[0])
+                    # /proc prints each 32-bit word in host (little-endian) order
+                    ip = b"".join(ip[i:i + 4][::-1] for i in range(0, len(ip), 4))
+                    out.add(socket.inet_ntop(family, ip))
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="reads listening sockets from Linux /proc")
+def test_replica_listens_only_on_the_bind_address(fleet):
+    """Every socket a replica listens on (torchft's ManagerServer, the state-transfer server, the gloo
+    sockets of the cross-replica group, its store) is on the bind address, here 127.0.0.1. Breaks if
+    torchft's ManagerServer went back to every interface (it hard-codes [::]) or gloo to the hostname."""
+    fleet.start_together(["r0", "r1"], steps=8)
+    fleet.wait(lambda: len(fleet.rows("r0")) >= 1 and len(fleet.rows("r1")) >= 1, 60, "outer step 0")
+    for n in ["r0", "r1"]:
+        addrs = _listening(fleet.procs[(n, 0)].pid)
+        assert addrs == {"127.0.0.1"}, (n, addrs)
+    fleet.join(["r0", "r1"])
+
+
 # ---------------------------------------------------------------------- the pure core of an attempt
 def _round(payloads, names, secret=SECRET, contributing=None, chains=None, steps=None):
     """The bytes of one attempt's hello and payload rounds as every replica receives them."""
