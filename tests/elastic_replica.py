@@ -111,7 +111,7 @@ def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, tim
         print(f"hetloco-ds: error: {err}", file=sys.stderr)
         return 2
     # Stage 0 hosts this replica's store, as rank 0 of a launched job does (here on localhost only).
-    store = replica_store("127.0.0.1", store_port) if stage == 0 else None  # noqa: F841
+    store = replica_store("127.0.0.1", store_port) if stage == 0 else None
     params = initial_params(stage)
     state = SparseLoCoState(params, CFG)
     counter = {"outer": 0}
@@ -168,4 +168,5 @@ def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, tim
             print(f"hetloco-ds: {err}", file=sys.stderr)
             return 3
     transport.close()
+    del store  # held until here: the other stages and the fleet's groups rendezvous through it
     return 0

@@ -286,7 +286,8 @@ def test_replica_without_the_secret_is_refused_in_one_line_and_fleet_goes_on(fle
     fleet.procs[("nosecret", 0)].join(60)
     err = open(fleet.log("intruder") + ".err").read()
     assert fleet.procs[("intruder", 0)].exitcode == 3 and err.count("\n") == 1, err
-    assert err.startswith("hetloco-ds: refused by the fleet: the donor at") and "rejected this replica's fleet secret" in err
+    assert err.startswith("hetloco-ds: refused by the fleet: the donor at"), err
+    assert "rejected this replica's fleet secret" in err, err
     assert fleet.rows("intruder") == []
     err = open(fleet.log("nosecret") + ".err").read()
     assert fleet.procs[("nosecret", 0)].exitcode == 2 and err.count("\n") == 1, err

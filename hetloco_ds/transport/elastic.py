@@ -42,10 +42,11 @@ One elastic outer step, on every stage rank of every replica:
 Consistency. All replicas that commit an attempt apply the same payloads in the same order, so
 their parameters stay bitwise equal. A replica that failed an attempt its peers committed is one
 step behind: its next quorum includes them (the lighthouse waits for healthy replicas), torchft
-heals it, and it finishes that step with their payloads. If replicas at the same step nevertheless
-differ (a quorum formed without a peer that had committed), their chains differ: the most common
-chain wins, the others do not contribute, the winners commit without them, and torchft heals them
-(now a step behind) from a winner at their next quorum.
+heals it, and it finishes that step with their payloads (it keeps its error buffer: if its payload
+was not among theirs, that step's sent part of its pseudo-gradient is lost). If replicas at the
+same step nevertheless differ (a quorum formed without a peer that had committed), their chains
+differ: the most common chain wins, the others do not contribute, the winners commit without them,
+and torchft heals them (now a step behind) from a winner at their next quorum.
 
 Timeouts. A replica that dies or is stopped between boundaries costs the others at most the
 lighthouse's heartbeat timeout; a replica that is alive but does not reach the boundary (one of its
@@ -57,15 +58,16 @@ Who may take part (what is authenticated and how). A fleet shares one secret (fi
 variable, see auth.py). Hellos, payloads and votes carry HMAC-SHA256 under it; a replica without it
 is heard by no one, and refuses itself (one line, `FleetRefused`) when it is a minority. State
 transfer uses our `AuthenticatedStateTransport` (state_transfer.py), not torchft's HTTP one: a
-request without the secret gets no byte of state, and a response without it is not loaded. Our
-servers bind `bind` (localhost by default): the state-transfer server, the gloo sockets of the
-cross-replica groups, and torchft's ManagerServer (which torchft hard-codes to every interface; we
-pass it `bind` instead, see `_manager_server_bound_to`).
+request without the secret gets no byte of state, and a response without it is not loaded.
+Listening sockets are on `bind` (localhost by default): the state-transfer server and torchft's
+ManagerServer (torchft hard-codes every interface; we pass it `bind`, see
+`_manager_server_bound_to`); the gloo sockets of the cross-replica groups are on `advertise or
+bind`; `replica_store` gives a replica a TCPStore on `bind` (c10d's listens everywhere).
 Not covered (torchft 0.2.0 has no authentication): the lighthouse's gRPC and its HTTP
-`/replica/<id>/kill`, the ManagerServer's `Kill` RPC, and the replicas' TCPStores (the store of a
-replica is where the cross-replica groups rendezvous). Anyone who reaches those ports can stall or
-stop replicas, but cannot get a payload or state accepted. Bind to localhost, or firewall them to
-the fleet's hosts.
+`/replica/<id>/kill`, the ManagerServer's `Kill` RPC, the replicas' TCPStores, and gloo itself (a
+group member that sends more bytes than a receive expects aborts the receiver). Anyone who reaches
+those ports, or who the lighthouse puts in a quorum, can stall or stop replicas, but cannot get a
+payload or state accepted. Bind to localhost, or firewall them to the fleet's hosts.
 """
 from __future__ import annotations
 
@@ -157,7 +159,8 @@ class ElasticConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.bind.strip("[]") in ("", "0.0.0.0", "::") and not self.advertise:
-            raise ValueError(f"bind {self.bind!r} listens everywhere: give advertise, the address peers reach this host at")
+            raise ValueError(f"bind {self.bind!r} listens everywhere: give advertise, "
+                             "the address peers reach this host at")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
@@ -207,7 +210,8 @@ def pack_hello(name: str, step: int, contributing: bool, ok: bool, length: int, 
                 chain: bytes) -> bytes:
     flags = (_CONTRIBUTING if contributing else 0) | (_OK if ok else 0)
     raw = name.encode()
-    return _HELLO.pack(_MAGIC, _VERSION, flags, len(raw), step, length, fingerprint, chain, raw).ljust(_HELLO_BYTES, b"\0")
+    body = _HELLO.pack(_MAGIC, _VERSION, flags, len(raw), step, length, fingerprint, chain, raw)
+    return body.ljust(_HELLO_BYTES, b"\0")
 
 
 def _unpack_hello(rank: int, body: bytes, mac: bytes) -> Hello | None:
@@ -239,8 +243,8 @@ def excluded_copy(payload: torch.Tensor) -> torch.Tensor:
     still restores the parameters to the synced ones."""
     magic, version, flags, zero, fp, length = HEADER.unpack_from(payload[: HEADER.size].numpy().tobytes())
     out = torch.zeros_like(payload)
-    out[: HEADER.size] = torch.frombuffer(bytearray(HEADER.pack(magic, version, flags & ~FLAG_FINITE, zero, fp, length)),
-                                          dtype=torch.uint8)
+    header = HEADER.pack(magic, version, flags & ~FLAG_FINITE, zero, fp, length)
+    out[: HEADER.size] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     return out
 
 
@@ -443,8 +447,9 @@ class ElasticTransport:
             raise
         if cfg.stage == 0 and not applied:
             self.close()
-            raise RuntimeError("torchft's Manager did not build its ManagerServer through torchft.manager.ManagerServer; "
-                               "it would listen on every interface. hetloco_ds supports torchft 0.2.0")
+            raise RuntimeError("torchft's Manager did not build its ManagerServer through "
+                               "torchft.manager.ManagerServer; it would listen on every interface. "
+                               "hetloco_ds supports torchft 0.2.0")
         self._manager.register_state_dict_fn(_STATE_KEY, self._load_own, self._own_state)
         self._store = None
         if cfg.stages > 1:
@@ -523,8 +528,9 @@ class ElasticTransport:
                 raise
             except Exception as err:  # noqa: BLE001 - any failure of the attempt means: do not commit
                 last = err
+                why = str(err).splitlines()[0] if str(err) else type(err).__name__
                 log.warning("%s stage %d: outer step %d attempt %d failed: %s", self.cfg.replica_id,
-                            self.cfg.stage, step, attempt + 1, str(err).splitlines()[0] if str(err) else type(err).__name__)
+                            self.cfg.stage, step, attempt + 1, why)
                 self._manager.report_error(err)
             # The replica-wide vote: every stage of this replica commits, or none does.
             if self._manager.should_commit() and outcome is not None:

@@ -58,7 +58,8 @@ def run(args, stop: threading.Event | None = None, out=None) -> int:
     try:
         from torchft._torchft import LighthouseServer
     except ImportError:
-        print("hetloco-ds lighthouse: error: torchft is not installed: pip install 'hetloco_ds[elastic]'", file=sys.stderr)
+        print("hetloco-ds lighthouse: error: torchft is not installed: pip install 'hetloco_ds[elastic]'",
+              file=sys.stderr)
         return 2
 
     try:
