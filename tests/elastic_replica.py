@@ -120,10 +120,14 @@ def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, tim
         return {"theta": [t.clone() for t in state.theta_prev], "outer": counter["outer"]}
 
     def load_state_dict(s):
+        # A peer's synced state; this replica's error feedback restarts at zero. In place, and not
+        # through SparseLoCoState.load_state_dict: a heal can come between prepare and finish.
         with torch.no_grad():
             for i, (p, t) in enumerate(zip(params, s["theta"])):
                 p.copy_(t)
                 state.rebase(i, t)
+            for e in state.error:
+                e.zero_()
         counter["outer"] = s["outer"]
 
     cfg = ElasticConfig(lighthouse=lighthouse, replica_id=name, stage=stage, stages=stages, secret=secret,

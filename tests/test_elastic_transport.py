@@ -268,9 +268,7 @@ def test_replica_with_another_history_is_healed_from_the_majority(fleet):
     assert healed == [3] and 2 not in rows["r2"]
     assert all(rows["r2"][k]["digest"] == rows["r0"][k]["digest"] == rows["r1"][k]["digest"] for k in range(3, 6))
     assert all(rows["r0"][k]["members"] == names for k in range(4, 6))
-    # r2 keeps its own error feedback through the heal, so the one-process replay (which restarts it
-    # at zero) holds up to its return
-    _assert_matches_reference(fleet, names, 4)
+    _assert_matches_reference(fleet, names, 6)
 
 
 def test_replica_without_the_secret_is_refused_in_one_line_and_fleet_goes_on(fleet):

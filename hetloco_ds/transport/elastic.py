@@ -507,8 +507,8 @@ class ElasticTransport:
         during a retry: `load_state_dict` replaces the synced state (the outer-step counter too: read
         it after this call) and `last_report.healed` is set.
 
-        Members is empty when no replica could contribute (e.g. only healed ones are left); the
-        payload list then holds this replica's payload marked excluded, so that `finish` leaves the
+        When no replica could contribute (e.g. only healed ones are left), the one payload is this
+        replica's, marked excluded (`last_report.members` is empty), so that `finish` leaves the
         synced parameters as they are.
         """
         if self._begun_at is None:
@@ -683,5 +683,5 @@ class ElasticTransport:
         self._stale = False
         self._begun_at = None
         if not members:
-            return Gathered(payloads=[excluded_copy(own)], members=())
+            return Gathered(payloads=[excluded_copy(own)], members=(self.cfg.replica_id,))
         return Gathered(payloads=payloads, members=tuple(members))
