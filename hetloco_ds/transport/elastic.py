@@ -42,8 +42,8 @@ One elastic outer step, on every stage rank of every replica:
 Consistency. All replicas that commit an attempt apply the same payloads in the same order, so
 their parameters stay bitwise equal. A replica that failed an attempt its peers committed is one
 step behind: its next quorum includes them (the lighthouse waits for healthy replicas), torchft
-heals it, and it finishes that step with their payloads (it keeps its error buffer: if its payload
-was not among theirs, that step's sent part of its pseudo-gradient is lost). If replicas at the
+heals it, and it finishes that step with their payloads (a heal zeroes a replica's error buffer
+like a joiner's, so what it had not yet sent is dropped: once, for one replica). If replicas at the
 same step nevertheless differ (a quorum formed without a peer that had committed), their chains
 differ: the most common chain wins, the others do not contribute, the winners commit without them,
 and torchft heals them (now a step behind) from a winner at their next quorum.
@@ -406,10 +406,11 @@ class ElasticTransport:
     """One stage rank's outer-sync transport over torchft (see the module docstring).
 
     `state_dict()` returns this stage's global state, the same on every up-to-date replica: synced
-    parameters (theta at the last sync), T_perp, the outer-step counter. `load_state_dict(state)`
-    installs a peer's: it sets the parameters and theta_prev (`SparseLoCoState.rebase`), and must not
-    touch the error-feedback buffers or the pending flag (a replica can be healed between prepare and
-    finish). Both hold tensors, numbers, strings, lists and dicts only.
+    parameters (theta_prev: torchft asks at the boundary, after the inner steps), T_perp, the
+    outer-step counter. `load_state_dict(state)` installs a peer's: parameters and theta_prev
+    (`SparseLoCoState.rebase`), error feedback zeroed in place. It must leave SparseLoCoState's
+    pending flag alone (not `SparseLoCoState.load_state_dict`): a replica can be healed between
+    prepare and finish. Both hold tensors, numbers, strings, lists and dicts only.
 
     Per outer boundary: `begin()`, then `SparseLoCoState.prepare`, `exchange(payload)`, `finish`.
     """
