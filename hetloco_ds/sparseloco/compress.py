@@ -4,16 +4,21 @@ Pure functions of tensors: no processes, no collectives, no optimizer state. Eve
 works on any device and on an optional leading batch dimension (a stack of same-shape
 tensors), so the outer step can compress all same-shape parameters of a stage in one pass.
 
-Chunking (METHOD.md, "Outer step")
+Chunking (METHOD.md, "Outer step"; `chunking` selects the rule for tensors that are not 2-D)
     2-D [R, C]: tiles of tr x tc, tr = largest divisor of R that is <= side, tc = largest
     divisor of C that is <= side, side = isqrt(chunk_size) (64 for 4096). Tiles are numbered
     row-major over the tile grid; each tile is flattened row-major into one chunk.
     Anything else (1-D, 0-D, >= 3-D) is flattened; chunk length = largest divisor of numel
-    that is <= chunk_size.
+    that is <= chunk_size ("tiles", ours) or <= side ("per_dim", templar's ChunkingTransformer,
+    which cuts every dimension to at most side elements: 1-D chunks of <= 64).
 
-Top-k
-    k = topk_per_chunk(chunk_len) = min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
-    (Python's round: halves go to even). Selection is `torch.topk(|x|, k, sorted=False)` per
+Top-k (`topk_rule`)
+    "scaled" (ours): k = min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
+    (Python's round: halves go to even), so density is topk / chunk_size in every chunk.
+    "fixed" (templar's TopKCompressor._clamp_topk): k = min(topk, chunk_len), raised to 2,
+    lowered to even, at most chunk_len (templar would ask torch.topk for 2 of a 1-element
+    chunk and fail), whatever the chunk's length: with per_dim chunks a 1-D tensor sends
+    32 of every 64 elements. Selection is `torch.topk(|x|, k, sorted=False)` per
     chunk; the *signed* values are sent. Ties in magnitude are broken however torch.topk
     breaks them on that device (PyTorch leaves it unspecified). Either choice is valid under
     error feedback (the entry not sent stays in the error buffer), and only the sender ever
@@ -24,10 +29,15 @@ Top-k
 
 Quantisation (optional, bits in {2, 4, 8}; levels = 2**bits), per tensor over its selected values
     centre = mean, std = *population* std (correction=0: defined for a single value),
-    width = 6 * std / levels, code = clamp(floor((v - centre) / width + levels/2), 0, levels-1).
+    width = 6 * std / levels, code = clamp(R((v - centre) / width + levels/2), 0, levels-1),
+    R = floor ("floor", ours: `levels` bins of equal width covering centre +- 3 std) or
+    round-half-to-even ("nearest", templar's _quantize_values: bin b is centred on
+    centre + (b - levels/2) * width, so the range is skewed by half a bin to the negative side).
     The lookup table (float32, `levels` entries) holds each bin's mean of the values that fell
-    into it (accumulated in float64); an empty bin holds its centre,
-    centre + (code - levels/2 + 1/2) * width. std == 0 (all values equal): width is replaced by
+    into it (accumulated in float64); an empty bin (never decoded) holds its centre,
+    centre + (code - levels/2 + 1/2) * width for floor, centre + (code - levels/2) * width
+    for nearest. Templar takes the sample std (n - 1) instead: width differs by a factor
+    sqrt(n / (n - 1)), under 1e-4 for the thousands of values of a tensor; not replicated. std == 0 (all values equal): width is replaced by
     1 for the division, so codes stay finite and the table holds the values' mean - no NaN.
     Decoding is lut[code].
 
@@ -45,6 +55,11 @@ Payload of one tensor (`TensorCodec.nbytes` bytes; a batch is `[B, nbytes]`, one
     b >> 4, an odd count padded with a zero index. Larger chunks use 16 or 32 bits. Float
     sections come first and every payload is a multiple of 4 bytes, so in a concatenation of
     payloads every float section stays 4-byte aligned and is read as a view, without a copy.
+    Small chunks (per_dim 1-D chunks of 64) keep 12-bit indices, as templar does: 6 bits
+    would fit, but 1-D tensors are a few thousandths of a LLaMA's parameters.
+
+Dense payload (`DenseCodec`, the uncompressed DiLoCo control): the whole tensor, row-major,
+as value_dtype, zero padding to a multiple of 4 bytes.
 """
 from __future__ import annotations
 
@@ -57,6 +72,9 @@ from torch import Tensor
 
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
 QUANT_BITS = (2, 4, 8)
+CHUNKINGS = ("tiles", "per_dim")
+TOPK_RULES = ("scaled", "fixed")
+QUANT_ROUNDINGS = ("floor", "nearest")
 PAYLOAD_ALIGN = 4
 
 
@@ -85,16 +103,18 @@ class ChunkLayout:
     tile: tuple[int, int] | None
 
     @classmethod
-    def for_shape(cls, shape, chunk_size: int = 4096) -> "ChunkLayout":
+    def for_shape(cls, shape, chunk_size: int = 4096, chunking: str = "tiles") -> "ChunkLayout":
+        if chunking not in CHUNKINGS:
+            raise ValueError(f"chunking must be one of {CHUNKINGS}, got {chunking!r}")
         shape = tuple(int(s) for s in shape)
         numel = math.prod(shape)
         if numel == 0:
             raise ValueError(f"cannot chunk an empty tensor of shape {shape}")
+        side = math.isqrt(chunk_size)
         if len(shape) == 2:
-            side = math.isqrt(chunk_size)
             tr, tc = largest_divisor(shape[0], side), largest_divisor(shape[1], side)
             return cls(shape, numel // (tr * tc), tr * tc, (tr, tc))
-        length = largest_divisor(numel, chunk_size)
+        length = largest_divisor(numel, chunk_size if chunking == "tiles" else side)
         return cls(shape, numel // length, length, None)
 
     @property
@@ -155,9 +175,15 @@ class ChunkLayout:
 
 
 # --------------------------------------------------------------------------- top-k
-def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = 4096) -> int:
-    """k for a chunk of `chunk_len`: `topk` per `chunk_size`, scaled, at least 1, at most chunk_len."""
-    return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
+def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = 4096, rule: str = "scaled") -> int:
+    """k for a chunk of `chunk_len`. scaled: `topk` per `chunk_size`, at least 1, at most chunk_len.
+    fixed (templar): `topk` whatever the length, clamped to the chunk, at least 2, even, at most chunk_len."""
+    if rule == "scaled":
+        return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
+    if rule == "fixed":
+        k = max(min(topk, chunk_len), 2)
+        return min(chunk_len, k - k % 2)
+    raise ValueError(f"topk_rule must be one of {TOPK_RULES}, got {rule!r}")
 
 
 def topk_abs(chunks: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -170,19 +196,22 @@ def topk_abs(chunks: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 # --------------------------------------------------------------------------- quantisation
-def quantise(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+def quantise(values: Tensor, bits: int, rounding: str = "floor") -> tuple[Tensor, Tensor]:
     """Quantise along the last axis (one tensor per row): (uint8 codes, float32 lut [..., 2**bits]).
 
     See the module docstring for the rule. `values` must be finite.
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {bits}")
+    if rounding not in QUANT_ROUNDINGS:
+        raise ValueError(f"quant_rounding must be one of {QUANT_ROUNDINGS}, got {rounding!r}")
     levels = 1 << bits
     v = values.float()
     centre = v.mean(-1, keepdim=True)
     width = v.std(-1, correction=0, keepdim=True) * (6.0 / levels)
     safe = torch.where(width > 0, width, torch.ones_like(width))
-    codes = torch.floor((v - centre) / safe + levels / 2).clamp_(0, levels - 1).to(torch.int64)
+    bin_of = torch.floor if rounding == "floor" else torch.round
+    codes = bin_of((v - centre) / safe + levels / 2).clamp_(0, levels - 1).to(torch.int64)
     # Per-row histograms as one bincount over row-offset codes (a shared-memory histogram on
     # CUDA; a scatter_add into 4 bins would serialise on atomics).
     shape = (*v.shape[:-1], levels)
@@ -190,7 +219,8 @@ def quantise(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     flat = (codes.reshape(rows, -1) + torch.arange(rows, device=v.device).unsqueeze(1) * levels).reshape(-1)
     sums = torch.bincount(flat, weights=v.double().reshape(-1), minlength=rows * levels).view(shape)
     counts = torch.bincount(flat, minlength=rows * levels).view(shape)
-    offsets = torch.arange(levels, device=v.device, dtype=torch.float64) - (levels / 2 - 0.5)
+    bin_centre = levels / 2 - (0.5 if rounding == "floor" else 0.0)
+    offsets = torch.arange(levels, device=v.device, dtype=torch.float64) - bin_centre
     empty = centre.double() + offsets * width.double()
     lut = torch.where(counts > 0, sums / counts.clamp(min=1), empty).float()
     return codes.to(torch.uint8), lut
@@ -302,10 +332,15 @@ class Selection(NamedTuple):
     values: Tensor  # float32 signed values before quantisation
 
 
-def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype) -> None:
+def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype,
+                         chunking: str = "tiles", topk_rule: str = "scaled", quant_rounding: str = "floor") -> None:
     """One error naming the bad value, for every place these settings enter."""
     if chunk_size < 1 or topk < 1:
         raise ValueError(f"chunk_size and topk must be >= 1, got {chunk_size}, {topk}")
+    for name, value, allowed in (("chunking", chunking, CHUNKINGS), ("topk_rule", topk_rule, TOPK_RULES),
+                                 ("quant_rounding", quant_rounding, QUANT_ROUNDINGS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if quant_bits is not None and quant_bits not in QUANT_BITS:
         raise ValueError(f"quant_bits must be None or one of {QUANT_BITS}, got {quant_bits}")
     if value_dtype not in VALUE_DTYPES:
@@ -325,6 +360,9 @@ class TensorCodec:
     topk: int = 32
     quant_bits: int | None = None
     value_dtype: torch.dtype = torch.float32
+    chunking: str = "tiles"
+    topk_rule: str = "scaled"
+    quant_rounding: str = "floor"
     layout: ChunkLayout = field(init=False, repr=False)
     k: int = field(init=False)
     n_selected: int = field(init=False)
@@ -333,10 +371,11 @@ class TensorCodec:
     _tables: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype)
+        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype,
+                             self.chunking, self.topk_rule, self.quant_rounding)
         shape = tuple(int(s) for s in self.shape)
-        layout = ChunkLayout.for_shape(shape, self.chunk_size)
-        k = topk_per_chunk(layout.chunk_len, self.topk, self.chunk_size)
+        layout = ChunkLayout.for_shape(shape, self.chunk_size, self.chunking)
+        k = topk_per_chunk(layout.chunk_len, self.topk, self.chunk_size, self.topk_rule)
         n_sel = layout.n_chunks * k
         ibits = index_bits(layout.chunk_len)
         set_ = object.__setattr__
@@ -406,7 +445,7 @@ class TensorCodec:
             out[:, :head] = wire.view(torch.uint8)
             sent = wire.float()
         else:
-            codes, lut = quantise(sel.values, self.quant_bits)
+            codes, lut = quantise(sel.values, self.quant_bits, self.quant_rounding)
             out[:, :head] = lut.view(torch.uint8)
             out[:, head + ib: head + ib + self._code_nbytes] = pack_codes(codes, self.quant_bits)
             sent = dequantise(codes, lut)
@@ -457,6 +496,42 @@ class TensorCodec:
         flat = target.view(target.shape[0], -1)  # raises for a non-contiguous `out`
         flat.scatter_(1, pos, flat.gather(1, pos) + values.to(flat.dtype))
         return out
+
+
+@dataclass(frozen=True)
+class DenseCodec:
+    """Wire format of a whole tensor (the uncompressed control): value_dtype, row-major, padded.
+
+    Methods take a batch `[B, *shape]`; payload rows are `[B, nbytes]` uint8.
+    """
+
+    shape: tuple[int, ...]
+    value_dtype: torch.dtype = torch.float32
+    numel: int = field(init=False)
+    nbytes: int = field(init=False)
+
+    def __post_init__(self):
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype}")
+        shape = tuple(int(s) for s in self.shape)
+        numel = math.prod(shape)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "numel", numel)
+        size = torch.empty((), dtype=self.value_dtype).element_size()
+        object.__setattr__(self, "nbytes", _round_up(numel * size, PAYLOAD_ALIGN))
+
+    def pack_(self, out: Tensor, e: Tensor) -> Tensor:
+        """Write `e` [B, *shape] into `out` [B, nbytes]; return what a receiver decodes, float32 [B, numel]."""
+        wire = e.reshape(e.shape[0], self.numel).to(self.value_dtype)
+        out[:, : wire.shape[1] * wire.element_size()] = wire.view(torch.uint8)
+        return wire.float()
+
+    def unpack(self, payload: Tensor) -> Tensor:
+        """Payload rows [B, nbytes] -> float32 values [B, numel]."""
+        if payload.dim() != 2 or payload.shape[1] != self.nbytes or payload.dtype != torch.uint8:
+            raise ValueError(f"expected uint8 payload rows of {self.nbytes} bytes, got {payload.dtype} {tuple(payload.shape)}")
+        size = torch.empty((), dtype=self.value_dtype).element_size()
+        return bytes_as(payload[:, : self.numel * size], self.value_dtype).float()
 
 
 def _round_up(n: int, multiple: int) -> int:
