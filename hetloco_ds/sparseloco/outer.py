@@ -89,6 +89,9 @@ O(selected). finish makes three dense passes (zero the sum, update theta_prev, c
 the parameters) plus one O(selected) scatter-add per replica. Memory: prepare holds the old and
 new error buffers until it knows the replica is finite (+4 B/parameter, transient); finish
 allocates a transient fp32 sum the size of one same-shape parameter group at a time.
+Under "dense" the payload is the whole stage (numel x value_dtype) and finish adds M whole
+tensors; norm_clip adds one O(selected) pass; outer_momentum one fp32 buffer per parameter
+(in state_dict as "momentum") and two dense passes.
 """
 from __future__ import annotations
 
