@@ -67,7 +67,8 @@ class SparseLoCoConfig(_Section):
     @model_validator(mode="after")
     def _dense_sends_values(self) -> "SparseLoCoConfig":
         if self.aggregation == "dense" and self.quant_bits is not None:
-            raise ValueError(f"aggregation 'dense' sends whole tensors unquantised; quant_bits must be null, got {self.quant_bits}")
+            raise ValueError(f"aggregation 'dense' sends whole tensors unquantised; "
+                             f"quant_bits must be null, got {self.quant_bits}")
         return self
 
 
