@@ -52,6 +52,8 @@ class SparseLoCoConfig(_Section):
     """scaled: k = topk * chunk_len / chunk_size, >= 1. fixed (templar): k = topk in every chunk, even, >= 2."""
     quant_rounding: Literal["floor", "nearest"] = "floor"
     """Quantisation bin of a value: floor (ours) or round to nearest (templar)."""
+    quant_std: Literal["population", "sample"] = "population"
+    """Std behind the quantisation bin width: population (ours) or sample, n - 1 (templar)."""
     norm_clip: Literal["none", "median"] = "none"
     """median (templar): scale each replica's decoded tensor down to the replicas' median norm before aggregating."""
     outer_momentum: float = Field(0.0, ge=0, lt=1)

@@ -30,8 +30,8 @@ from hetloco_ds.sparseloco.compress import (
 
 SHAPES = [(1,), (7,), (4097,), (10000,), (3, 5), (65, 130), (64, 64), (128, 96), (1, 300), (2, 3, 5)]
 CONFIGS = [(4096, 32), (64, 8)]  # (chunk_size, topk): the paper's, and one with several values per small chunk
-# (chunking, topk_rule, quant_rounding): ours, and the SparseLoCo authors' code (templar)
-RULES = [("tiles", "scaled", "floor"), ("per_dim", "fixed", "nearest")]
+# (chunking, topk_rule, quant_rounding, quant_std): ours, and the SparseLoCo authors' code (templar)
+RULES = [("tiles", "scaled", "floor", "population"), ("per_dim", "fixed", "nearest", "sample")]
 
 
 # ------------------------------------------------------------------ float64 reference
@@ -67,17 +67,19 @@ def ref_k(length, chunk_size, topk, rule):
     return min(k, length)
 
 
-def ref_quantise(v: np.ndarray, bits: int, edge_codes: np.ndarray | None = None, rounding: str = "floor"):
+def ref_quantise(v: np.ndarray, bits: int, edge_codes: np.ndarray | None = None, rounding: str = "floor",
+                 std: str = "population"):
     """(codes, lut, ambiguous): ambiguous marks values within 1e-4 bins of a bin edge.
 
     Float32 rounding may put such a value on either side; where `edge_codes` (the
     implementation's codes) is given, an ambiguous value takes it if it is one of the two bins
     that meet at that edge, so the comparison stays exact everywhere else. Bins: floor puts bin b
     on [b, b + 1) of x; nearest on [b - 1/2, b + 1/2] (numpy rounds halves to even, as torch).
+    std: population (divide by n), or sample (by n - 1, for n > 1).
     """
     levels = 2 ** bits
-    centre, std = v.mean(), v.std()  # population std
-    width = 6 * std / levels
+    centre = v.mean()
+    width = 6 * v.std(ddof=1 if std == "sample" and v.size > 1 else 0) / levels
     x = (v - centre) / (width if width > 0 else 1.0) + levels / 2
     if rounding == "floor":
         codes, edge = np.floor(x), np.round(x)  # the nearest edge, between bins edge - 1 and edge
@@ -101,7 +103,7 @@ def ref_quantise(v: np.ndarray, bits: int, edge_codes: np.ndarray | None = None,
 def ref_encode(x: np.ndarray, chunk_size, topk, bits, value_dtype=torch.float32, edge_codes=None,
                rules=RULES[0]):
     """(dense sent float64, per-chunk sorted selected indices); `edge_codes`: flat position -> code."""
-    chunking, topk_rule, rounding = rules
+    chunking, topk_rule, rounding, std = rules
     flat = x.reshape(-1)
     chunks = ref_chunk_positions(x.shape, chunk_size, chunking)
     length = len(chunks[0])
@@ -119,7 +121,7 @@ def ref_encode(x: np.ndarray, chunk_size, topk, bits, value_dtype=torch.float32,
         sent = torch.from_numpy(values).to(value_dtype).double().numpy()
     else:
         hints = None if edge_codes is None else np.array([edge_codes[p] for p in positions])
-        codes, lut, _ = ref_quantise(values, bits, hints, rounding)
+        codes, lut, _ = ref_quantise(values, bits, hints, rounding, std)
         sent = lut[codes]
     dense = np.zeros(flat.size)
     dense[np.array(positions)] = sent
@@ -209,10 +211,11 @@ def test_encode_matches_float64_reference(shape, bits, chunk_size, topk, rules):
     `sent` the sender reports."""
     e = randn(shape, zlib.crc32(repr((shape, bits, chunk_size)).encode()) % 1000)
     codec = TensorCodec(shape, chunk_size, topk, bits, torch.float32, *rules)
+    rounding, std = rules[2:]
     payload, sent = codec.encode(e)
     sel = codec.select(e)
     edge_codes = (None if bits is None else
-                  dict(zip(sel.pos[0].tolist(), quantise(sel.values, bits, rules[2])[0][0].tolist())))
+                  dict(zip(sel.pos[0].tolist(), quantise(sel.values, bits, rounding, std)[0][0].tolist())))
     ref_sent, ref_selected = ref_encode(e.double().numpy(), chunk_size, topk, bits, edge_codes=edge_codes,
                                         rules=rules)
 
@@ -247,21 +250,21 @@ def test_bf16_values_travel_as_bfloat16():
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("rounding", ["floor", "nearest"])
-def test_quantise_codes_and_lut_follow_the_reference(bits, rounding):
-    """Guards Q: centre/population std/width, floor (ours) or round-to-nearest (templar) + clamp codes,
-    lut = mean per bin, empty bin = its centre."""
+@pytest.mark.parametrize("rounding, std", [("floor", "population"), ("nearest", "sample"), ("nearest", "population")])
+def test_quantise_codes_and_lut_follow_the_reference(bits, rounding, std):
+    """Guards Q: centre/std (population: ours, sample: templar)/width, floor (ours) or round-to-nearest
+    (templar) + clamp codes, lut = mean per bin, empty bin = its centre."""
     v = randn((2, 301), bits) ** 3  # heavy tails: some bins empty, clamping used
-    codes, lut = quantise(v, bits, rounding)
+    codes, lut = quantise(v, bits, rounding, std)
     assert codes.dtype == torch.uint8 and lut.dtype == torch.float32 and lut.shape == (2, 2 ** bits)
     for row in range(2):
         x = v[row].double().numpy()
-        ref_codes, ref_lut, ambiguous = ref_quantise(x, bits, rounding=rounding)
+        ref_codes, ref_lut, ambiguous = ref_quantise(x, bits, rounding=rounding, std=std)
         np.testing.assert_array_equal(codes[row].numpy()[~ambiguous], ref_codes[~ambiguous])
         # bin means given the implementation's own codes (robust to an edge value landing either side)
         got = codes[row].numpy().astype(np.int64)
         levels = 2 ** bits
-        width = 6 * x.std() / levels
+        width = 6 * x.std(ddof=1 if std == "sample" else 0) / levels
         centre = levels / 2 - (0.5 if rounding == "floor" else 0.0)
         expect = np.array([x[got == b].mean() if (got == b).any() else x.mean() + (b - centre) * width
                            for b in range(levels)])
@@ -272,10 +275,12 @@ def test_quantise_codes_and_lut_follow_the_reference(bits, rounding):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("n", [1, 5])
 @pytest.mark.parametrize("value", [0.0, 0.1, -3.0])
-def test_quantise_equal_values_give_no_nan(bits, n, value):
-    """Guards std == 0 (one selected value, or all equal): a zero bin width must not yield NaN codes/lut."""
+@pytest.mark.parametrize("std", ["population", "sample"])
+def test_quantise_equal_values_give_no_nan(bits, n, value, std):
+    """Guards std == 0 (one selected value, or all equal): a zero bin width, or the sample std of one
+    value (0 / 0), must not yield NaN codes/lut."""
     v = torch.full((n,), value)
-    codes, lut = quantise(v, bits)
+    codes, lut = quantise(v, bits, std=std)
     assert torch.isfinite(lut).all()
     torch.testing.assert_close(lut.gather(-1, codes.long()), v, rtol=1e-6, atol=0)
 

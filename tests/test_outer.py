@@ -347,7 +347,8 @@ def test_outer_momentum_is_torch_nesterov_sgd_on_the_average():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("chunking", "per_dim"), ("topk_rule", "fixed"), ("quant_rounding", "nearest"), ("norm_clip", "median"),
+    ("chunking", "per_dim"), ("topk_rule", "fixed"), ("quant_rounding", "nearest"), ("quant_std", "sample"),
+    ("norm_clip", "median"),
     ("aggregation", "selected_count"), ("outer_momentum", 0.5),
 ])
 def test_replicas_with_different_rule_options_refuse_each_others_payloads(field, value):
@@ -378,7 +379,8 @@ def test_presets_set_every_rule_and_explicit_fields_win():
 
     assert outer({"preset": "templar"}) == OuterConfig(**PRESETS["templar"])
     assert outer({"preset": "templar"}) == OuterConfig(chunking="per_dim", topk_rule="fixed", quant_rounding="nearest",
-                                                       aggregation="selected_count", norm_clip="median")
+                                                       quant_std="sample", aggregation="selected_count",
+                                                       norm_clip="median")
     assert outer({"preset": "templar", "aggregation": "mean"}).aggregation == "mean"
     assert outer({"preset": "diloco"}) == OuterConfig(aggregation="dense", outer_lr=0.7, outer_momentum=0.9)
     assert outer({}) == OuterConfig()  # the paper's rules stay the default

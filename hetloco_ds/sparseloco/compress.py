@@ -28,17 +28,17 @@ Top-k (`topk_rule`)
     is what lets the outer step detect a non-finite replica from the k selected values alone.
 
 Quantisation (optional, bits in {2, 4, 8}; levels = 2**bits), per tensor over its selected values
-    centre = mean, std = *population* std (correction=0: defined for a single value),
-    width = 6 * std / levels, code = clamp(R((v - centre) / width + levels/2), 0, levels-1),
+    centre = mean, std = population std ("population", ours: defined for a single value) or
+    sample std ("sample", templar's ||v - mean|| / sqrt(n - 1); population for n = 1), width =
+    6 * std / levels, code = clamp(R((v - centre) / width + levels/2), 0, levels-1),
     R = floor ("floor", ours: `levels` bins of equal width covering centre +- 3 std) or
     round-half-to-even ("nearest", templar's _quantize_values: bin b is centred on
     centre + (b - levels/2) * width, so the range is skewed by half a bin to the negative side).
     The lookup table (float32, `levels` entries) holds each bin's mean of the values that fell
     into it (accumulated in float64); an empty bin (never decoded) holds its centre,
     centre + (code - levels/2 + 1/2) * width for floor, centre + (code - levels/2) * width
-    for nearest. Templar takes the sample std (n - 1) instead, a width larger by a factor
-    sqrt(n / (n - 1)) ~ 1 + 1/(2n) (4e-4 for the 1,152 values of a 384 x 384 matrix); not
-    replicated. std == 0 (all values equal): width is replaced by 1 for the division, so codes
+    for nearest. The two stds differ by a factor sqrt(n / (n - 1)) ~ 1 + 1/(2n), enough to move
+    a value lying near a bin edge to the next bin. std == 0 (all values equal): width is replaced by 1 for the division, so codes
     stay finite and the table holds the values' mean - no NaN.
     Decoding is lut[code].
 
@@ -76,6 +76,7 @@ QUANT_BITS = (2, 4, 8)
 CHUNKINGS = ("tiles", "per_dim")
 TOPK_RULES = ("scaled", "fixed")
 QUANT_ROUNDINGS = ("floor", "nearest")
+QUANT_STDS = ("population", "sample")
 PAYLOAD_ALIGN = 4
 
 
@@ -197,7 +198,7 @@ def topk_abs(chunks: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 # --------------------------------------------------------------------------- quantisation
-def quantise(values: Tensor, bits: int, rounding: str = "floor") -> tuple[Tensor, Tensor]:
+def quantise(values: Tensor, bits: int, rounding: str = "floor", std: str = "population") -> tuple[Tensor, Tensor]:
     """Quantise along the last axis (one tensor per row): (uint8 codes, float32 lut [..., 2**bits]).
 
     See the module docstring for the rule. `values` must be finite.
@@ -206,10 +207,13 @@ def quantise(values: Tensor, bits: int, rounding: str = "floor") -> tuple[Tensor
         raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {bits}")
     if rounding not in QUANT_ROUNDINGS:
         raise ValueError(f"quant_rounding must be one of {QUANT_ROUNDINGS}, got {rounding!r}")
+    if std not in QUANT_STDS:
+        raise ValueError(f"quant_std must be one of {QUANT_STDS}, got {std!r}")
     levels = 1 << bits
     v = values.float()
     centre = v.mean(-1, keepdim=True)
-    width = v.std(-1, correction=0, keepdim=True) * (6.0 / levels)
+    correction = 1 if std == "sample" and v.shape[-1] > 1 else 0
+    width = v.std(-1, correction=correction, keepdim=True) * (6.0 / levels)
     safe = torch.where(width > 0, width, torch.ones_like(width))
     bin_of = torch.floor if rounding == "floor" else torch.round
     codes = bin_of((v - centre) / safe + levels / 2).clamp_(0, levels - 1).to(torch.int64)
@@ -334,12 +338,14 @@ class Selection(NamedTuple):
 
 
 def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype,
-                         chunking: str = "tiles", topk_rule: str = "scaled", quant_rounding: str = "floor") -> None:
+                         chunking: str = "tiles", topk_rule: str = "scaled", quant_rounding: str = "floor",
+                         quant_std: str = "population") -> None:
     """One error naming the bad value, for every place these settings enter."""
     if chunk_size < 1 or topk < 1:
         raise ValueError(f"chunk_size and topk must be >= 1, got {chunk_size}, {topk}")
     for name, value, allowed in (("chunking", chunking, CHUNKINGS), ("topk_rule", topk_rule, TOPK_RULES),
-                                 ("quant_rounding", quant_rounding, QUANT_ROUNDINGS)):
+                                 ("quant_rounding", quant_rounding, QUANT_ROUNDINGS),
+                                 ("quant_std", quant_std, QUANT_STDS)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if quant_bits is not None and quant_bits not in QUANT_BITS:
@@ -364,6 +370,7 @@ class TensorCodec:
     chunking: str = "tiles"
     topk_rule: str = "scaled"
     quant_rounding: str = "floor"
+    quant_std: str = "population"
     layout: ChunkLayout = field(init=False, repr=False)
     k: int = field(init=False)
     n_selected: int = field(init=False)
@@ -373,7 +380,7 @@ class TensorCodec:
 
     def __post_init__(self):
         check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype,
-                             self.chunking, self.topk_rule, self.quant_rounding)
+                             self.chunking, self.topk_rule, self.quant_rounding, self.quant_std)
         shape = tuple(int(s) for s in self.shape)
         layout = ChunkLayout.for_shape(shape, self.chunk_size, self.chunking)
         k = topk_per_chunk(layout.chunk_len, self.topk, self.chunk_size, self.topk_rule)
@@ -446,7 +453,7 @@ class TensorCodec:
             out[:, :head] = wire.view(torch.uint8)
             sent = wire.float()
         else:
-            codes, lut = quantise(sel.values, self.quant_bits, self.quant_rounding)
+            codes, lut = quantise(sel.values, self.quant_bits, self.quant_rounding, self.quant_std)
             out[:, :head] = lut.view(torch.uint8)
             out[:, head + ib: head + ib + self._code_nbytes] = pack_codes(codes, self.quant_bits)
             sent = dequantise(codes, lut)
