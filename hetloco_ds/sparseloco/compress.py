@@ -38,8 +38,9 @@ Quantisation (optional, bits in {2, 4, 8}; levels = 2**bits), per tensor over it
     into it (accumulated in float64); an empty bin (never decoded) holds its centre,
     centre + (code - levels/2 + 1/2) * width for floor, centre + (code - levels/2) * width
     for nearest. The two stds differ by a factor sqrt(n / (n - 1)) ~ 1 + 1/(2n), enough to move
-    a value lying near a bin edge to the next bin. std == 0 (all values equal): width is replaced by 1 for the division, so codes
-    stay finite and the table holds the values' mean - no NaN.
+    a value lying near a bin edge to the next bin. std == 0 (all values equal): width is
+    replaced by 1 for the division, so codes stay finite and the table holds the values'
+    mean - no NaN.
     Decoding is lut[code].
 
 Payload of one tensor (`TensorCodec.nbytes` bytes; a batch is `[B, nbytes]`, one row per tensor)
