@@ -35,12 +35,10 @@ def save(engine, ckpt_dir: str, step: int, data_position: int) -> str:
         "replica": engine.replica,
         "stage": engine.stage_id,
         "local_steps": engine.local_steps,
-        "outer_steps": engine.outer_steps,
         "data_position": data_position,
         "optimizer": engine.optimizer.state_dict(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "outer": engine.outer.state_dict() if engine.outer is not None else None,
-        "perp": engine.module.codec.perp,
+        "algorithm": engine.algorithm.state_dict(),
         "meter": engine.meter.snapshot(),
     }
     path = _state_path(ckpt_dir, tag, rank)
@@ -78,13 +76,8 @@ def load(engine, ckpt_dir: str) -> int:
     engine.optimizer.load_state_dict(state["optimizer"])
     if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if engine.outer is not None:
-        engine.outer.load_state_dict(state["outer"])
-    if state["perp"] is not None:
-        with torch.no_grad():
-            engine.module.codec.perp.copy_(state["perp"])
+    engine.algorithm.load_state_dict(state["algorithm"])
     engine.local_steps = state["local_steps"]
-    engine.outer_steps = state["outer_steps"]
     engine.global_steps = state["local_steps"]
     engine.meter.total = state["meter"]
     engine.meter.since_mark()

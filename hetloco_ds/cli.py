@@ -79,7 +79,7 @@ def _export(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
-        from .plan import main as plan_main
+        from .plan.cli import main as plan_main
 
         return plan_main(argv[1:])
     if argv[:1] == ["simulate"]:

@@ -1,18 +1,15 @@
 """Hugging Face LLaMA <-> pipeline stage layers, in both directions, through one key map.
 
-The pipeline layer list (DeepSpeed layer index -> module) for n = config.num_hidden_layers:
-
-    0        TokenEmbedding       weight (+ persistent `perp` once a subspace split exists)
-    1..n     DecoderLayer(i - 1)  layer.<rest>
-    n + 1    FinalNorm            norm.weight
-    n + 2    LMHead               lm_head.weight
-             or, tied, a TokenEmbedding replica of layer 0 (DeepSpeed TiedLayerSpec 'embed')
+The pipeline layer list (`model.layer_list`, indices by `sizes.LayerLayout`) holds the token
+embedding (weight, + persistent `perp` once a subspace split exists), the decoder layers
+(layer.<rest>), the final norm (norm.weight) and the LM head (lm_head.weight; tied: a
+TokenEmbedding replica of the embedding).
 
 `KEY_MAP` below says how each state-dict key of those layers is named in a
 `LlamaForCausalLM` state dict. Loading (HF -> layers) and export (DeepSpeed checkpoint ->
 HF directory) both read it; nothing else in this module knows a key name.
 
-DeepSpeed writes one `CKPT_DIR/<tag>/layer_{idx:02d}-model_states.pt` per layer and names
+DeepSpeed writes one `CKPT_DIR/<tag>/<patches.layer_checkpoint_name(idx)>` per layer and names
 the newest tag in `CKPT_DIR/latest`; the training run adds `CKPT_DIR/hf_meta/` (config,
 generation config, tokenizer) with `save_hf_meta`, which is all `export` needs besides the
 layer files.
@@ -37,6 +34,10 @@ from torch import nn
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig
 
+from .model import layer_list
+from .patches import layer_checkpoint_name
+from .sizes import LayerLayout
+
 
 HF_META = "hf_meta"
 SAFE_WEIGHTS = "model.safetensors"
@@ -54,19 +55,22 @@ class ConversionError(ValueError):
 
 
 def _embed(config: LlamaConfig) -> range:
-    return range(0, 1)
+    i = LayerLayout(config.num_hidden_layers).embedding
+    return range(i, i + 1)
 
 
 def _blocks(config: LlamaConfig) -> range:
-    return range(1, config.num_hidden_layers + 1)
+    return LayerLayout(config.num_hidden_layers).decoders
 
 
 def _norm(config: LlamaConfig) -> range:
-    return range(config.num_hidden_layers + 1, config.num_hidden_layers + 2)
+    i = LayerLayout(config.num_hidden_layers).norm
+    return range(i, i + 1)
 
 
 def _head(config: LlamaConfig) -> range:
-    return range(config.num_hidden_layers + 2, config.num_hidden_layers + 3)
+    i = LayerLayout(config.num_hidden_layers).head
+    return range(i, i + 1)
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,7 @@ def pipe_key_for_hf(config: LlamaConfig, hf_key: str) -> tuple[int, str]:
 
 def num_pipe_layers(config: LlamaConfig) -> int:
     """Length of the pipeline layer list: embedding, n decoder layers, norm, head."""
-    return config.num_hidden_layers + 3
+    return LayerLayout(config.num_hidden_layers).count
 
 
 def export_layers(config: LlamaConfig) -> range:
@@ -160,13 +164,11 @@ def export_layers(config: LlamaConfig) -> range:
 
 
 def _build_layer(config: LlamaConfig, layer_idx: int) -> nn.Module:
-    """Pipe layer `layer_idx` as the pipeline builds it (one layer list: pipe.module.layer_specs)."""
-    from .pipe.module import layer_specs
-
-    specs = layer_specs(config)
-    if not 0 <= layer_idx < len(specs):
-        raise ConversionError(f"pipe layer index {layer_idx} is out of range 0..{len(specs) - 1}")
-    return specs[layer_idx].build()
+    """Pipe layer `layer_idx` as the pipeline builds it (the one layer list: model.layer_list)."""
+    layers = layer_list(config)
+    if not 0 <= layer_idx < len(layers):
+        raise ConversionError(f"pipe layer index {layer_idx} is out of range 0..{len(layers) - 1}")
+    return layers[layer_idx].build()
 
 
 def _expected_shapes(config: LlamaConfig, layer_idx: int) -> dict[str, torch.Size]:
@@ -605,7 +607,7 @@ def _read_latest(ckpt_dir: Path) -> str:
 
 
 def _layer_file(tag_dir: Path, idx: int) -> Path:
-    path = tag_dir / f"layer_{idx:02d}-model_states.pt"
+    path = tag_dir / layer_checkpoint_name(idx)
     if path.is_file():
         return path
     found = sorted(tag_dir.glob(f"layer_{idx:02d}-*model_states.pt"))

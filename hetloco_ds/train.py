@@ -149,7 +149,7 @@ def run_rank(args: TrainArgs) -> int:
             # validation see the synced model even when steps is not a multiple of H.
             last = engine.local_steps + 1 == args.steps
             rec = engine.train_batch(batches if needs_data else None, force_outer=last)
-            at_boundary = rec.outer is not None or engine.outer is None
+            at_boundary = rec.outer is not None or not engine.algorithm.sparseloco
             writer.step(rec)
             progress.update(rec)
             if next_eval is not None and at_boundary and rec.step >= next_eval:

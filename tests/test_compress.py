@@ -14,16 +14,15 @@ import numpy as np
 import pytest
 import torch
 
+from hetloco_ds.sizes import largest_divisor, topk_per_chunk
 from hetloco_ds.sparseloco.compress import (
     ChunkLayout,
     DenseCodec,
     TensorCodec,
-    largest_divisor,
     pack_codes,
     pack_indices,
     quantise,
     topk_abs,
-    topk_per_chunk,
     unpack_codes,
     unpack_indices,
 )

@@ -386,3 +386,22 @@ def test_presets_set_every_rule_and_explicit_fields_win():
     assert outer({}) == OuterConfig()  # the paper's rules stay the default
     with pytest.raises(ConfigError, match="quant_bits"):
         outer({"aggregation": "dense", "quant_bits": 2})
+
+
+@pytest.mark.parametrize("preset", [None, "templar", "diloco"])
+@pytest.mark.parametrize("quant_bits", [None, 2])
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])
+def test_size_rule_payload_equals_the_codecs_under_every_rule(preset, quant_bits, value_dtype):
+    """Guards the one size rule: the cost model's `sizes.stage_payload_nbytes`, given the rule options,
+    must equal what the outer step actually sends, or plan and simulator report other bytes."""
+    from hetloco_ds import sizes
+
+    if preset == "diloco" and quant_bits is not None:
+        pytest.skip("the dense control sends unquantised values")
+    cfg = OuterConfig(**{**PRESETS.get(preset, {}), "quant_bits": quant_bits, "chunk_size": 64, "topk": 8,
+                         "value_dtype": value_dtype})
+    _, params, states = make_replicas(1, cfg)
+    value_bytes = 4 if value_dtype == torch.float32 else 2
+    want = sizes.stage_payload_nbytes(SHAPES, cfg.chunk_size, cfg.topk, cfg.quant_bits, value_bytes,
+                                      cfg.chunking, cfg.topk_rule, dense=cfg.aggregation == "dense")
+    assert states[0].prepare(params[0]).numel() == payload_nbytes(SHAPES, cfg) == want

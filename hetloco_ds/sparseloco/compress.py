@@ -4,21 +4,14 @@ Pure functions of tensors: no processes, no collectives, no optimizer state. Eve
 works on any device and on an optional leading batch dimension (a stack of same-shape
 tensors), so the outer step can compress all same-shape parameters of a stage in one pass.
 
-Chunking (METHOD.md, "Outer step"; `chunking` selects the rule for tensors that are not 2-D)
-    2-D [R, C]: tiles of tr x tc, tr = largest divisor of R that is <= side, tc = largest
-    divisor of C that is <= side, side = isqrt(chunk_size) (64 for 4096). Tiles are numbered
-    row-major over the tile grid; each tile is flattened row-major into one chunk.
-    Anything else (1-D, 0-D, >= 3-D) is flattened; chunk length = largest divisor of numel
-    that is <= chunk_size ("tiles", ours) or <= side ("per_dim", templar's ChunkingTransformer,
-    which cuts every dimension to at most side elements: 1-D chunks of <= 64).
+Chunking, k per chunk, index widths and section sizes are size rules: they live in
+`hetloco_ds.sizes` (shared with the cost model) and are only applied here. Tiles are numbered
+row-major over the tile grid; each tile is flattened row-major into one chunk. `chunking`
+"tiles" (ours) or "per_dim" (templar: 1-D tensors in chunks of <= 64) and `topk_rule` "scaled"
+(ours) or "fixed" (templar: k = topk in every chunk) select the rule (see sizes.py).
 
-Top-k (`topk_rule`)
-    "scaled" (ours): k = min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
-    (Python's round: halves go to even), so density is topk / chunk_size in every chunk.
-    "fixed" (templar's TopKCompressor._clamp_topk): k = min(topk, chunk_len), raised to 2,
-    lowered to even, at most chunk_len (templar would ask torch.topk for 2 of a 1-element
-    chunk and fail), whatever the chunk's length: with per_dim chunks a 1-D tensor sends
-    32 of every 64 elements. Selection is `torch.topk(|x|, k, sorted=False)` per
+Top-k
+    k = sizes.topk_per_chunk(chunk_len, rule=topk_rule). Selection is `torch.topk(|x|, k, sorted=False)` per
     chunk; the *signed* values are sent. Ties in magnitude are broken however torch.topk
     breaks them on that device (PyTorch leaves it unspecified). Either choice is valid under
     error feedback (the entry not sent stays in the error buffer), and only the sender ever
@@ -40,8 +33,7 @@ Quantisation (optional, bits in {2, 4, 8}; levels = 2**bits), per tensor over it
     for nearest. The two stds differ by a factor sqrt(n / (n - 1)) ~ 1 + 1/(2n), enough to move
     a value lying near a bin edge to the next bin. std == 0 (all values equal): width is
     replaced by 1 for the division, so codes stay finite and the table holds the values'
-    mean - no NaN.
-    Decoding is lut[code].
+    mean - no NaN. Decoding is lut[code].
 
 Payload of one tensor (`TensorCodec.nbytes` bytes; a batch is `[B, nbytes]`, one row per tensor)
     unquantised:  values  n_sel x value_dtype (float32 or bfloat16, little-endian)
@@ -61,7 +53,7 @@ Payload of one tensor (`TensorCodec.nbytes` bytes; a batch is `[B, nbytes]`, one
     would fit, but 1-D tensors are a few thousandths of a LLaMA's parameters.
 
 Dense payload (`DenseCodec`, the uncompressed DiLoCo control): the whole tensor, row-major,
-as value_dtype, zero padding to a multiple of 4 bytes.
+as value_dtype, zero padding to a multiple of 4 bytes (`sizes.dense_wire_nbytes`).
 """
 from __future__ import annotations
 
@@ -72,26 +64,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .. import sizes
+from ..sizes import QUANT_BITS
+
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
-QUANT_BITS = (2, 4, 8)
-CHUNKINGS = ("tiles", "per_dim")
-TOPK_RULES = ("scaled", "fixed")
 QUANT_ROUNDINGS = ("floor", "nearest")
 QUANT_STDS = ("population", "sample")
-PAYLOAD_ALIGN = 4
 
 
 # --------------------------------------------------------------------------- chunking
-def largest_divisor(n: int, cap: int) -> int:
-    """The largest divisor of n that is <= cap (n >= 1, cap >= 1)."""
-    if n < 1 or cap < 1:
-        raise ValueError(f"largest_divisor needs n >= 1 and cap >= 1, got n={n}, cap={cap}")
-    for d in range(min(n, cap), 0, -1):
-        if n % d == 0:
-            return d
-    return 1  # unreachable: 1 divides n
-
-
 @dataclass(frozen=True)
 class ChunkLayout:
     """How a tensor of `shape` is cut into `n_chunks` chunks of `chunk_len` elements.
@@ -107,18 +88,8 @@ class ChunkLayout:
 
     @classmethod
     def for_shape(cls, shape, chunk_size: int = 4096, chunking: str = "tiles") -> "ChunkLayout":
-        if chunking not in CHUNKINGS:
-            raise ValueError(f"chunking must be one of {CHUNKINGS}, got {chunking!r}")
-        shape = tuple(int(s) for s in shape)
-        numel = math.prod(shape)
-        if numel == 0:
-            raise ValueError(f"cannot chunk an empty tensor of shape {shape}")
-        side = math.isqrt(chunk_size)
-        if len(shape) == 2:
-            tr, tc = largest_divisor(shape[0], side), largest_divisor(shape[1], side)
-            return cls(shape, numel // (tr * tc), tr * tc, (tr, tc))
-        length = largest_divisor(numel, chunk_size if chunking == "tiles" else side)
-        return cls(shape, numel // length, length, None)
+        c = sizes.chunking(shape, chunk_size, chunking)  # the rule lives in sizes
+        return cls(c.shape, c.n_chunks, c.chunk_len, c.tile)
 
     @property
     def numel(self) -> int:
@@ -178,17 +149,6 @@ class ChunkLayout:
 
 
 # --------------------------------------------------------------------------- top-k
-def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = 4096, rule: str = "scaled") -> int:
-    """k for a chunk of `chunk_len`. scaled: `topk` per `chunk_size`, at least 1, at most chunk_len.
-    fixed (templar): `topk` whatever the length, clamped to the chunk, at least 2, even, at most chunk_len."""
-    if rule == "scaled":
-        return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
-    if rule == "fixed":
-        k = max(min(topk, chunk_len), 2)
-        return min(chunk_len, k - k % 2)
-    raise ValueError(f"topk_rule must be one of {TOPK_RULES}, got {rule!r}")
-
-
 def topk_abs(chunks: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Per chunk (last axis) the k entries of largest magnitude: (signed values, int64 indices).
 
@@ -206,10 +166,7 @@ def quantise(values: Tensor, bits: int, rounding: str = "floor", std: str = "pop
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {bits}")
-    if rounding not in QUANT_ROUNDINGS:
-        raise ValueError(f"quant_rounding must be one of {QUANT_ROUNDINGS}, got {rounding!r}")
-    if std not in QUANT_STDS:
-        raise ValueError(f"quant_std must be one of {QUANT_STDS}, got {std!r}")
+    check_quant_rules(rounding, std)
     levels = 1 << bits
     v = values.float()
     centre = v.mean(-1, keepdim=True)
@@ -238,24 +195,6 @@ def dequantise(codes: Tensor, lut: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- packing
-def index_bits(chunk_len: int) -> int:
-    """Bits per in-chunk index on the wire: 12 up to 4096 elements, then 16, then 32."""
-    if chunk_len <= 1 << 12:
-        return 12
-    if chunk_len <= 1 << 16:
-        return 16
-    return 32
-
-
-def packed_index_nbytes(n: int, bits: int = 12) -> int:
-    return 3 * ((n + 1) // 2) if bits == 12 else n * (bits // 8)
-
-
-def packed_code_nbytes(n: int, bits: int) -> int:
-    per = 8 // bits
-    return (n + per - 1) // per
-
-
 def _pad_last(t: Tensor, multiple: int) -> Tensor:
     pad = (-t.shape[-1]) % multiple
     if pad == 0:
@@ -314,7 +253,6 @@ def unpack_codes(packed: Tensor, n: int, bits: int) -> Tensor:
         raise ValueError(f"code bits must be one of {QUANT_BITS}, got {bits}")
     if bits == 8:
         return packed[..., :n].to(torch.uint8)
-    per = 8 // bits
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
     out = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return out.reshape(*packed.shape[:-1], -1)[..., :n]
@@ -338,21 +276,26 @@ class Selection(NamedTuple):
     values: Tensor  # float32 signed values before quantisation
 
 
+def value_nbytes(value_dtype: torch.dtype) -> int:
+    """Wire bytes of one unquantised value; one error naming the dtype if it cannot travel."""
+    if value_dtype not in VALUE_DTYPES:
+        raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {value_dtype}")
+    return torch.empty((), dtype=value_dtype).element_size()
+
+
+def check_quant_rules(rounding: str, std: str) -> None:
+    if rounding not in QUANT_ROUNDINGS:
+        raise ValueError(f"quant_rounding must be one of {QUANT_ROUNDINGS}, got {rounding!r}")
+    if std not in QUANT_STDS:
+        raise ValueError(f"quant_std must be one of {QUANT_STDS}, got {std!r}")
+
+
 def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype,
                          chunking: str = "tiles", topk_rule: str = "scaled", quant_rounding: str = "floor",
                          quant_std: str = "population") -> None:
-    """One error naming the bad value, for every place these settings enter."""
-    if chunk_size < 1 or topk < 1:
-        raise ValueError(f"chunk_size and topk must be >= 1, got {chunk_size}, {topk}")
-    for name, value, allowed in (("chunking", chunking, CHUNKINGS), ("topk_rule", topk_rule, TOPK_RULES),
-                                 ("quant_rounding", quant_rounding, QUANT_ROUNDINGS),
-                                 ("quant_std", quant_std, QUANT_STDS)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    if quant_bits is not None and quant_bits not in QUANT_BITS:
-        raise ValueError(f"quant_bits must be None or one of {QUANT_BITS}, got {quant_bits}")
-    if value_dtype not in VALUE_DTYPES:
-        raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {value_dtype}")
+    """One error naming the bad value, for every place these settings enter (`sizes.check_codec`)."""
+    sizes.check_codec(chunk_size, topk, quant_bits, value_nbytes(value_dtype), chunking, topk_rule)
+    check_quant_rules(quant_rounding, quant_std)
 
 
 @dataclass(frozen=True)
@@ -377,38 +320,27 @@ class TensorCodec:
     n_selected: int = field(init=False)
     index_bits: int = field(init=False)
     nbytes: int = field(init=False)
+    _head_nbytes: int = field(init=False, repr=False)
+    _index_nbytes: int = field(init=False, repr=False)
+    _code_nbytes: int = field(init=False, repr=False)
     _tables: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype,
-                             self.chunking, self.topk_rule, self.quant_rounding, self.quant_std)
+        check_quant_rules(self.quant_rounding, self.quant_std)
         shape = tuple(int(s) for s in self.shape)
-        layout = ChunkLayout.for_shape(shape, self.chunk_size, self.chunking)
-        k = topk_per_chunk(layout.chunk_len, self.topk, self.chunk_size, self.topk_rule)
-        n_sel = layout.n_chunks * k
-        ibits = index_bits(layout.chunk_len)
+        wire = sizes.tensor_wire(shape, self.chunk_size, self.topk, self.quant_bits, value_nbytes(self.value_dtype),
+                                 self.chunking, self.topk_rule)
         set_ = object.__setattr__
         set_(self, "shape", shape)
-        set_(self, "layout", layout)
-        set_(self, "k", k)
-        set_(self, "n_selected", n_sel)
-        set_(self, "index_bits", ibits)
-        set_(self, "nbytes", _round_up(self._head_nbytes + self._index_nbytes + self._code_nbytes, PAYLOAD_ALIGN))
-
-    # section sizes (bytes): [head = values or lut][indices][codes][pad]
-    @property
-    def _head_nbytes(self) -> int:
-        if self.quant_bits is None:
-            return self.n_selected * torch.empty((), dtype=self.value_dtype).element_size()
-        return 4 << self.quant_bits  # float32 lut of 2**bits levels
-
-    @property
-    def _index_nbytes(self) -> int:
-        return packed_index_nbytes(self.n_selected, self.index_bits)
-
-    @property
-    def _code_nbytes(self) -> int:
-        return 0 if self.quant_bits is None else packed_code_nbytes(self.n_selected, self.quant_bits)
+        set_(self, "layout", ChunkLayout(shape, wire.chunks.n_chunks, wire.chunks.chunk_len, wire.chunks.tile))
+        set_(self, "k", wire.k)
+        set_(self, "n_selected", wire.n_selected)
+        set_(self, "index_bits", wire.index_bits)
+        set_(self, "nbytes", wire.nbytes)
+        # section sizes (bytes): [head = values or lut][indices][codes][pad]
+        set_(self, "_head_nbytes", wire.head_nbytes)
+        set_(self, "_index_nbytes", wire.index_nbytes)
+        set_(self, "_code_nbytes", wire.code_nbytes)
 
     def _positions(self, idx: Tensor) -> Tensor:
         """[B, n_chunks, k] in-chunk indices -> [B, n_selected] flat positions in each tensor."""
@@ -520,14 +452,10 @@ class DenseCodec:
     nbytes: int = field(init=False)
 
     def __post_init__(self):
-        if self.value_dtype not in VALUE_DTYPES:
-            raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {self.value_dtype}")
         shape = tuple(int(s) for s in self.shape)
-        numel = math.prod(shape)
         object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "numel", numel)
-        size = torch.empty((), dtype=self.value_dtype).element_size()
-        object.__setattr__(self, "nbytes", _round_up(numel * size, PAYLOAD_ALIGN))
+        object.__setattr__(self, "numel", math.prod(shape))
+        object.__setattr__(self, "nbytes", sizes.dense_wire_nbytes(shape, value_nbytes(self.value_dtype)))
 
     def pack_(self, out: Tensor, e: Tensor) -> Tensor:
         """Write `e` [B, *shape] into `out` [B, nbytes]; return what a receiver decodes, float32 [B, numel]."""
@@ -540,9 +468,4 @@ class DenseCodec:
         if payload.dim() != 2 or payload.shape[1] != self.nbytes or payload.dtype != torch.uint8:
             raise ValueError(f"expected uint8 payload rows of {self.nbytes} bytes, "
                              f"got {payload.dtype} {tuple(payload.shape)}")
-        size = torch.empty((), dtype=self.value_dtype).element_size()
-        return bytes_as(payload[:, : self.numel * size], self.value_dtype).float()
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
+        return bytes_as(payload[:, : self.numel * value_nbytes(self.value_dtype)], self.value_dtype).float()

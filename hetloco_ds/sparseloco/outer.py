@@ -106,9 +106,11 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from .. import sizes
 from .compress import DenseCodec, TensorCodec, check_codec_settings
 
 HEADER = struct.Struct("<4sBBHII")
+assert HEADER.size == sizes.PAYLOAD_HEADER_BYTES
 MAGIC = b"SLC1"
 VERSION = 1
 FLAG_FINITE = 1
