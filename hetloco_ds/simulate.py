@@ -26,6 +26,7 @@ from .algorithm import StageAlgorithm
 from .config import ConfigError, HetlocoConfig, RunConfig, load_config
 from .model import TokenEmbedding, causal_lm_loss, layer_list
 from .patches import seed_layer
+from .sparseloco.outer import payload_nbytes
 from .pipe.module import BoundaryCodec
 from .transport import Gathered, LocalStageLink
 
@@ -199,8 +200,7 @@ class Simulation:
             fwd, bwd = sizes.boundary_nbytes(self.micro, seq_len, config.hidden_size, r.codecs[0].width,
                                              2 if self.run.bf16 else 4, config.vocab_size)
             rows.append((fwd + bwd) * self.gas * (self.S - 1))
-        sl = self.hetloco.sparseloco
-        outer = sum(sizes.stage_payload_nbytes([tuple(p.shape) for p in ps], sl.chunk_size, sl.topk, sl.quant_bits)
+        outer = sum(payload_nbytes([tuple(p.shape) for p in ps], self.hetloco.sparseloco)
                     for ps in self.replicas[0].stage_params)
         return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
 
