@@ -320,7 +320,8 @@ def _load_named_dataset(name: str, config: str | None, split: str):
             snapshot = snapshot_download(name, repo_type="dataset", local_files_only=True)
         except Exception:
             raise first from None
-    return datasets.load_dataset(snapshot, config, split=split)
+    with _local_files_only():  # the snapshot is local files now
+        return datasets.load_dataset(snapshot, config, split=split)
 
 
 def _looks_like_path(data: str) -> bool:

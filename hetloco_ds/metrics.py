@@ -46,14 +46,22 @@ PEAK_ENV = "HETLOCO_PEAK_TFLOPS"
 """Overrides the lookup (per GPU, TFLOP/s), e.g. for a GPU not in PEAK_BF16_FLOPS."""
 
 
+def peak_flops_for(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a GPU by its name (PEAK_BF16_FLOPS); None if not listed."""
+    name = device_name.lower()
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key.lower() in name), None)
+
+
 def peak_flops(device: torch.device) -> float | None:
-    """Per-GPU peak FLOP/s for MFU: $HETLOCO_PEAK_TFLOPS, else the table; None on CPU or unknown GPUs."""
+    """Per-GPU peak FLOP/s for MFU: $HETLOCO_PEAK_TFLOPS, else by name; None on CPU or unknown GPUs."""
     if device.type != "cuda":
         return None
     if os.environ.get(PEAK_ENV):
-        return float(os.environ[PEAK_ENV]) * 1e12
-    name = torch.cuda.get_device_name(device).lower()
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key.lower() in name), None)
+        try:
+            return float(os.environ[PEAK_ENV]) * 1e12
+        except ValueError:
+            raise ValueError(f"{PEAK_ENV}={os.environ[PEAK_ENV]!r} is not a number (TFLOP/s per GPU)") from None
+    return peak_flops_for(torch.cuda.get_device_name(device))
 
 
 def training_flops_per_token(config, seq_len: int) -> float:

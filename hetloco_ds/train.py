@@ -49,15 +49,18 @@ def prepare_inputs(args: TrainArgs, world_size: int):
     seq_len = run.hetloco.train.seq_len
     dtype = convert.parse_dtype(args.dtype)
     if args.tokenizer is not None:
-        args.tokenizer = str(convert.resolve_hf_dir(args.tokenizer, "--tokenizer", convert.HUB_TOKENIZER_FILES))
+        given = args.tokenizer
+        args.tokenizer = str(convert.resolve_hf_dir(given, "--tokenizer", convert.HUB_TOKENIZER_FILES))
+        if not convert.tokenizer_files(args.tokenizer):
+            raise ConfigError(f"--tokenizer {given}: no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, ...)")
     if args.model is not None:
         given = args.model
         args.model = str(convert.resolve_hf_dir(given, "--model"))
         llama_config = convert.read_hf_config(args.model)
         convert.check_hf_dir(args.model, llama_config)  # shapes from headers, before any rank loads
         provenance = {"source_model": given}
-        if os.path.abspath(args.model) != os.path.abspath(os.path.expanduser(given)):
-            provenance["source_revision"] = os.path.basename(args.model)  # the snapshot's commit
+        if not os.path.isdir(os.path.expanduser(given)):  # a Hub id: its snapshot folder is named by the commit
+            provenance["source_revision"] = os.path.basename(args.model)
         setattr(llama_config, convert.PROVENANCE_KEY, provenance)
         llama_config.dtype = dtype or convert.weights_dtype(args.model) or llama_config.dtype
         if args.tokenizer is None:
@@ -72,7 +75,7 @@ def prepare_inputs(args: TrainArgs, world_size: int):
                         "intermediate_size", "vocab_size"):
                 if getattr(wanted, key) != getattr(llama_config, key):
                     raise ConfigError(
-                        f"--model {args.model} has {key} = {getattr(llama_config, key)} but --model-config "
+                        f"--model {given} has {key} = {getattr(llama_config, key)} but --model-config "
                         f"{args.model_config} asks for {getattr(wanted, key)}"
                     )
     else:
@@ -93,10 +96,6 @@ def _load_tokenizer(directory: str):
     """AutoTokenizer of a local directory; any failure is one ConfigError naming it."""
     from transformers import AutoTokenizer
 
-    from . import convert
-
-    if not convert.tokenizer_files(directory):
-        raise ConfigError(f"--tokenizer {directory}: no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, ...)")
     try:
         return AutoTokenizer.from_pretrained(directory)
     except Exception as err:  # transformers raises ValueError, OSError, ImportError, ... for a bad directory
