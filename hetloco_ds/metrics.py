@@ -6,11 +6,12 @@ Each replica's rows are written by one rank of that replica with a single O_APPE
 so concurrent writers on one file system never interleave within a line.
 
 Throughput fields (`RunFacts`): global tokens/s, MFU and peak memory. MFU counts model FLOPs
-the PaLM way (appendix B): per token, 6N for the matmuls of forward and backward, N = every
-parameter but the input embedding table (a tied table counts once, as the LM head), plus
-12 * layers * heads * head_dim * seq_len for attention's score and value matmuls (the full
-square, not halved for the causal mask). A replica's FLOPs of a step are spread over its S
-GPUs; the peak is the GPU's dense bf16 tensor-core rate, looked up from its name.
+as PaLM does (appendix B) and as bench/ and shared/ANCHORS.md do, so the numbers compare: per
+token, 6N for the matmuls of forward and backward, N = every parameter, the input embedding
+included (a tied table once), plus 12 * layers * heads * head_dim * seq_len for attention's
+score and value matmuls (the full square, not halved for the causal mask). A replica's FLOPs
+of a step are spread over its S GPUs; the peak is the GPU's dense bf16 tensor-core rate,
+looked up from its name.
 """
 from __future__ import annotations
 
@@ -71,8 +72,6 @@ def training_flops_per_token(config, seq_len: int) -> float:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     n = sum(p.numel() for p in model.parameters())  # parameters() yields a tied table once
-    if not config.tie_word_embeddings:
-        n -= model.get_input_embeddings().weight.numel()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6.0 * n + 12.0 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
 

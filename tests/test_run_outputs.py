@@ -109,17 +109,17 @@ def test_plot_writes_loss_and_bytes_pngs(cpu_run, tmp_path):
 
 
 def test_flops_per_token_is_6n_plus_attention_by_hand():
-    """The FLOP convention the README states, counted by hand for conftest's tiny LLaMA (d 32,
-    4 layers, 4 heads of 8, 2 KV heads, MLP 64, vocab 96), untied and tied. Breaks if the input
-    embedding is counted, the LM head is not, or the attention term changes."""
+    """The FLOP convention the README states (bench/'s), counted by hand for conftest's tiny LLaMA
+    (d 32, 4 layers, 4 heads of 8, 2 KV heads, MLP 64, vocab 96): N is every parameter, a tied
+    table once. Breaks if a table is dropped or counted twice, or the attention term changes."""
     from conftest import tiny_llama_config
 
     d, layers, heads, head_dim, kv, ff, vocab, seq = 32, 4, 4, 8, 2, 64, 96, 16
     per_layer = d * heads * head_dim + 2 * d * kv * head_dim + heads * head_dim * d + 3 * d * ff + 2 * d
-    n = layers * per_layer + d + vocab * d  # final norm + LM head; not the input embedding
+    tied_n = vocab * d + layers * per_layer + d  # embedding (= LM head), layers, final norm
     attention = 12 * layers * heads * head_dim * seq
-    assert training_flops_per_token(tiny_llama_config(tied=False), seq) == 6 * n + attention
-    assert training_flops_per_token(tiny_llama_config(tied=True), seq) == 6 * n + attention
+    assert training_flops_per_token(tiny_llama_config(tied=True), seq) == 6 * tied_n + attention
+    assert training_flops_per_token(tiny_llama_config(tied=False), seq) == 6 * (tied_n + vocab * d) + attention
 
     facts = RunFacts(num_replicas=2, num_stages=4, flops_per_token=1e9, device=torch.device("cuda"), peak_flops=1e15)
     assert facts.rates(tokens=4000, seconds=2.0) == {"global_tokens_per_s": 4000.0, "mfu": 1e9 * 2000 / 4 / 1e15}
