@@ -151,6 +151,24 @@ def test_provenance_is_one_key_transformers_keeps_and_ignores(bf16_run, tmp_path
     assert {k: v for k, v in written.items() if k != "hetloco_ds"} == original
 
 
+def test_export_from_state_copies_side_files_unless_given_objects(bf16_run, tmp_path):
+    """The in-memory export (what a script's save_pretrained calls) copies the side files of
+    `side_files_from` unchanged and keeps the config's bf16; a tokenizer passed explicitly
+    is the one saved. Breaks if side_files_from is ignored or its tokenizer wins over the argument."""
+    source, tok_dir, _, _, _, _ = bf16_run
+    config = convert.read_hf_config(source)
+    layers = materialize(build_layers(config), "cpu", source, config)
+    states = {idx: layers[idx].state_dict() for idx in export_layers(config)}
+    out = convert.export_from_state(states, config, None, tmp_path / "copied", side_files_from=source)
+    for name in ("generation_config.json", "README.md", "LICENSE"):
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    out = convert.export_from_state(states, config, tokenizer, tmp_path / "given", side_files_from=tok_dir)
+    assert (out / "tokenizer_config.json").read_bytes() != (tok_dir / "tokenizer_config.json").read_bytes()
+    assert AutoTokenizer.from_pretrained(out)("the lazy dog")["input_ids"] == tokenizer("the lazy dog")["input_ids"]
+
+
 def test_export_dtype_option_overrides_the_source_dtype(bf16_run, tmp_path):
     """`hetloco-ds export --dtype float32` writes float32 weights (the bf16 values upcast, so
     exact) and says so in config.json. Breaks if --dtype is not passed through or ignored."""
