@@ -615,8 +615,8 @@ class _ShardWriter:
     def finish(self) -> None:
         missing = sorted(k for name, keys in self.split.filename_to_tensors.items()
                          if not (self.directory / name).exists() for k in keys if k not in self.pending.get(name, {}))
-        if missing or self.pending:
-            raise ConversionError(f"export wrote no tensor for {missing or sorted(self.pending)}")
+        if missing:  # only a broken layer stream gets here: _layer_to_hf checks every layer's keys
+            raise ConversionError(f"export got no tensor for {missing}")
         if self.split.is_sharded:
             index = {
                 "metadata": {"total_parameters": self.total_parameters, **self.split.metadata},

@@ -359,7 +359,8 @@ def _resolve(data: str | None, split: str) -> _Source:
             "from the Hugging Face caches or the Hub"
         raise DataError(
             f"data {data!r} is neither an existing path nor a dataset that datasets.load_dataset"
-            f"({name!r}, {config or None!r}, split={split!r}) can load {where} ({type(e).__name__}: {e})"
+            f"({name!r}, {config or None!r}, split={split!r}) can load {where} "
+            f"({type(e).__name__}: {' '.join(str(e).split())})"
         ) from e
     return _Source(
         description=f"dataset {data} [{split}]",
@@ -584,9 +585,10 @@ def load_corpus(
 
     `data`: a path, `name[:config]` of a Hub dataset (split `split`; the module docstring says
     where it is looked up), or None for the stdlib default. `max_train_tokens` keeps only the
-    first that many training tokens (whole blocks, corpus order) and stops tokenising there. Raises `DataError` for a
-    missing path, a folder without supported files, an unknown dataset, a missing `text_field`,
-    or a corpus smaller than one training plus one validation block.
+    first that many training tokens (whole blocks, corpus order) and stops tokenising there.
+    Raises `DataError` for a missing path, a folder without supported files, an unknown
+    dataset, a missing `text_field`, or a corpus smaller than one training plus one validation
+    block.
     """
     if seq_len < 1:
         raise DataError(f"seq_len={seq_len} must be positive")
