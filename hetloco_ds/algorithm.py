@@ -178,7 +178,10 @@ class StageAlgorithm:
         first stage shares it (at most M*k non-zeros a chunk), every stage applies the same
         operations in the same order, so every T_perp stays bitwise equal."""
         avg = report.averages[self._embedding_index[0]] if link.is_first else None
-        avg = link.share_sparse(avg, self.shape)
+        # The top-k aggregate has at most M*k non-zeros a chunk; a dense or momentum step has no
+        # zeros to skip, and its index list would double the bytes.
+        sparse = not (self.outer.cfg.dense or self.outer.cfg.outer_momentum > 0)
+        avg = link.share_sparse(avg, self.shape) if sparse else link.share_dense(avg, self.shape, kind="embedding_sync")
         subspace.resync_embedding_(None, self.perp, avg, self.cfg.sparseloco.outer_lr, self.split_basis)
         for emb in self.embeddings:
             emb.weight.copy_(subspace.project(emb.weight, self.split_basis))
@@ -204,17 +207,31 @@ class StageAlgorithm:
         self.outer_steps = int(state["outer_steps"])
 
     def global_state_dict(self) -> dict:
-        """What every replica of this stage holds alike after an outer step: what a joining
-        replica needs from a live peer (its own error feedback starts at zero)."""
-        return {"theta": [p.detach() for p in self.params], "perp": self.perp, "outer_steps": self.outer_steps}
+        """What every replica of this stage holds alike at an outer boundary: what a joining
+        replica needs from a live peer (its own error feedback starts at zero). theta is the
+        synced theta_prev, not the parameters: a donor is asked after its own inner steps."""
+        synced = self.outer.theta_prev if self.outer is not None else [p.detach() for p in self.params]
+        momentum = self.outer.momentum if self.outer is not None else None
+        return {"theta": [t.clone() for t in synced], "perp": None if self.perp is None else self.perp.clone(),
+                "momentum": None if momentum is None else [m.clone() for m in momentum],
+                "outer_steps": self.outer_steps}
 
     @torch.no_grad()
     def load_global_state_dict(self, state: dict) -> None:
-        """Adopt a peer's synced stage: parameters, T_perp, theta_prev; error feedback zeroed."""
-        torch._foreach_copy_([p.data for p in self.params], [t.to(self.device) for t in state["theta"]])
+        """Adopt a peer's synced stage: parameters, theta_prev, outer momentum, T_perp; error
+        feedback zeroed. In place and without SparseLoCoState.load_state_dict, which would clear
+        the pending flag: an elastic heal can come between prepare and finish."""
+        theta = [t.to(self.device) for t in state["theta"]]
+        for i, (p, t) in enumerate(zip(self.params, theta)):
+            p.copy_(t)
+            if self.outer is not None:
+                self.outer.rebase(i, t)
+        if self.outer is not None:
+            for e in self.outer.error:
+                e.zero_()
+            if self.outer.momentum is not None:
+                for m, t in zip(self.outer.momentum, state["momentum"]):
+                    m.copy_(t)
         if self.perp is not None:
             self.perp.copy_(state["perp"])
-        if self.outer is not None:
-            self.outer.load_state_dict({"shapes": self.outer.shapes, "theta_prev": state["theta"],
-                                        "error": [torch.zeros_like(e) for e in self.outer.error]})
         self.outer_steps = int(state["outer_steps"])

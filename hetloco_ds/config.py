@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .sparseloco.outer import PRESETS as OUTER_PRESETS
 
 
 class ConfigError(ValueError):
@@ -24,6 +26,9 @@ class _Section(BaseModel):
 
 
 class SparseLoCoConfig(_Section):
+    preset: Literal["templar", "diloco"] | None = None
+    """Fill the fields below from a named rule set (sparseloco/outer.py PRESETS) when the section is read;
+    fields given next to it win. templar: the SparseLoCo authors' code; diloco: dense, Nesterov outer SGD."""
     enabled: bool = True
     """False runs plain data parallelism: a gradient all-reduce every step (the AdamW DDP baseline)."""
     inner_steps: int = Field(50, ge=1)
@@ -38,8 +43,35 @@ class SparseLoCoConfig(_Section):
     """Values kept per chunk of `chunk_size` elements (scaled for smaller chunks, at least 1)."""
     quant_bits: Literal[2, 4, 8] | None = None
     """Quantise the selected values to this many bits with a per-tensor lookup table; null sends float32."""
-    aggregation: Literal["mean", "selected_count"] = "mean"
-    """mean: divide the sum by the replicas that contributed (paper eq. 2). selected_count: by how many selected each coordinate."""
+    aggregation: Literal["mean", "selected_count", "dense"] = "mean"
+    """mean: divide the sum by the replicas that contributed (paper eq. 2). selected_count: by how many selected each
+    coordinate (templar). dense: whole pseudo-gradients, no top-k, no error feedback (DiLoCo control)."""
+    chunking: Literal["tiles", "per_dim"] = "tiles"
+    """tiles: non-2-D tensors in chunks of <= chunk_size. per_dim (templar): every dimension <= sqrt(chunk_size)."""
+    topk_rule: Literal["scaled", "fixed"] = "scaled"
+    """scaled: k = topk * chunk_len / chunk_size, >= 1. fixed (templar): k = topk in every chunk, even, >= 2."""
+    quant_rounding: Literal["floor", "nearest"] = "floor"
+    """Quantisation bin of a value: floor (ours) or round to nearest (templar)."""
+    quant_std: Literal["population", "sample"] = "population"
+    """Std behind the quantisation bin width: population (ours) or sample, n - 1 (templar)."""
+    norm_clip: Literal["none", "median"] = "none"
+    """median (templar): scale each replica's decoded tensor down to the replicas' median norm before aggregating."""
+    outer_momentum: float = Field(0.0, ge=0, lt=1)
+    """Nesterov momentum of the outer SGD; 0 is the paper's plain SGD (DiLoCo: 0.9 with outer_lr 0.7)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in OUTER_PRESETS:
+            return {**OUTER_PRESETS[data["preset"]], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _dense_sends_values(self) -> "SparseLoCoConfig":
+        if self.aggregation == "dense" and self.quant_bits is not None:
+            raise ValueError(f"aggregation 'dense' sends whole tensors unquantised; "
+                             f"quant_bits must be null, got {self.quant_bits}")
+        return self
 
 
 class SubspaceConfig(_Section):

@@ -185,9 +185,9 @@ class HetlocoEngine(PipelineEngineAdapter):
         due = self.local_steps % self.hetloco.sparseloco.inner_steps == 0
         if self.algorithm.sparseloco and (due or force_outer):
             outer = self.outer_step()
-        return self._record(local_loss, time.perf_counter() - start, outer)
+        return self._record(local_loss, start, outer)
 
-    def _record(self, local_loss: torch.Tensor, seconds: float, outer: dict | None) -> StepRecord:
+    def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()
         vec = torch.tensor([float(local_loss)] + self.meter.as_vector(counts), dtype=torch.float64, device=self.device)
         if self.num_stages > 1:
@@ -197,6 +197,8 @@ class HetlocoEngine(PipelineEngineAdapter):
             self.meter.add("recv", nbytes(vec), "control")
             dist.all_reduce(vec, group=self.pipe_group)
         values = vec.tolist()
+        # Timed after the host has the loss: on a GPU the step's kernels are done only then.
+        seconds = time.perf_counter() - start
         tokens = self.micro_batch_size * self.micro_batches * self.seq_len
         return StepRecord(
             step=self.local_steps,

@@ -33,6 +33,7 @@ from .algorithm import StageAlgorithm
 from .config import ConfigError, HetlocoConfig, RunConfig, load_config
 from .model import TokenEmbedding, causal_lm_loss, layer_list
 from .patches import seed_layer
+from .sparseloco.outer import payload_nbytes
 from .pipe.module import BoundaryCodec
 from .transport import Gathered, LocalStageLink
 
@@ -228,18 +229,22 @@ class Simulation:
         return [float(torch.stack([r.loss(ids, labels) for ids, labels in batches]).mean()) for r in self.replicas]
 
     def link_bytes_per_step(self, seq_len: int) -> dict:
-        """Bytes per optimizer step and replica on stage links (forward + backward) and per
-        outer step on replica links, from the shapes the real pipeline sends."""
-        config = self.replicas[0].layers[1].layer.self_attn.config
-        rows = []
-        for r in self.replicas:
-            fwd, bwd = sizes.boundary_nbytes(self.micro, seq_len, config.hidden_size, r.codecs[0].width,
-                                             2 if self.run.bf16 else 4, config.vocab_size)
-            rows.append((fwd + bwd) * self.gas * (self.S - 1))
-        sl = self.hetloco.sparseloco
-        outer = sum(sizes.stage_payload_nbytes([tuple(p.shape) for p in ps], sl.chunk_size, sl.topk, sl.quant_bits)
-                    for ps in self.replicas[0].stage_params)
-        return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
+        return link_bytes(self, [r.codecs[0].width for r in self.replicas], seq_len)
+
+
+def link_bytes(sim, widths: list[int], seq_len: int) -> dict:
+    """Bytes per optimizer step and replica on stage links (forward + backward; replica m's
+    boundary is `widths[m]` wide) and per outer step on replica links, from the shapes the real
+    pipeline sends; `sim` is either simulator."""
+    config = sim.replicas[0].layers[1].layer.self_attn.config
+    rows = []
+    for width in widths:
+        fwd, bwd = sizes.boundary_nbytes(sim.micro, seq_len, config.hidden_size, width,
+                                         2 if sim.run.bf16 else 4, config.vocab_size)
+        rows.append((fwd + bwd) * sim.gas * (sim.S - 1))
+    outer = sum(payload_nbytes([tuple(p.shape) for p in ps], sim.hetloco.sparseloco)
+                for ps in sim.replicas[0].stage_params)
+    return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
 
 
 @torch.no_grad()

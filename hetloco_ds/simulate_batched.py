@@ -32,7 +32,7 @@ from torch.func import functional_call, vmap
 from . import optim, sizes, subspace
 from .config import HetlocoConfig, RunConfig
 from .model import TokenEmbedding, causal_lm_loss, layer_list, residual_dtype
-from .simulate import build_layers, outer_step_all, stage_algorithms
+from .simulate import build_layers, link_bytes, outer_step_all, stage_algorithms
 
 
 class _Stage(nn.Module):
@@ -248,14 +248,4 @@ class BatchedSimulation:
         return torch.stack(rows).mean(0).tolist()
 
     def link_bytes_per_step(self, seq_len: int) -> dict:
-        """As `Simulation.link_bytes_per_step`: the shapes the real pipeline sends."""
-        config = self.replicas[0].layers[1].layer.self_attn.config
-        rows = []
-        for width in self.widths:
-            fwd, bwd = sizes.boundary_nbytes(self.micro, seq_len, config.hidden_size, width,
-                                             2 if self.run.bf16 else 4, config.vocab_size)
-            rows.append((fwd + bwd) * self.gas * (self.S - 1))
-        sl = self.hetloco.sparseloco
-        outer = sum(sizes.stage_payload_nbytes([tuple(p.shape) for p in ps], sl.chunk_size, sl.topk, sl.quant_bits)
-                    for ps in self.replicas[0].stage_params)
-        return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
+        return link_bytes(self, self.widths, seq_len)

@@ -27,6 +27,8 @@ class TrainArgs:
     steps: int = 200
     resume: bool = False
     text_field: str = "text"
+    tokenizer: str | None = None
+    dtype: str | None = None
 
 
 def default_out() -> str:
@@ -34,37 +36,71 @@ def default_out() -> str:
 
 
 def prepare_inputs(args: TrainArgs, world_size: int):
-    """Config, tokenizer, model config and corpus: everything checked before any rank starts."""
+    """Config, tokenizer, model config and corpus: everything checked before any rank starts.
+
+    Hub ids in `args.model` / `args.tokenizer` are replaced in place by their local snapshot
+    directories (every later reader of args needs a directory). The model config's `dtype` is
+    the export dtype: `--dtype`, else the source checkpoint's, else none (weights as stored).
+    """
     from . import convert, data
 
     run = load_config(args.config)
     check_topology(world_size, run.stages, run.source)
     seq_len = run.hetloco.train.seq_len
+    dtype = convert.parse_dtype(args.dtype)
+    if args.tokenizer is not None:
+        given = args.tokenizer
+        args.tokenizer = str(convert.resolve_hf_dir(given, "--tokenizer", convert.HUB_TOKENIZER_FILES))
+        if not convert.tokenizer_files(args.tokenizer):
+            raise ConfigError(f"--tokenizer {given}: no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, ...)")
     if args.model is not None:
-        if not os.path.isdir(args.model):
-            raise ConfigError(f"--model {args.model}: not a directory (expected a save_pretrained directory)")
+        given = args.model
+        args.model = str(convert.resolve_hf_dir(given, "--model"))
         llama_config = convert.read_hf_config(args.model)
         convert.check_hf_dir(args.model, llama_config)  # shapes from headers, before any rank loads
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        provenance = {"source_model": given}
+        if not os.path.isdir(os.path.expanduser(given)):  # a Hub id: its snapshot folder is named by the commit
+            provenance["source_revision"] = os.path.basename(args.model)
+        setattr(llama_config, convert.PROVENANCE_KEY, provenance)
+        llama_config.dtype = dtype or convert.weights_dtype(args.model) or llama_config.dtype
+        if args.tokenizer is None:
+            if not convert.tokenizer_files(args.model):
+                raise ConfigError(f"--model {given} has no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, "
+                                  "...); pass --tokenizer DIR_OR_HUB_ID")
+            args.tokenizer = args.model
+        tokenizer = _load_tokenizer(args.tokenizer)
         if args.model_config is not None:
             wanted = model_config_for(args.model_config, llama_config.vocab_size)
             for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                         "intermediate_size", "vocab_size"):
                 if getattr(wanted, key) != getattr(llama_config, key):
                     raise ConfigError(
-                        f"--model {args.model} has {key} = {getattr(llama_config, key)} but --model-config "
+                        f"--model {given} has {key} = {getattr(llama_config, key)} but --model-config "
                         f"{args.model_config} asks for {getattr(wanted, key)}"
                     )
     else:
-        tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
+        if args.tokenizer is not None:
+            tokenizer = _load_tokenizer(args.tokenizer)
+        else:
+            tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
         llama_config = model_config_for(args.model_config or "tiny", len(tokenizer))
+        llama_config.dtype = dtype
     check_topology(world_size, run.stages, run.source, llama_config.num_hidden_layers)
     if len(tokenizer) > llama_config.vocab_size:
         raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {llama_config.vocab_size}")
     corpus = data.load_corpus(args.data, tokenizer, seq_len, text_field=args.text_field)
     return run, llama_config, tokenizer, corpus
+
+
+def _load_tokenizer(directory: str):
+    """AutoTokenizer of a local directory; any failure is one ConfigError naming it."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as err:  # transformers raises ValueError, OSError, ImportError, ... for a bad directory
+        detail = " ".join(str(err).split())
+        raise ConfigError(f"cannot load a tokenizer from {directory}: {type(err).__name__}: {detail}") from None
 
 
 def validation_batches(blocks: torch.Tensor, micro: int):
@@ -84,7 +120,7 @@ def run_rank(args: TrainArgs) -> int:
 
     from . import checkpoint, convert, data
     from .initialize import build_engine, build_module, init_distributed
-    from .metrics import MetricsWriter, Progress
+    from .metrics import MetricsWriter, Progress, RunFacts
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -105,7 +141,7 @@ def run_rank(args: TrainArgs) -> int:
     M, S = engine.num_replicas, engine.num_stages
     if rank == 0:
         os.makedirs(out, exist_ok=True)
-        convert.save_hf_meta(ckpt_dir, llama_config, tokenizer)
+        convert.save_hf_meta(ckpt_dir, llama_config, tokenizer, model_dir=args.model, tokenizer_dir=args.tokenizer)
         with open(os.path.join(out, "run_config.json"), "w") as f:
             json.dump({"ds": run.ds, "hetloco": run.hetloco.model_dump(), "stages": S, "replicas": M,
                        "model": llama_config.to_dict(), "data": corpus.description}, f, indent=2, default=str)
@@ -120,8 +156,10 @@ def run_rank(args: TrainArgs) -> int:
 
     H = run.hetloco.sparseloco.inner_steps if run.hetloco.sparseloco.enabled else 1
     writes = engine.is_last_stage()
-    writer = MetricsWriter(os.path.join(out, "metrics.jsonl") if writes else None)
-    progress = Progress(total=args.steps, initial=engine.local_steps, enabled=(rank == 0), monitor=engine.monitor)
+    facts = RunFacts.from_engine(engine)
+    writer = MetricsWriter(os.path.join(out, "metrics.jsonl") if writes else None, facts)
+    progress = Progress(total=args.steps, initial=engine.local_steps, enabled=(rank == 0), monitor=engine.monitor,
+                        facts=facts)
     eval_every = run.hetloco.train.eval_interval
     next_eval = (engine.local_steps // eval_every + 1) * eval_every if eval_every else None
     ckpt_every = run.hetloco.train.checkpoint_interval * H
