@@ -12,7 +12,9 @@
 # Optional: ROWS (priority order, default paper_tables.DEFAULT_ROWS), SEEDS (0,1), MODEL (20M), DEVICE (cuda),
 # COMPILE (1: torch.compile the forward), S_PER_STEP (bench/sim_throughput.py's step seconds, for the
 # first row's budget judgement), AGGREGATION / OUTER_LR (every SparseLoCo row), DATA
-# (.benchdata/code_bpe8192_seq256.pt, made by bench/make_code_corpus.py). The summary goes to $OUT/summary.
+# (.benchdata/code_bpe8192_seq256.pt, made by bench/make_code_corpus.py; about 29 passes in a 5000-step row), or
+# DEVICE_CORPUS=1 (carry .benchdata/tokenizer: bench/make_device_corpus.py builds a larger one on the machine,
+# CORPUS_ROOTS picks its source folders). The summary goes to $OUT/summary.
 source "$(dirname "$0")/_gpu_env.sh" || exit 1   # pipefail, link settings, wheels (shared with run_gpu*.sh)
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}" "${TAG:?TAG must be set}"
@@ -25,6 +27,13 @@ else
   bench_smoke_path
 fi
 nproc | tee -a "$OUT/card_$TAG.txt"
+if [ "${DEVICE_CORPUS:-0}" = 1 ]; then
+  # The paper-regime corpus from the machine's own sources (bench/make_device_corpus.py; carry
+  # .benchdata/tokenizer instead of the corpus), built once and kept under runs/ while the machine is warm.
+  DATA=${DATA:-runs/device_corpus_seq256.pt}
+  [ -f "$DATA" ] || python3 bench/make_device_corpus.py --tokenizer .benchdata/tokenizer --out "$DATA" \
+    ${CORPUS_ROOTS:+--roots $CORPUS_ROOTS} 2>&1 | tail -5 || exit 1
+fi
 args=(--data "${DATA:-.benchdata/code_bpe8192_seq256.pt}" --model "${MODEL:-20M}" --seeds "${SEEDS:-0,1}"
       --steps "${STEPS:-5000}" --device "${DEVICE:-cuda}" --procs-per-gpu "${PROCS_PER_GPU:-1}"
       --budget-s "${BUDGET:-540}" --state-dir "${STATE_DIR:-runs/paper_tables_state}" --tag "$TAG" --out "$OUT")
