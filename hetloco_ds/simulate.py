@@ -30,7 +30,7 @@ from torch import nn
 
 from . import optim, sizes
 from .algorithm import StageAlgorithm
-from .config import ConfigError, HetlocoConfig, RunConfig, load_config
+from .config import ConfigError, HetlocoConfig, RunConfig, SparseLoCoConfig, load_config
 from .model import TokenEmbedding, causal_lm_loss, layer_list
 from .patches import seed_layer
 from .sparseloco.outer import payload_nbytes
@@ -79,11 +79,15 @@ class Variant:
         cfg.subspace.embedding_adaptation = self.embedding_adaptation
         cfg.subspace.project_residual_weights = self.project_residual_weights
         cfg.train.seed = self.seed
-        for key, value in self.sparseloco.items():
+        if self.sparseloco:
+            # Validated as a whole, so a `preset` expands; what the base config set explicitly
+            # stays unless the row overrides it (a field written next to a preset wins).
+            merged = {**cfg.sparseloco.model_dump(exclude_unset=True), **self.sparseloco}
             try:
-                setattr(cfg.sparseloco, key, value)
-            except (ValueError, AttributeError) as err:  # pydantic's ValidationError is a ValueError
-                raise ConfigError(f"row {self.name}: sparseloco.{key} = {value!r}: {str(err).splitlines()[-1].strip()}") from None
+                cfg.sparseloco = SparseLoCoConfig.model_validate(merged)
+            except ValueError as err:  # pydantic's ValidationError is a ValueError
+                raise ConfigError(f"row {self.name}: sparseloco {self.sparseloco}: "
+                                  f"{str(err).splitlines()[-1].strip()}") from None
         return cfg
 
     def run(self, run: RunConfig) -> RunConfig:
