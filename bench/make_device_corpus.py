@@ -75,18 +75,31 @@ def read_unique(files: list[tuple[str, Path]], budget_bytes: int) -> tuple[list[
     return keys, texts
 
 
-def pack(token_lists: list[list[int]], eos: int, seq_len: int) -> torch.Tensor:
-    stream = np.concatenate([np.asarray(t + [eos], dtype=np.int32) for t in token_lists]) if token_lists else \
-        np.empty(0, np.int32)
+def encode(backend, texts: list[str], eos: int, batch: int = 4096) -> list[np.ndarray]:
+    """Each text's ids + EOS as int16 (vocab <= 32768), encoded in parallel batches so Python
+    lists of ints never hold more than one batch (hundreds of millions of them would not fit)."""
+    out = []
+    for i in range(0, len(texts), batch):
+        for e in backend.encode_batch(texts[i:i + batch], add_special_tokens=False):
+            a = np.empty(len(e.ids) + 1, np.int16)
+            a[:-1] = e.ids
+            a[-1] = eos
+            out.append(a)
+        print(f"encoded {min(i + batch, len(texts))}/{len(texts)} files", flush=True)
+    return out
+
+
+def pack(docs: list[np.ndarray], seq_len: int) -> torch.Tensor:
+    stream = np.concatenate(docs) if docs else np.empty(0, np.int16)
     n = len(stream) // seq_len
-    return torch.from_numpy(stream[: n * seq_len].reshape(n, seq_len).astype(np.int16))
+    return torch.from_numpy(stream[: n * seq_len].reshape(n, seq_len).copy())
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", required=True, help="directory of a saved PreTrainedTokenizerFast (vocab <= 32768)")
     p.add_argument("--roots", nargs="+", default=[next(x for x in sys.path if x.endswith("site-packages"))])
-    p.add_argument("--max-bytes", type=float, default=2e9, help="stop adding files past this much text")
+    p.add_argument("--max-bytes", type=float, default=6e8, help="stop adding files past this much text")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -98,14 +111,14 @@ def main() -> int:
         sys.exit(f"vocabulary {len(tok)} does not fit int16")
     roots = [Path(r) for r in args.roots if Path(r).is_dir()]
     keys, texts = read_unique(source_files(roots, 64, 400_000), int(args.max_bytes))
-    nbytes = sum(len(t.encode()) for t in texts)
+    nbytes = sum(len(t) for t in texts)
+    print(f"read {len(texts)} files ({nbytes / 1e6:.0f}M characters) in {time.time() - t0:.0f} s", flush=True)
     held = set(data._holdout_order(keys)[: data._holdout_count(len(keys), data.DEFAULT_VAL_FRACTION)])
-    backend = tok.backend_tokenizer
-    ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-    eos = tok.eos_token_id
-    train = pack([ids[i] for i in range(len(ids)) if i not in held], eos, args.seq_len)
-    val = pack([ids[i] for i in sorted(held)], eos, args.seq_len)
-    desc = (f"{len(keys)} source files ({nbytes / 1e6:.0f} MB) under {', '.join(map(str, roots))}, {len(held)} held out; "
+    ids = encode(tok.backend_tokenizer, texts, tok.eos_token_id)
+    del texts
+    train = pack([ids[i] for i in range(len(ids)) if i not in held], args.seq_len)
+    val = pack([ids[i] for i in sorted(held)], args.seq_len)
+    desc = (f"{len(keys)} source files ({nbytes / 1e6:.0f}M characters) under {', '.join(map(str, roots))}, {len(held)} held out; "
             f"{len(train)} train + {len(val)} val blocks of {args.seq_len} tokens ({train.numel() / 1e6:.1f}M train tokens)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     torch.save({"train": train, "val": val, "vocab_size": len(tok), "description": desc}, args.out + ".tmp")

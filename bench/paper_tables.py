@@ -218,8 +218,18 @@ def worker(args) -> int:
         if not claim(args.claims, v.name):
             continue
         t0 = time.time()
-        r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
-                             compile=args.compile, deadline=args.deadline - 60, state_path=state)
+        try:
+            r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
+                                 compile=args.compile, deadline=args.deadline - 60, state_path=state)
+        except Exception as err:  # noqa: BLE001 - a compiler failure costs the row's speed, not the row
+            if not args.compile or isinstance(err, torch.cuda.OutOfMemoryError):
+                raise
+            print(f"[{args.worker}] {v.name}: compiled run failed ({type(err).__name__}: {str(err)[:200]}); "
+                  "this worker goes on eager", flush=True)
+            args.compile = meta["compile"] = False
+            t0 = time.time()
+            r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
+                                 compile=False, deadline=args.deadline - 60, state_path=state)
         if r["status"] != "done":
             unfinished.append({k: r[k] for k in ("status", "step", "steps", "seconds")} | {"row": v.name})
             print(f"[{args.worker}] {v.name:<28} {r['status']} at step {r['step']} of {args.steps}", flush=True)
