@@ -401,6 +401,9 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
         if syncs(step):
             outer_rows.append({"step": step, **sim.outer_step()})
+            if len(outer_rows[-1].get("excluded", [])) == replicas:
+                raise FloatingPointError(f"{variant.name}: every replica's pseudo-gradient was non-finite at the "
+                                         f"outer step after step {step}; the row cannot go on")
         if syncs(step) or step == steps or len(pending) >= 50:
             flush()
         if deadline is None or step == steps or step % interval:

@@ -139,14 +139,14 @@ class BatchedSimulation:
         self._encode, self._decode = vmap(subspace.encode), vmap(subspace.decode)
         # One compiled graph for the whole forward and loss: compiling the vmapped pieces one
         # by one would put them all in the cache of functorch's one `wrapped` code object.
-        self._forward = self._forward_eager
-        if compile:
-            if device.type == "cuda":
-                # Inductor's output of cuDNN attention under vmap fails its own stride check
-                # (torch 2.11, H100: "expected Tensor() for op _scaled_dot_product_cudnn_attention");
-                # flash attention, which SDPA picks next, compiles.
-                torch.backends.cuda.enable_cudnn_sdp(False)
-            self._forward = torch.compile(self._forward_eager)
+        if torch.device(device).type == "cuda":
+            # cuDNN attention under vmap is off: compiled, inductor's output of it fails its own
+            # stride check (torch 2.11, H100: "expected Tensor() for op
+            # _scaled_dot_product_cudnn_attention"), and eager the batched run's outer steps saw
+            # non-finite pseudo-gradients on every replica where the per-replica run saw none.
+            # SDPA then picks flash attention.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        self._forward = torch.compile(self._forward_eager) if compile else self._forward_eager
 
         self.optimizer = optim.build_optimizer(self.params, run.optimizer)
         self.scheduler = optim.build_scheduler(run.scheduler, self.optimizer)
