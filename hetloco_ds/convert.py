@@ -207,7 +207,17 @@ def read_hf_config(hf_dir: str | os.PathLike) -> LlamaConfig:
 def _safetensors_header(path: Path) -> dict[str, dict]:
     """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors header, without mapping the file."""
     with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        raw = f.read(8)
+        size = int.from_bytes(raw, "little")
+        if len(raw) < 8 or size > os.path.getsize(path) - 8:
+            raise ConversionError(f"{path} is corrupt: its safetensors header claims {size} bytes in a "
+                                  f"{os.path.getsize(path)}-byte file")
+        try:
+            header = json.loads(f.read(size))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ConversionError(f"{path} is corrupt: its safetensors header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path} is corrupt: its safetensors header is not a JSON object")
     header.pop("__metadata__", None)
     return header
 
@@ -618,6 +628,17 @@ def _layer_file(tag_dir: Path, idx: int) -> Path:
     raise ConversionError(f"missing layer file {path}")
 
 
+def _check_export_target(source: Path, target: Path) -> None:
+    """The export never writes into, or (with overwrite) deletes, what it reads from: the
+    checkpoint directory, anything inside it, or a directory containing it (the run directory)."""
+    src, dst = os.path.realpath(source), os.path.realpath(target)
+    if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
+        raise ConversionError(f"export target {target} is inside the checkpoint directory {source} it reads from")
+    if src.startswith(dst.rstrip(os.sep) + os.sep):
+        raise ConversionError(f"export target {target} contains the checkpoint directory {source} it reads from; "
+                              "choose a directory outside it")
+
+
 def export(
     ckpt_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -638,6 +659,7 @@ def export(
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise ConversionError(f"checkpoint directory {ckpt_dir} does not exist")
+    _check_export_target(ckpt_dir, Path(out_dir))
     tag = tag if tag is not None else _read_latest(ckpt_dir)
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():
