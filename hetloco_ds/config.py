@@ -108,9 +108,9 @@ class TrainConfig(_Section):
     """torch.compile each decoder layer and the loss (the first steps are slower while it compiles)."""
     keep_checkpoints: int = Field(2, ge=0)
     """Complete checkpoints kept in OUT/checkpoints (older ones are deleted after a newer one is committed); 0 keeps all."""
-    watchdog_timeout: float = Field(300.0, ge=0)
-    """Seconds a rank may go without a heartbeat or without progress before the job is ended naming it
-    (the progress limit grows to 20x the slowest step seen); 0 turns the watchdog off."""
+    watchdog_timeout: float = Field(180.0, ge=0)
+    """Seconds a rank may go without a heartbeat (twice that without progress, or 20x the slowest step
+    if longer) before the job is ended with a line naming it; 0 turns the watchdog off."""
     max_nonfinite_outer_steps: int = Field(3, ge=0)
     """Stop (exit 3, keeping the last good checkpoint) after this many consecutive outer steps at which
     every replica's update was non-finite; 0 never stops."""

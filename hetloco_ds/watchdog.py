@@ -7,10 +7,11 @@ monotonic clock, so clocks of different hosts never have to agree.
 
 - No heartbeat from a rank for `timeout` seconds: that rank is stopped or frozen (SIGSTOP, a
   hung node). Gloo would notice only after its 30-minute default timeout, if ever.
-- A rank's progress counter unchanged for max(timeout, 20 x the slowest step seen) while it
-  still beats: it is stuck (a deadlock, a collective no peer will join). Known long operations
-  (start-up and the first step, checkpoints, validation, the export) are `busy` phases, allowed
-  ten times as long.
+- A rank's progress counter unchanged for max(2 x timeout, 20 x the slowest step seen) while it
+  still beats: it is stuck (a deadlock, a collective no peer will join). Twice the heartbeat
+  limit, so that when one rank goes silent it is named, not the peers left waiting for it.
+  Known long operations (start-up and the first step, checkpoints, validation, the export) are
+  `busy` phases, allowed ten times as long.
 
 The first rank to see a stall claims `stalled` in the job directory (O_EXCL, so one line is
 printed for the job), prints the line and exits with EXIT_STALLED; the launcher stops the rest.
@@ -53,6 +54,7 @@ class Watchdog:
     def start(self) -> "Watchdog":
         if self.enabled:
             os.makedirs(self.directory, exist_ok=True)
+            self._write_own()  # before training starts: a rank that freezes at once is still judged
             self._thread.start()
         return self
 
@@ -113,7 +115,7 @@ class Watchdog:
 
     def check(self, now: float) -> str | None:
         """Read every rank's heartbeat; the line to print if one has stalled, else None."""
-        limit = max(self.timeout, STEP_FACTOR * max((s.get("slowest", 0.0) for s in self._seen.values()), default=0))
+        limit = max(2 * self.timeout, STEP_FACTOR * max((s.get("slowest", 0.0) for s in self._seen.values()), default=0))
         stalled = []
         for rank in range(self.world):
             hb = self._read(rank)

@@ -1,0 +1,122 @@
+"""Fault injection for tests/test_faults.py, loaded into every Python process whose PYTHONPATH
+starts with this folder (Python imports `sitecustomize` at start-up).
+
+HETLOCO_FAULT="<rank>:<event>:<n>[:<action>]" makes the process of global rank <rank> act at its
+n-th <event>; processes of other ranks, and those without the variable, are untouched.
+
+events  step  a torch AdamW step (inside a training step: after forward and backward)
+        sync  an outer step's payload exchange (hetloco_ds.exchange.all_gather_payloads)
+        ckpt  inside hetloco_ds.checkpoint: a file written (write_durably) or a directory
+              fsynced (_fsync_dir: after the manifest, after the rename, after `latest`)
+actions kill  SIGKILL (default); at a file write, half of the file's bytes are written first,
+              so a torn file is left behind as a real crash would leave it
+        stop  SIGSTOP (the watchdog's case)
+"""
+import importlib.abc
+import importlib.util
+import io
+import os
+import signal
+import sys
+
+_SPEC = os.environ.get("HETLOCO_FAULT")
+_RANK = os.environ.get("RANK")
+
+
+def _parse(spec):
+    rank, event, n, *action = spec.split(":")
+    return int(rank), event, int(n), (action[0] if action else "kill")
+
+
+class _Fault:
+    def __init__(self, event, n, action):
+        self.event, self.n, self.action, self.count = event, n, action, 0
+
+    def hit(self, event):
+        """True when this call is the n-th of `event`."""
+        if event != self.event:
+            return False
+        self.count += 1
+        return self.count == self.n
+
+    def fire(self):
+        sys.stderr.write(f"[fault_inject] rank {_RANK}: {self.action} at {self.event} #{self.n}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSTOP if self.action == "stop" else signal.SIGKILL)
+
+
+def _install(fault):
+    import torch
+
+    from hetloco_ds import checkpoint, exchange
+
+    step = torch.optim.AdamW.step
+
+    def adamw_step(self, *args, **kwargs):
+        if fault.hit("step"):
+            fault.fire()
+        return step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = adamw_step
+
+    gather = exchange.all_gather_payloads
+
+    def all_gather_payloads(*args, **kwargs):
+        if fault.hit("sync"):
+            fault.fire()
+        return gather(*args, **kwargs)
+
+    exchange.all_gather_payloads = all_gather_payloads
+
+    write_durably = checkpoint.write_durably
+
+    def torn_write(path, write):
+        if fault.hit("ckpt"):
+            if fault.action == "kill":
+                buf = io.BytesIO()
+                write(buf)
+                data = buf.getvalue()
+                with open(path, "wb") as f:
+                    f.write(data[: len(data) // 2])
+            fault.fire()
+        return write_durably(path, write)
+
+    checkpoint.write_durably = torn_write
+
+    fsync_dir = checkpoint._fsync_dir
+
+    def fsync_then_fault(path):
+        fsync_dir(path)
+        if fault.hit("ckpt"):
+            fault.fire()
+
+    checkpoint._fsync_dir = fsync_then_fault
+
+
+class _AfterTrain(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Installs the fault once hetloco_ds.train has been imported (before the engine is)."""
+
+    def __init__(self, fault):
+        self.fault = fault
+
+    def find_spec(self, name, path, target=None):
+        if name != "hetloco_ds.train":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        self.inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        _install(self.fault)
+
+
+if _SPEC and _RANK is not None:
+    _rank, _event, _n, _action = _parse(_SPEC)
+    if int(_RANK) == _rank:
+        sys.meta_path.insert(0, _AfterTrain(_Fault(_event, _n, _action)))
