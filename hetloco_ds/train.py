@@ -166,8 +166,8 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
             more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
             raise ConfigError(f"--resume: {source} differs from the run's config: {diffs[0]}{more}")
         if record["world_size"] != world:
-            raise ConfigError(f"--resume: the run has {record['world_size']} ranks ({record['stages']} stages x "
-                              f"{record['replicas']} replicas); this launch has {world}")
+            raise ConfigError(f"--resume: the run has {record['world_size']} ranks ({record['replicas']} replicas x "
+                              f"pipeline.stages = {record['stages']}); this launch has {world}")
     check_topology(world, run.stages, run.source)
 
     seq_len = run.hetloco.train.seq_len

@@ -50,3 +50,19 @@ def hf_tied(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_tied")
     save_tiny_llama(path, tied=True)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_job(tmp_path_factory):
+    """tests/runs.py's job: its inputs and one uninterrupted `--nproc 2` run of it (the reference
+    that faulted, resumed and otherwise launched runs must reproduce)."""
+    import runs
+    from test_cli import save_tiny_hf_with_tokenizer, write_config, write_text_folder
+
+    root = tmp_path_factory.mktemp("tiny_job")
+    inputs = {"hf": save_tiny_hf_with_tokenizer(root / "hf"), "data": write_text_folder(root / "data"),
+              "config": write_config(root / "job.json", runs.JOB_CONFIG), "cache": root / "cache"}
+    out = root / "reference"
+    proc = runs.cli(*runs.train_args(inputs, out, "--nproc", 2), cache=inputs["cache"])
+    assert proc.returncode == 0, runs.explain(proc)
+    return inputs, out

@@ -1,0 +1,168 @@
+"""Nothing lost, nothing hangs: real SIGKILLs, SIGSTOPs and divergence in tiny 2-rank CLI runs.
+
+Faults are injected by tests/fault_inject/sitecustomize.py (armed through PYTHONPATH and
+HETLOCO_FAULT) at exact, seeded points inside the ranks: the n-th AdamW step (inside a training
+step), the n-th outer-step exchange, the n-th file write or directory fsync of a checkpoint
+(a file write leaves half of its bytes behind, as a crash would).
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+
+import pytest
+import torch
+
+import runs
+from hetloco_ds import checkpoint
+
+WORLD = 2
+# Checkpoint events per commit on rank 0: its state file, DeepSpeed's 7 layer files and
+# mp_rank_00, the manifest, the directory fsync, the fsync after the rename, `latest` written and
+# fsynced. Rank 1 (data-parallel rank 1) writes its state file only.
+CKPT_EVENTS = {0: 14, 1: 1}
+H = 2
+
+
+def _complete(ckpt_dir, tag) -> None:
+    """`tag` is a committed checkpoint whose every file loads: the manifest's word is not taken alone."""
+    assert checkpoint.verify(str(ckpt_dir), tag, WORLD) is None, checkpoint.verify(str(ckpt_dir), tag, WORLD)
+    for f in sorted((ckpt_dir / tag).glob("*.pt")):
+        torch.load(f, map_location="cpu", weights_only=False)
+
+
+def _draw(rng: random.Random, kind: str, start: int) -> str:
+    """A kill point of `kind` that this run (resuming at step `start`) will reach."""
+    left = runs.STEPS - start
+    rank = rng.randrange(WORLD)
+    n = {"step": left, "sync": left // H, "ckpt": CKPT_EVENTS[rank] * (left // H)}[kind]
+    return f"{rank}:{kind}:{rng.randint(1, n)}"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_job, tmp_path, seed):
+    """A chain of runs of one job, each but the last SIGKILLed at a seeded point (one inside a
+    checkpoint write, one inside a step or, for odd seeds, inside an outer sync; in a seeded
+    order), each resumed with a bare `--resume`. After every kill, `latest` names a complete checkpoint whose
+    files all load (or none exists and --resume says so); the launcher names the dead rank and
+    its signal. At the end, metrics.jsonl has one row per (step, replica) with the uninterrupted
+    run's exact losses and validation losses, the export is bitwise the uninterrupted one, and
+    the run's record, hf_meta and the two newest checkpoints are all there.
+
+    Breaks if `latest` is written before every rank's files are durable, if --resume trusts an
+    incomplete checkpoint, if any per-replica state is lost across a resume, if rows a killed run
+    wrote past its checkpoint are kept (duplicates), or if a resume rewrites the run's record."""
+    inputs, reference = tiny_job
+    cache, out = inputs["cache"], tmp_path / "out"
+    ckpt_dir = out / "checkpoints"
+    rng = random.Random(seed)
+    kinds = ["ckpt", ("step", "sync")[seed % 2]]  # even seeds kill inside a step, odd ones inside a sync
+    rng.shuffle(kinds)
+    record = None
+    log = []
+    start, resume = 0, False
+    for kind in kinds:
+        if start == runs.STEPS:
+            break
+        fault = _draw(rng, kind, start)
+        extra = ("--resume",) if resume else ("--nproc", WORLD)
+        proc = runs.cli(*(runs.train_args(inputs, out) if not resume else ["train", "--steps", runs.STEPS, "--out", out]),
+                        *extra, cache=cache, fault=fault)
+        log.append(f"start {start} fault {fault}: exit {proc.returncode}")
+        rank = fault.split(":")[0]
+        assert proc.returncode == 128 + 9, f"{log}\n{runs.explain(proc)}"
+        assert runs.error_lines(proc.stderr) == [
+            f"hetloco-ds train: error: rank {rank} (pid {_pid(proc.stderr)}) died with SIGKILL; stopped the other ranks"
+        ], runs.explain(proc)
+        if record is None:
+            record = (out / "run_config.json").read_bytes()
+        latest = checkpoint.latest_tag(str(ckpt_dir))
+        if latest is None:
+            assert not resume
+            # No commit yet: --resume refuses in one line, then the run starts over.
+            refused = runs.cli("train", "--steps", runs.STEPS, "--out", out, "--resume", cache=cache)
+            assert refused.returncode == 2, runs.explain(refused)
+            assert runs.error_lines(refused.stderr) == [
+                f"hetloco-ds train: error: --resume: {ckpt_dir} holds no complete checkpoint to resume from"]
+            proc = runs.cli(*runs.train_args(inputs, out, "--nproc", WORLD, "--overwrite"), cache=cache)
+            assert proc.returncode == 0, runs.explain(proc)
+            record = (out / "run_config.json").read_bytes()
+            start = runs.STEPS
+            break
+        _complete(ckpt_dir, latest)
+        start, resume = checkpoint.step_of(latest), True
+    if start < runs.STEPS or not (out / "hf").exists():
+        proc = runs.cli("train", "--steps", runs.STEPS, "--out", out, "--resume", cache=cache)
+        assert proc.returncode == 0, f"{log}\n{runs.explain(proc)}"
+
+    for kind in ("step", "outer", "validation"):
+        got, want = runs.keyed(out, kind), runs.keyed(reference, kind)
+        assert sorted(got) == sorted(want), (kind, log)
+        if kind != "outer":
+            assert {k: r["loss"] for k, r in got.items()} == {k: r["loss"] for k, r in want.items()}, (kind, log)
+    got, want = runs.hf_tensors(out / "hf"), runs.hf_tensors(reference / "hf")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), log
+    assert (out / "run_config.json").read_bytes() == record
+    assert checkpoint.latest_tag(str(ckpt_dir)) == f"global_step{runs.STEPS}"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["global_step6", "global_step8", "hf_meta", "latest"], log
+    _complete(ckpt_dir, "global_step6")
+    _complete(ckpt_dir, "global_step8")
+
+
+def _pid(stderr: str) -> str:
+    m = re.search(r"rank \d+ \(pid (\d+)\) died", stderr)
+    return m.group(1) if m else "?"
+
+
+def test_a_stopped_rank_ends_the_job_with_a_line_naming_it(tiny_job, tmp_path):
+    """Rank 1 SIGSTOPped at its third step (the watchdog at 4 s): the job must end within a
+    bounded time with exit 4 and one line naming rank 1 and its pid, and leave no process
+    behind. Breaks if the watchdog is missing or blind to a silent rank (gloo's 30-minute
+    timeout would then be all there is), or names the peer left waiting instead."""
+    inputs, _ = tiny_job
+    cfg = runs_config(inputs, tmp_path, {"hetloco.train.watchdog_timeout": 4})
+    t0 = time.monotonic()
+    proc = runs.cli("train", "--steps", runs.STEPS, "--model", inputs["hf"], "--data", inputs["data"], "--config", cfg,
+                    "--out", tmp_path / "out", "--nproc", WORLD, cache=inputs["cache"], fault="1:step:3:stop",
+                    timeout=180)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 4, runs.explain(proc)
+    lines = runs.error_lines(proc.stderr)
+    assert len(lines) == 1, runs.explain(proc)
+    m = re.fullmatch(r"hetloco-ds train: error: rank 1 \(pid (\d+) on \S+\) stopped responding: no heartbeat for "
+                     r"\d+ s \(last at [^)]+\); ending the job", lines[0])
+    assert m, lines
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(m.group(1)), 0)
+    assert elapsed < 120, elapsed
+
+
+def test_all_replicas_nonfinite_stops_nonzero_and_keeps_the_last_good_checkpoint(tiny_job, tmp_path):
+    """lr = 1e38 makes every replica's update non-finite from the second outer step on; with
+    max_nonfinite_outer_steps = 2 the job must stop with exit 3 and one line, export nothing,
+    and leave `latest` naming the last checkpoint taken before the streak (step 2), complete.
+    Breaks if the streak is not detected (exit 0 with a stale export), if a checkpoint of the
+    stuck model replaces the good one as `latest`, or if ranks disagree and one hangs."""
+    inputs, _ = tiny_job
+    cfg = runs_config(inputs, tmp_path, {"optimizer.params.lr": 1e38, "hetloco.train.max_nonfinite_outer_steps": 2})
+    out = tmp_path / "out"
+    proc = runs.cli("train", "--steps", runs.STEPS, "--model", inputs["hf"], "--data", inputs["data"], "--config", cfg,
+                    "--out", out, "--nproc", WORLD, cache=inputs["cache"], timeout=180)
+    assert proc.returncode == 3, runs.explain(proc)
+    ckpt_dir = out / "checkpoints"
+    assert runs.error_lines(proc.stderr) == [
+        "hetloco-ds train: error: every replica's update was non-finite at 2 consecutive outer steps (steps 4, 6); "
+        f"stopped without exporting; {ckpt_dir}/latest still names global_step2, the last good checkpoint"
+    ], runs.explain(proc)
+    assert checkpoint.latest_tag(str(ckpt_dir)) == "global_step2"
+    _complete(ckpt_dir, "global_step2")
+    assert not (out / "hf").exists()
+
+
+def runs_config(inputs, tmp_path, edits: dict):
+    from test_cli import write_config
+
+    return write_config(tmp_path / "cfg.json", {**runs.JOB_CONFIG, **edits})
