@@ -125,9 +125,13 @@ def device_of(path: str) -> str:
 
 def describe_os_error(err: BaseException, path: str) -> str:
     """One line for a failed write; a full disk is named as such, with its device."""
-    for e in (err, err.__cause__, err.__context__):
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+    e, seen = err, 0
+    # torch's writers raise their own errors: the zip writer over the OSError, the legacy one
+    # with the C library's message ("write(): fd 12 failed with No space left on device").
+    while e is not None and seen < 8:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or os.strerror(errno.ENOSPC) in str(e):
             return f"no space left on {device_of(path)} while writing {path}"
+        e, seen = e.__cause__ or e.__context__, seen + 1
     return f"writing {path} failed: {err}"
 
 

@@ -497,13 +497,11 @@ def main_rank(args: TrainArgs) -> int:
         else:
             time.sleep(QUIET_EXIT_DELAY_S)
         return EXIT_FAILED
-    except OSError as err:
-        if err.errno == 28:  # ENOSPC outside a checkpoint (metrics, export)
-            print(f"hetloco-ds train: error: rank {rank}: "
-                  f"{checkpoint.describe_os_error(err, err.filename or args.out or '.')}", file=sys.stderr, flush=True)
+    except (OSError, RuntimeError) as err:
+        line = checkpoint.describe_os_error(err, getattr(err, "filename", None) or args.out or ".")
+        if line.startswith("no space left"):  # outside a checkpoint: metrics, the export
+            print(f"hetloco-ds train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
             return EXIT_FAILED
-        raise
-    except RuntimeError as err:
         if not _peer_lost(err):
             raise
         # Another rank died or stopped; our launcher is about to stop this one and name that rank.

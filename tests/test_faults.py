@@ -60,42 +60,38 @@ def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_job, tmp_
     rng = random.Random(seed)
     kinds = ["ckpt", ("step", "sync")[seed % 2]]  # even seeds kill inside a step, odd ones inside a sync
     rng.shuffle(kinds)
-    record = None
-    log = []
-    start, resume = 0, False
+    fresh = runs.train_args(inputs, out, "--nproc", WORLD)
+    resume = ["train", "--steps", runs.STEPS, "--out", out, "--resume"]
+    log, start, record = [], None, None
     for kind in kinds:
         if start == runs.STEPS:
             break
-        fault = _draw(rng, kind, start)
-        extra = ("--resume",) if resume else ("--nproc", WORLD)
-        proc = runs.cli(*(runs.train_args(inputs, out) if not resume else ["train", "--steps", runs.STEPS, "--out", out]),
-                        *extra, cache=cache, fault=fault)
-        log.append(f"start {start} fault {fault}: exit {proc.returncode}")
+        fault = _draw(rng, kind, start or 0)
+        argv = resume if start is not None else fresh + (["--overwrite"] if out.exists() else [])
+        proc = runs.cli(*argv, cache=cache, fault=fault)
+        log.append(f"from step {start or 0}: {fault} -> exit {proc.returncode}")
         rank = fault.split(":")[0]
         assert proc.returncode == 128 + 9, f"{log}\n{runs.explain(proc)}"
         assert runs.error_lines(proc.stderr) == [
             f"hetloco-ds train: error: rank {rank} (pid {_pid(proc.stderr)}) died with SIGKILL; stopped the other ranks"
         ], runs.explain(proc)
-        if record is None:
+        if start is None:
             record = (out / "run_config.json").read_bytes()
         latest = checkpoint.latest_tag(str(ckpt_dir))
         if latest is None:
-            assert not resume
-            # No commit yet: --resume refuses in one line, then the run starts over.
-            refused = runs.cli("train", "--steps", runs.STEPS, "--out", out, "--resume", cache=cache)
+            # Killed before its first commit: --resume refuses in one line; the next run starts over.
+            refused = runs.cli(*resume, cache=cache)
             assert refused.returncode == 2, runs.explain(refused)
             assert runs.error_lines(refused.stderr) == [
                 f"hetloco-ds train: error: --resume: {ckpt_dir} holds no complete checkpoint to resume from"]
-            proc = runs.cli(*runs.train_args(inputs, out, "--nproc", WORLD, "--overwrite"), cache=cache)
-            assert proc.returncode == 0, runs.explain(proc)
-            record = (out / "run_config.json").read_bytes()
-            start = runs.STEPS
-            break
+            start = None
+            continue
         _complete(ckpt_dir, latest)
-        start, resume = checkpoint.step_of(latest), True
-    if start < runs.STEPS or not (out / "hf").exists():
-        proc = runs.cli("train", "--steps", runs.STEPS, "--out", out, "--resume", cache=cache)
-        assert proc.returncode == 0, f"{log}\n{runs.explain(proc)}"
+        start = checkpoint.step_of(latest)
+    proc = runs.cli(*(resume if start is not None else fresh + ["--overwrite"]), cache=cache)
+    assert proc.returncode == 0, f"{log}\n{runs.explain(proc)}"
+    if start is None:
+        record = (out / "run_config.json").read_bytes()
 
     for kind in ("step", "outer", "validation"):
         got, want = runs.keyed(out, kind), runs.keyed(reference, kind)
