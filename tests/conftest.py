@@ -53,16 +53,30 @@ def hf_tied(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_job(tmp_path_factory):
-    """tests/runs.py's job: its inputs and one uninterrupted `--nproc 2` run of it (the reference
-    that faulted, resumed and otherwise launched runs must reproduce)."""
+def tiny_jobs(tmp_path_factory):
+    """tests/runs.py's job: `.inputs(layout)` (model, data, config, token cache) and
+    `.reference(layout)` -> (inputs, directory of one uninterrupted `--nproc 2` run: what faulted,
+    resumed and otherwise launched runs must reproduce), run on first use of each layout."""
     import runs
     from test_cli import save_tiny_hf_with_tokenizer, write_config, write_text_folder
 
-    root = tmp_path_factory.mktemp("tiny_job")
-    inputs = {"hf": save_tiny_hf_with_tokenizer(root / "hf"), "data": write_text_folder(root / "data"),
-              "config": write_config(root / "job.json", runs.JOB_CONFIG), "cache": root / "cache"}
-    out = root / "reference"
-    proc = runs.cli(*runs.train_args(inputs, out, "--nproc", 2), cache=inputs["cache"])
-    assert proc.returncode == 0, runs.explain(proc)
-    return inputs, out
+    root = tmp_path_factory.mktemp("tiny_jobs")
+    hf, data = save_tiny_hf_with_tokenizer(root / "hf"), write_text_folder(root / "data")
+    done: dict = {}
+
+    class Jobs:
+        @staticmethod
+        def inputs(layout: str) -> dict:
+            return {"hf": hf, "data": data, "config": write_config(root / f"{layout}.json", runs.LAYOUTS[layout]),
+                    "cache": root / "cache", "layout": layout}
+
+        @staticmethod
+        def reference(layout: str):
+            if layout not in done:
+                inputs, out = Jobs.inputs(layout), root / f"reference_{layout}"
+                proc = runs.cli(*runs.train_args(inputs, out, "--nproc", 2), cache=inputs["cache"])
+                assert proc.returncode == 0, runs.explain(proc)
+                done[layout] = (inputs, out)
+            return done[layout]
+
+    return Jobs

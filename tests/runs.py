@@ -1,8 +1,10 @@
 """Tiny 2-rank runs of the real CLI, shared by test_faults.py and test_launchers.py.
 
 The job: tests/test_cli.py's tiny LLaMA (hidden 32, 4 layers, its own 96-token tokenizer) on its
-text folder, 1 stage x 2 replicas, SparseLoCo H = 2, a checkpoint at every outer step (two
-kept), validation at steps 4 and 8, 8 steps. `conftest.tiny_job` runs it once, uninterrupted.
+text folder, SparseLoCo H = 2, a checkpoint at every outer step (two kept), validation at steps
+4 and 8, 8 steps; in one of two layouts of 2 ranks: "pipe" (2 stages x 1 replica: each rank
+writes its own stage's DeepSpeed files) or "replicas" (1 stage x 2 replicas: the ranks meet in
+outer syncs). `conftest.tiny_jobs` runs each once, uninterrupted, when a test first needs it.
 """
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = REPO / "tests" / "fault_inject"
 STEPS = 8
-JOB_CONFIG = {
-    "pipeline.stages": 1,
+BASE = {
     "hetloco.sparseloco.inner_steps": 2,
     "hetloco.train.checkpoint_interval": 1,
     "hetloco.train.keep_checkpoints": 2,
     "hetloco.train.eval_interval": 4,
     "hetloco.train.watchdog_timeout": 60,
 }
+LAYOUTS = {"pipe": {**BASE, "pipeline.stages": 2}, "replicas": {**BASE, "pipeline.stages": 1}}
 
 
 def env(cache, fault: str | None = None) -> dict:

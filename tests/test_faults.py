@@ -19,11 +19,14 @@ import runs
 from hetloco_ds import checkpoint
 
 WORLD = 2
-# Checkpoint events per commit on rank 0: its state file, DeepSpeed's 7 layer files and
-# mp_rank_00, the manifest, the directory fsync, the fsync after the rename, `latest` written and
-# fsynced. Rank 1 (data-parallel rank 1) writes its state file only.
-CKPT_EVENTS = {0: 14, 1: 1}
 H = 2
+SEEDS = [0, 1]
+# Checkpoint events per commit and rank. Every rank writes its state file and its stage's
+# DeepSpeed files (replica 0's ranks only: layers and mp_rank_XX); rank 0 then the manifest,
+# fsyncs the directory, renames it and fsyncs, writes `latest` and fsyncs (5 more).
+# pipe: stage 0 holds layers 0-2, stage 1 layers 3-6. replicas: rank 0 holds all 7 layers,
+# rank 1 (replica 1) writes its state file only.
+CKPT_EVENTS = {"pipe": {0: 1 + 3 + 1 + 5, 1: 1 + 4 + 1}, "replicas": {0: 1 + 7 + 1 + 5, 1: 1}}
 
 
 def _complete(ckpt_dir, tag) -> None:
@@ -33,19 +36,20 @@ def _complete(ckpt_dir, tag) -> None:
         torch.load(f, map_location="cpu", weights_only=False)
 
 
-def _draw(rng: random.Random, kind: str, start: int) -> str:
+def _draw(rng: random.Random, layout: str, kind: str, start: int) -> str:
     """A kill point of `kind` that this run (resuming at step `start`) will reach."""
     left = runs.STEPS - start
     rank = rng.randrange(WORLD)
-    n = {"step": left, "sync": left // H, "ckpt": CKPT_EVENTS[rank] * (left // H)}[kind]
+    n = {"step": left, "sync": left // H, "ckpt": CKPT_EVENTS[layout][rank] * (left // H)}[kind]
     return f"{rank}:{kind}:{rng.randint(1, n)}"
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_job, tmp_path, seed):
-    """A chain of runs of one job, each but the last SIGKILLed at a seeded point (one inside a
-    checkpoint write, one inside a step or, for odd seeds, inside an outer sync; in a seeded
-    order), each resumed with a bare `--resume`. After every kill, `latest` names a complete checkpoint whose
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_jobs, tmp_path, seed):
+    """A chain of runs of one job, each but the last SIGKILLed at a seeded point, each resumed
+    with a bare `--resume`. Even seeds: the "pipe" layout, one kill inside a checkpoint write and
+    one inside a step; odd seeds: the "replicas" layout, inside a checkpoint write and inside an
+    outer sync; the seed draws the order, the rank and the point. After every kill, `latest` names a complete checkpoint whose
     files all load (or none exists and --resume says so); the launcher names the dead rank and
     its signal. At the end, metrics.jsonl has one row per (step, replica) with the uninterrupted
     run's exact losses and validation losses, the export is bitwise the uninterrupted one, and
@@ -54,11 +58,12 @@ def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_job, tmp_
     Breaks if `latest` is written before every rank's files are durable, if --resume trusts an
     incomplete checkpoint, if any per-replica state is lost across a resume, if rows a killed run
     wrote past its checkpoint are kept (duplicates), or if a resume rewrites the run's record."""
-    inputs, reference = tiny_job
+    layout = ("pipe", "replicas")[seed % 2]
+    inputs, reference = tiny_jobs.reference(layout)
     cache, out = inputs["cache"], tmp_path / "out"
     ckpt_dir = out / "checkpoints"
     rng = random.Random(seed)
-    kinds = ["ckpt", ("step", "sync")[seed % 2]]  # even seeds kill inside a step, odd ones inside a sync
+    kinds = ["ckpt", ("step", "sync")[seed % 2]]
     rng.shuffle(kinds)
     fresh = runs.train_args(inputs, out, "--nproc", WORLD)
     resume = ["train", "--steps", runs.STEPS, "--out", out, "--resume"]
@@ -66,7 +71,7 @@ def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_job, tmp_
     for kind in kinds:
         if start == runs.STEPS:
             break
-        fault = _draw(rng, kind, start or 0)
+        fault = _draw(rng, layout, kind, start or 0)
         argv = resume if start is not None else fresh + (["--overwrite"] if out.exists() else [])
         proc = runs.cli(*argv, cache=cache, fault=fault)
         log.append(f"from step {start or 0}: {fault} -> exit {proc.returncode}")
@@ -106,6 +111,7 @@ def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_job, tmp_
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["global_step6", "global_step8", "hf_meta", "latest"], log
     _complete(ckpt_dir, "global_step6")
     _complete(ckpt_dir, "global_step8")
+    print("\n".join(log))
 
 
 def _pid(stderr: str) -> str:
@@ -113,12 +119,12 @@ def _pid(stderr: str) -> str:
     return m.group(1) if m else "?"
 
 
-def test_a_stopped_rank_ends_the_job_with_a_line_naming_it(tiny_job, tmp_path):
+def test_a_stopped_rank_ends_the_job_with_a_line_naming_it(tiny_jobs, tmp_path):
     """Rank 1 SIGSTOPped at its third step (the watchdog at 4 s): the job must end within a
     bounded time with exit 4 and one line naming rank 1 and its pid, and leave no process
     behind. Breaks if the watchdog is missing or blind to a silent rank (gloo's 30-minute
     timeout would then be all there is), or names the peer left waiting instead."""
-    inputs, _ = tiny_job
+    inputs = tiny_jobs.inputs("pipe")
     cfg = runs_config(inputs, tmp_path, {"hetloco.train.watchdog_timeout": 4})
     t0 = time.monotonic()
     proc = runs.cli("train", "--steps", runs.STEPS, "--model", inputs["hf"], "--data", inputs["data"], "--config", cfg,
@@ -136,13 +142,13 @@ def test_a_stopped_rank_ends_the_job_with_a_line_naming_it(tiny_job, tmp_path):
     assert elapsed < 120, elapsed
 
 
-def test_all_replicas_nonfinite_stops_nonzero_and_keeps_the_last_good_checkpoint(tiny_job, tmp_path):
+def test_all_replicas_nonfinite_stops_nonzero_and_keeps_the_last_good_checkpoint(tiny_jobs, tmp_path):
     """lr = 1e38 makes every replica's update non-finite from the second outer step on; with
     max_nonfinite_outer_steps = 2 the job must stop with exit 3 and one line, export nothing,
     and leave `latest` naming the last checkpoint taken before the streak (step 2), complete.
     Breaks if the streak is not detected (exit 0 with a stale export), if a checkpoint of the
     stuck model replaces the good one as `latest`, or if ranks disagree and one hangs."""
-    inputs, _ = tiny_job
+    inputs = tiny_jobs.inputs("replicas")
     cfg = runs_config(inputs, tmp_path, {"optimizer.params.lr": 1e38, "hetloco.train.max_nonfinite_outer_steps": 2})
     out = tmp_path / "out"
     proc = runs.cli("train", "--steps", runs.STEPS, "--model", inputs["hf"], "--data", inputs["data"], "--config", cfg,
@@ -161,4 +167,4 @@ def test_all_replicas_nonfinite_stops_nonzero_and_keeps_the_last_good_checkpoint
 def runs_config(inputs, tmp_path, edits: dict):
     from test_cli import write_config
 
-    return write_config(tmp_path / "cfg.json", {**runs.JOB_CONFIG, **edits})
+    return write_config(tmp_path / "cfg.json", {**runs.LAYOUTS[inputs["layout"]], **edits})

@@ -2,7 +2,7 @@
 (with `--num_gpus`, and with a hostfile as on each node of a multi-node job), and `torchrun`.
 
 Each runs tests/runs.py's job (2 ranks on CPU) and must reproduce the `--nproc 2` reference
-(conftest.tiny_job) exactly: the same loss for every (step, replica) and the same exported
+(conftest.tiny_jobs) exactly: the same loss for every (step, replica) and the same exported
 weights. `accelerate launch --use_deepspeed --deepspeed_config_file JOB.json` starts ranks the
 way torchrun does and hands the JSON over in ACCELERATE_DEEPSPEED_CONFIG_FILE, which
 `hetloco-ds train` reads when --config is absent (test_config_comes_from_accelerate, without
@@ -32,11 +32,11 @@ def _deepspeed(*launcher_args):
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "deepspeed_hostfile", "torchrun"])
-def test_launcher_starts_the_same_job(launcher, tiny_job, tmp_path):
+def test_launcher_starts_the_same_job(launcher, tiny_jobs, tmp_path):
     """The `deepspeed` launcher puts `--local_rank=N` before `train` (argparse once rejected it,
     exit 2); torchrun sets LOCAL_RANK only. Breaks if either is not accepted, if a rank under an
     external launcher plans, owns or defaults --out differently, or if the ranks' layout differs."""
-    inputs, reference = tiny_job
+    inputs, reference = tiny_jobs.reference("replicas")
     out = tmp_path / "out"
     if launcher == "deepspeed":
         cmd = _deepspeed("--num_gpus", 2)
@@ -53,7 +53,7 @@ def test_launcher_starts_the_same_job(launcher, tiny_job, tmp_path):
     _same_job(out, reference)
 
 
-def test_config_comes_from_accelerate(tiny_job, tmp_path, monkeypatch):
+def test_config_comes_from_accelerate(tiny_jobs, tmp_path, monkeypatch):
     """Under `accelerate launch --use_deepspeed --deepspeed_config_file F`, F is the run's config
     when --config is absent, and a different --config is refused. Breaks if the plugin's JSON is
     ignored (the default config would silently train another job)."""
@@ -61,7 +61,7 @@ def test_config_comes_from_accelerate(tiny_job, tmp_path, monkeypatch):
     from hetloco_ds.train import TrainArgs, plan_run
     from test_cli import write_config
 
-    inputs, _ = tiny_job
+    inputs = tiny_jobs.inputs("replicas")
     monkeypatch.setenv("HETLOCO_CACHE", str(inputs["cache"]))
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(inputs["config"]))

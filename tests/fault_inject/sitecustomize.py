@@ -8,8 +8,9 @@ events  step  a torch AdamW step (inside a training step: after forward and back
         sync  an outer step's payload exchange (hetloco_ds.exchange.all_gather_payloads)
         ckpt  inside hetloco_ds.checkpoint: a file written (write_durably) or a directory
               fsynced (_fsync_dir: after the manifest, after the rename, after `latest`)
-actions kill  SIGKILL (default); at a file write, half of the file's bytes are written first,
-              so a torn file is left behind as a real crash would leave it
+actions kill  SIGKILL (default); at a file write, half of the file's bytes are written first
+              and the process lingers half a second (a slow disk), so a torn file is left behind
+              and the other ranks run ahead as far as they are allowed to
         stop  SIGSTOP (the watchdog's case)
 """
 import importlib.abc
@@ -18,6 +19,7 @@ import io
 import os
 import signal
 import sys
+import time
 
 _SPEC = os.environ.get("HETLOCO_FAULT")
 _RANK = os.environ.get("RANK")
@@ -78,6 +80,7 @@ def _install(fault):
                 data = buf.getvalue()
                 with open(path, "wb") as f:
                     f.write(data[: len(data) // 2])
+                time.sleep(0.5)
             fault.fire()
         return write_durably(path, write)
 
