@@ -58,10 +58,11 @@ class Watchdog:
             self._thread.start()
         return self
 
-    def progress(self, where: str, step_seconds: float | None = None) -> None:
+    def progress(self, done: str, step_seconds: float | None = None) -> None:
+        """The main thread finished `done` (e.g. "step 12"), which took `step_seconds`."""
         with self._lock:
             self._progress += 1
-            self._where = where
+            self._where = f"finished {done}"
             self._busy = False
             if step_seconds is not None:
                 self._slowest = max(self._slowest, step_seconds)
@@ -72,13 +73,13 @@ class Watchdog:
         with self._lock:
             before = self._busy
             self._progress += 1
-            self._where, self._busy = where, True
+            self._where, self._busy = f"in {where}", True
         try:
             yield
         finally:
             with self._lock:
                 self._progress += 1
-                self._busy = before
+                self._where, self._busy = f"finished {where}", before
 
     def stop(self) -> None:
         """Stop beating, leaving a last heartbeat that says this rank is done (not stalled)."""
@@ -130,12 +131,12 @@ class Watchdog:
                     seen = self._seen[rank] = {**hb, "beat_t": now, "progress_t": progress_t}
             if rank != self.rank and now - seen["beat_t"] > self.timeout:
                 stalled.append((0, rank, f"rank {rank} (pid {seen['pid']} on {seen['host']}) stopped responding: "
-                                         f"no heartbeat for {now - seen['beat_t']:.0f} s (last at {seen['where']})"))
+                                         f"no heartbeat for {now - seen['beat_t']:.0f} s (last: {seen['where']})"))
                 continue
             allowed = limit * (BUSY_FACTOR if seen["busy"] else 1)
             if now - seen["progress_t"] > allowed:
                 stalled.append((1, rank, f"rank {rank} (pid {seen['pid']} on {seen['host']}) made no progress for "
-                                         f"{now - seen['progress_t']:.0f} s (at {seen['where']}; limit {allowed:.0f} s)"))
+                                         f"{now - seen['progress_t']:.0f} s (last: {seen['where']}; limit {allowed:.0f} s)"))
         if not stalled:
             return None
         # A silent rank explains the others' lack of progress; otherwise the longest stuck one.

@@ -135,7 +135,7 @@ def test_a_stopped_rank_ends_the_job_with_a_line_naming_it(tiny_jobs, tmp_path):
     lines = runs.error_lines(proc.stderr)
     assert len(lines) == 1, runs.explain(proc)
     m = re.fullmatch(r"hetloco-ds train: error: rank 1 \(pid (\d+) on \S+\) stopped responding: no heartbeat for "
-                     r"\d+ s \(last at [^)]+\); ending the job", lines[0])
+                     r"\d+ s \(last: [^)]+\); ending the job", lines[0])
     assert m, lines
     with pytest.raises(ProcessLookupError):
         os.kill(int(m.group(1)), 0)
