@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -23,7 +24,7 @@ import uuid
 import torch
 
 from . import checkpoint, rundir
-from .config import ConfigError, RunConfig, check_run, check_topology, parse_config
+from .config import ConfigError, RunConfig, check_run, check_topology, default_config_path, parse_config
 from .presets import model_config_for
 from .watchdog import EXIT_STALLED, Watchdog
 
@@ -154,8 +155,6 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
     if path is None and record is not None:
         raw, source = record["config"], os.path.join(out, rundir.RUN_CONFIG)
     else:
-        from .config import default_config_path
-
         source = path or default_config_path()
         raw = _read_json(source)
     run = parse_config(raw, source)
@@ -228,10 +227,7 @@ def own_run(plan: RunPlan) -> rundir.RunLock:
     try:
         if plan.args.overwrite:
             rundir.clear_previous_run(out)
-        for stale in ("heartbeat",):
-            import shutil
-
-            shutil.rmtree(rundir.state_dir(out, stale), ignore_errors=True)
+        shutil.rmtree(rundir.state_dir(out, "heartbeat"), ignore_errors=True)  # of jobs before this one
         if plan.resume is not None:
             keep_rows_up_to(os.path.join(out, rundir.METRICS), plan.resume.step)
         else:

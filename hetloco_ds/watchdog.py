@@ -101,8 +101,9 @@ class Watchdog:
         with self._lock:
             self._beats += 1
             me = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "beat": self._beats,
-                  "progress": self._progress, "where": self._where, "busy": self._busy, "slowest": self._slowest, "done": self._done}
-        tmp = self._path(self.rank) + f".tmp"
+                  "progress": self._progress, "where": self._where, "busy": self._busy, "slowest": self._slowest,
+                  "done": self._done}
+        tmp = self._path(self.rank) + ".tmp"
         with open(tmp, "w") as f:
             json.dump(me, f)
         os.replace(tmp, self._path(self.rank))
