@@ -46,9 +46,11 @@ def _default_nproc(targs) -> int:
 
 
 def _train(args) -> int:
+    import shutil
     import uuid
 
     from .config import ConfigError
+    from .rundir import state_dir
     from .launch import spawn, under_launcher
     from .train import ENV_JOB, ENV_OWNED, ENV_TAG, EXIT_BAD_INPUT, TrainArgs, default_out, main_rank, own_run, plan_run
 
@@ -89,6 +91,7 @@ def _train(args) -> int:
     try:
         return spawn(nproc, argv, env=env)
     finally:
+        shutil.rmtree(state_dir(targs.out, "heartbeat"), ignore_errors=True)  # the job is over
         lock.release()
 
 
