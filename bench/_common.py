@@ -185,17 +185,15 @@ def build_ours(raw: dict, cfg, seq: int, source: str):
 def ours_part_info(engine, module, cfg, compressed: bool = False) -> dict:
     """A worker's layout and sizes under our engine (k = the stage link's width, id_bytes = its ids');
     `compressed` adds whether this replica's boundary codec compresses."""
-    import torch
+    from hetloco_ds import sizes
 
-    from hetloco_ds.pipe.module import id_dtype_for
-
+    width = engine.module.codec.width
     info = dict(stage=engine.stage_id, replica=engine.replica, num_stages=engine.num_stages,
-                num_replicas=engine.num_replicas, ratio_engine=engine.ratio)
+                num_replicas=engine.num_replicas, ratio_engine=cfg.hidden_size // width)
     if compressed:
         info["compressed"] = engine.module.codec.compressed
     info.update(n_params_local=sum(p.numel() for p in engine.trainable_params()),
-                k=cfg.hidden_size // engine.ratio,
-                id_bytes=torch.empty((), dtype=id_dtype_for(cfg.vocab_size)).element_size(),
+                k=width, id_bytes=sizes.id_bytes(cfg.vocab_size),
                 parts=list(getattr(module, "parts", [])), optimizer=type(engine.optimizer).__name__)
     return info
 
@@ -225,6 +223,33 @@ def build_stock(cfg, config: dict, partition_method: str, **layout):
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, model_parameters=params,
                                            config=config, dist_init_required=False)
     return module, params, engine
+
+
+def stock_p2p_meter():
+    """A ByteMeter that counts the *stock* DeepSpeed engine's pipeline sends and receives (kind
+    "control"), for comparison rows: wraps deepspeed.runtime.pipe.p2p.send/recv once per process.
+    Measurement instrumentation of the baseline only; hetloco_ds's engine counts its own bytes."""
+    import deepspeed.runtime.pipe.p2p as ds_p2p
+
+    from hetloco_ds.meter import ByteMeter, nbytes as tensor_bytes
+
+    meter = getattr(ds_p2p, "_bench_meter", None)
+    if meter is not None:
+        return meter
+    meter = ByteMeter()
+    send, recv = ds_p2p.send, ds_p2p.recv
+
+    def counted_send(tensor, dest_stage, async_op=False):
+        meter.add("sent", tensor_bytes(tensor), "control")
+        return send(tensor, dest_stage, async_op=async_op)
+
+    def counted_recv(tensor, src_stage, async_op=False):
+        result = recv(tensor, src_stage, async_op=async_op)
+        meter.add("recv", tensor_bytes(tensor), "control")
+        return result
+
+    ds_p2p.send, ds_p2p.recv, ds_p2p._bench_meter = counted_send, counted_recv, meter
+    return meter
 
 
 def stock_part_info(engine, module, params, cfg) -> dict:

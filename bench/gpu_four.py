@@ -84,7 +84,8 @@ if BENCH not in sys.path:
 from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
     CollectiveCounter, add_model_args, barrier, batches, build_ours, build_stock, config_row, driver_setup,
     finish_report, fmt_bytes, nbytes, new_report, ours_config, ours_part_info, peak_gib, pick_configs, run_main,
-    run_worker, same, spawn_workers, stock_config, stock_part_info, sync, timed_call, versions_line, worker_argv,
+    run_worker, same, spawn_workers, stock_config, stock_p2p_meter, stock_part_info, sync, timed_call, versions_line,
+    worker_argv,
     write_report,
 )
 
@@ -225,7 +226,7 @@ def run_ours_het(cfg, args, part) -> None:
     data = batches(cfg, args.micro, args.seq, seed=1234 + engine.replica)  # per replica; same on its stages
 
     hashes = {"init": dict(stage_hash(engine.trainable_params()), step=0,
-                           perp=buffer_hash(engine.module.codec.perp))}
+                           perp=buffer_hash(engine.algorithm.perp))}
     if not args.no_outer_prewarm:
         try:  # the same code on every rank: an error here is every rank's, so skipping it cannot hang a peer
             part["outer_prewarm"] = prewarm_outer(engine)
@@ -242,7 +243,7 @@ def run_ours_het(cfg, args, part) -> None:
             hashes["inner"] = dict(stage_hash(engine.trainable_params()), step=i)
         if rec.outer is not None and "after_outer" not in hashes:
             hashes["after_outer"] = dict(stage_hash(engine.trainable_params()), step=i,
-                                         perp=buffer_hash(engine.module.codec.perp))
+                                         perp=buffer_hash(engine.algorithm.perp))
     part.update(steps=steps, hashes=hashes, peak_mem_gib=peak_gib(), local_steps=engine.local_steps,
                 outer_steps_done=engine.outer_steps)
     # Every rank's hashes to rank 0, which compares the replicas stage by stage.
@@ -280,8 +281,6 @@ def compare_hashes(entries: list[dict]) -> dict:
 def run_ds(cfg, args, part) -> None:
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from hetloco_ds.meter import get_meter
-
     config = stock_config(args.micro, args.gas, True)
     part["ds_config"] = config
     topology = PipeDataParallelTopology(num_pp=STAGES, num_dp=REPLICAS)
@@ -289,7 +288,7 @@ def run_ds(cfg, args, part) -> None:
     part.update(stock_part_info(engine, module, params, cfg))
     assert (part["num_stages"], part["num_replicas"]) == (STAGES, REPLICAS)
     data = batches(cfg, args.micro, args.seq, seed=1234 + engine.grid.data_parallel_id)
-    meter = get_meter()  # counts the stock engine's p2p too (patches.p2p_meter), kind "control"
+    meter = stock_p2p_meter()  # the stock engine's pipeline p2p, kind "control"
     steps = []
     for i in range(1, args.warmup + args.ds_steps + 1):
         meter.since_mark()

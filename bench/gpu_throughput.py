@@ -250,7 +250,7 @@ def run_ours(cfg, shape, micro, seq, args, result, compile_: bool = False):
     raw = ours_config(micro, 1, 1, not args.no_bf16, 10**9, {"compressed_replicas": "none"}, seq,
                       max(256, cfg.vocab_size), compile=compile_)
     module, engine = build_ours(raw, cfg, seq, source="bench/gpu_throughput.py")
-    assert engine.num_stages == 1 and engine.num_replicas == 1 and engine.outer is not None
+    assert engine.num_stages == 1 and engine.num_replicas == 1 and engine.algorithm.outer is not None
     n_params = sum(p.numel() for p in engine.trainable_params())
     data = batches(cfg, micro, seq)
 

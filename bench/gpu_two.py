@@ -73,7 +73,8 @@ if BENCH not in sys.path:
 from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
     CollectiveCounter, add_model_args, batches, build_ours, build_stock, config_row, driver_setup, finish_report,
     fmt_bytes, new_report, ours_config, ours_part_info, peak_gib, pick_configs, run_main, run_worker, same,
-    spawn_workers, stock_config, stock_part_info, timed_call, versions_line, worker_argv, write_report,
+    spawn_workers, stock_config, stock_p2p_meter, stock_part_info, timed_call, versions_line, worker_argv,
+    write_report,
 )
 
 WORLD = 2
@@ -153,8 +154,6 @@ def timed_loop(step_fn, warmup: int, steps: int, after_step=None) -> tuple[list,
 
 
 def run_ours(spec, cfg, args, part) -> None:
-    from hetloco_ds.meter import get_meter
-
     stages, ratio = spec["stages"], spec["ratio"]
     b_part = stages == 1
     subspace = ({"ratio": ratio, "compressed_replicas": "all"} if ratio > 1 else {"compressed_replicas": "none"})
@@ -181,7 +180,7 @@ def run_ours(spec, cfg, args, part) -> None:
     warm, timed, extras = timed_loop(step, warmup, args.steps, after)
     part.update(warm_s=warm, step_s=timed, steps=extras, peak_mem_gib=peak_gib())
     if b_part:
-        meter = get_meter()
+        meter = engine.meter
         outer = []
         for _ in range(args.outer_repeats):
             engine.train_batch(data)  # a fresh pseudo-gradient; this step's bytes are in its own record
@@ -196,8 +195,6 @@ def run_ours(spec, cfg, args, part) -> None:
 
 
 def run_ds(spec, cfg, args, part) -> None:
-    from hetloco_ds.meter import get_meter
-
     stages = spec["stages"]
     config = stock_config(args.micro, args.gas, not args.no_bf16)
     part["ds_config"] = config
@@ -205,7 +202,7 @@ def run_ds(spec, cfg, args, part) -> None:
     part.update(stock_part_info(engine, module, params, cfg))
     seed = 1234 + (engine.grid.data_parallel_id if stages == 1 else 0)
     data = batches(cfg, args.micro, args.seq, seed)
-    meter = get_meter()  # counts the stock engine's p2p too (patches.p2p_meter), kind "control"
+    meter = stock_p2p_meter()  # the stock engine's pipeline p2p, kind "control"
 
     def step():
         meter.since_mark()

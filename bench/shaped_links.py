@@ -143,7 +143,7 @@ def predict_stage(ratio: int, bw: float, tflops: float, shape: plan.ModelShape |
     """plan.predict for S = 2, M = 1 on a stage link of `bw` (fp32 activations, int16 ids)."""
     return plan.predict(shape or model_shape(), stages=2, replicas=1, stage_bw=bw, replica_bw=1e9,
                         tflops=tflops, mfu=1.0, micro_batch=micro, n_mb=n_mb, H=10**6, ratio=ratio,
-                        act_bytes=4, ids_bytes=2, overlap=False, link_efficiency=LINK_EFF)
+                        act_bytes=4, overlap=False, link_efficiency=LINK_EFF)
 
 
 def calibrated_tflops(t_unlimited: float, ratio: int, shape: plan.ModelShape | None = None,
@@ -369,7 +369,7 @@ PROBE = r"""
 import json, sys, time
 import torch
 import torch.distributed as dist
-from hetloco_ds.exchange import all_gather_payloads  # the engine's outer-sync exchange
+from hetloco_ds.transport.static import all_gather_payloads  # the engine's outer-sync exchange
 n_dense, n_payload, reps_dense, reps_small = (int(x) for x in sys.argv[1:5])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -594,9 +594,6 @@ NOTES = [
     "(b) Residual spread of the exchange at low rates: some exchanges stall for a few tens of ms (`ss -ti` shows "
     "the sender rwnd-limited: the receiver's TCP window, ~130 KB here, is below the 160 KB payload, and on this "
     "shared 2-core machine a rank is not always scheduled to drain its socket); medians are at the one-way time.",
-    "(b) The engine's payload is larger than plan.outer_payload_bytes when a tile is not 64 x 64 (d_ff = 688: "
-    "43 x 64 tiles): compress.topk_per_chunk rounds k (2752 * 32 / 4096 = 21.5 -> 22) where plan.chunk_topk "
-    "floors (21); plan also leaves out the 16-byte payload header and the 4-byte alignment of each tensor.",
     "(b) plan's outer-sync time is the link only; the engine's outer step also does error feedback, top-k, "
     "packing, decoding and the outer SGD (the unlimited-link outer step measures that part).",
 ]

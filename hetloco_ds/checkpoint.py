@@ -59,12 +59,10 @@ def collect_rank_state(engine, data_position: int) -> dict:
     theta at the last sync, T_perp, the LR schedule, step counters and the data position."""
     return {
         "local_steps": engine.local_steps,
-        "outer_steps": engine.outer_steps,
         "data_position": data_position,
         "optimizer": engine.optimizer.state_dict(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "outer": engine.outer.state_dict() if engine.outer is not None else None,
-        "perp": engine.module.codec.perp,
+        "algorithm": engine.algorithm.state_dict(),
         "meter": engine.meter.snapshot(),
     }
 
@@ -74,13 +72,8 @@ def restore_rank_state(engine, state: dict) -> int:
     engine.optimizer.load_state_dict(state["optimizer"])
     if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    if engine.outer is not None:
-        engine.outer.load_state_dict(state["outer"])
-    if state["perp"] is not None:
-        with torch.no_grad():
-            engine.module.codec.perp.copy_(state["perp"])
+    engine.algorithm.load_state_dict(state["algorithm"])
     engine.local_steps = state["local_steps"]
-    engine.outer_steps = state["outer_steps"]
     engine.global_steps = state["local_steps"]
     engine.meter.total = state["meter"]
     engine.meter.since_mark()

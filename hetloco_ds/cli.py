@@ -1,18 +1,22 @@
-"""`hetloco-ds`: train, export, simulate, plan."""
+"""`hetloco-ds`: train, export, simulate, plan, lighthouse, plot."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
+DTYPE_CHOICES = ("bfloat16", "float16", "float32")
+
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train (pre-train or fine-tune) a LLaMA with SparseLoCo + compressed pipelines")
     p.add_argument("--config", help="DeepSpeed JSON with a 'hetloco' section (default: configs/cpu_tiny.json; "
                                     "under `accelerate launch`, its --deepspeed_config_file)")
-    p.add_argument("--model", help="Hugging Face save_pretrained directory to fine-tune from")
+    p.add_argument("--model", help="Hugging Face save_pretrained directory or Hub model id to fine-tune from")
+    p.add_argument("--tokenizer", help="tokenizer directory or Hub id (default: --model's, else the stdlib BPE)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype of the exported OUT/hf (default: --model's)")
     p.add_argument("--model-config", help="preset name (tiny, 20M, 178M, 512M, 1B) or a JSON of LlamaConfig fields")
-    p.add_argument("--data", help="text/jsonl/parquet files or a folder, or an offline `datasets` name (default: the Python stdlib)")
+    p.add_argument("--data", help="text/jsonl/parquet files or a folder, or a Hub dataset name[:config] (default: the Python stdlib)")
     p.add_argument("--text-field", help="field of jsonl/parquet rows holding the text (default: text)")
     p.add_argument("--out", help="output directory (default: runs/<time>); one run owns it")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per replica (0: load, convert, save)")
@@ -29,6 +33,7 @@ def _export_parser(sub) -> None:
     p.add_argument("out_dir")
     p.add_argument("--tag", help="checkpoint tag (default: the one named by 'latest')")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype of the weights (default: the training source's)")
 
 
 def _default_nproc(targs) -> int:
@@ -62,7 +67,7 @@ def _train(args) -> int:
         return fail(f"--steps {args.steps} must be >= 0")
     targs = TrainArgs(config=args.config, model=args.model, model_config=args.model_config, data=args.data,
                       out=args.out, steps=args.steps, resume=args.resume, overwrite=args.overwrite,
-                      text_field=args.text_field)
+                      text_field=args.text_field, tokenizer=args.tokenizer, dtype=args.dtype)
     if under_launcher():
         if args.nproc is not None:
             return fail(f"--nproc {args.nproc} is for starting ranks without a launcher; this process is already "
@@ -81,7 +86,8 @@ def _train(args) -> int:
         return fail(str(err))
     argv = ["train", "--out", targs.out, "--steps", str(args.steps)]
     for flag, value in (("--config", args.config), ("--model", args.model), ("--model-config", args.model_config),
-                        ("--data", args.data), ("--text-field", args.text_field)):
+                        ("--data", args.data), ("--text-field", args.text_field), ("--tokenizer", args.tokenizer),
+                        ("--dtype", args.dtype)):
         if value is not None:
             argv += [flag, value]
     argv += [flag for flag, on in (("--resume", args.resume), ("--overwrite", args.overwrite)) if on]
@@ -99,7 +105,7 @@ def _export(args) -> int:
     from . import convert
 
     try:
-        convert.export(args.checkpoint_dir, args.out_dir, tag=args.tag, overwrite=args.overwrite)
+        convert.export(args.checkpoint_dir, args.out_dir, tag=args.tag, overwrite=args.overwrite, dtype=args.dtype)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"hetloco-ds export: error: {err}", file=sys.stderr)
         return 2
@@ -126,19 +132,29 @@ def _take_local_rank(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = _take_local_rank(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
-        from .plan import main as plan_main
+        from .plan.cli import main as plan_main
 
         return plan_main(argv[1:])
     if argv[:1] == ["simulate"]:
         from .simulate import main as simulate_main
 
         return simulate_main(argv[1:])
+    if argv[:1] == ["lighthouse"]:
+        from .transport.lighthouse import main as lighthouse_main
+
+        return lighthouse_main(argv[1:])
+    if argv[:1] == ["plot"]:
+        from .plot import main as plot_main
+
+        return plot_main(argv[1:])
     parser = argparse.ArgumentParser(prog="hetloco-ds", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _export_parser(sub)
     sub.add_parser("simulate", help="M replicas x S virtual stages in one process (see `hetloco-ds simulate -h`)")
     sub.add_parser("plan", help="predict step time, utilisation and bytes (see `hetloco-ds plan -h`)")
+    sub.add_parser("lighthouse", help="the lighthouse elastic replicas meet through (see `hetloco-ds lighthouse -h`)")
+    sub.add_parser("plot", help="loss and bytes-by-link PNGs of a run (see `hetloco-ds plot -h`)")
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .sparseloco.outer import PRESETS as OUTER_PRESETS
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the bad value and where it came from."""
@@ -26,6 +28,9 @@ class _Section(BaseModel):
 
 
 class SparseLoCoConfig(_Section):
+    preset: Literal["templar", "diloco"] | None = None
+    """Fill the fields below from a named rule set (sparseloco/outer.py PRESETS) when the section is read;
+    fields given next to it win. templar: the SparseLoCo authors' code; diloco: dense, Nesterov outer SGD."""
     enabled: bool = True
     """False runs plain data parallelism: a gradient all-reduce every step (the AdamW DDP baseline)."""
     inner_steps: int = Field(50, ge=1)
@@ -40,8 +45,35 @@ class SparseLoCoConfig(_Section):
     """Values kept per chunk of `chunk_size` elements (scaled for smaller chunks, at least 1)."""
     quant_bits: Literal[2, 4, 8] | None = None
     """Quantise the selected values to this many bits with a per-tensor lookup table; null sends float32."""
-    aggregation: Literal["mean", "selected_count"] = "mean"
-    """mean: divide the sum by the replicas that contributed (paper eq. 2). selected_count: by how many selected each coordinate."""
+    aggregation: Literal["mean", "selected_count", "dense"] = "mean"
+    """mean: divide the sum by the replicas that contributed (paper eq. 2). selected_count: by how many selected each
+    coordinate (templar). dense: whole pseudo-gradients, no top-k, no error feedback (DiLoCo control)."""
+    chunking: Literal["tiles", "per_dim"] = "tiles"
+    """tiles: non-2-D tensors in chunks of <= chunk_size. per_dim (templar): every dimension <= sqrt(chunk_size)."""
+    topk_rule: Literal["scaled", "fixed"] = "scaled"
+    """scaled: k = topk * chunk_len / chunk_size, >= 1. fixed (templar): k = topk in every chunk, even, >= 2."""
+    quant_rounding: Literal["floor", "nearest"] = "floor"
+    """Quantisation bin of a value: floor (ours) or round to nearest (templar)."""
+    quant_std: Literal["population", "sample"] = "population"
+    """Std behind the quantisation bin width: population (ours) or sample, n - 1 (templar)."""
+    norm_clip: Literal["none", "median"] = "none"
+    """median (templar): scale each replica's decoded tensor down to the replicas' median norm before aggregating."""
+    outer_momentum: float = Field(0.0, ge=0, lt=1)
+    """Nesterov momentum of the outer SGD; 0 is the paper's plain SGD (DiLoCo: 0.9 with outer_lr 0.7)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in OUTER_PRESETS:
+            return {**OUTER_PRESETS[data["preset"]], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _dense_sends_values(self) -> "SparseLoCoConfig":
+        if self.aggregation == "dense" and self.quant_bits is not None:
+            raise ValueError(f"aggregation 'dense' sends whole tensors unquantised; "
+                             f"quant_bits must be null, got {self.quant_bits}")
+        return self
 
     @model_validator(mode="after")
     def _topk_fits_chunk(self) -> "SparseLoCoConfig":
@@ -123,13 +155,50 @@ class HetlocoConfig(_Section):
 
 
 @dataclass(frozen=True)
+class OptimizerSettings:
+    """The inner AdamW, from DeepSpeed's `optimizer` section (the paper's defaults otherwise)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    """What the rest of the package receives: DeepSpeed's dict (ours removed) and our typed section."""
+    """What the rest of the package receives: the DeepSpeed settings hetloco_ds implements per
+    replica, typed, plus DeepSpeed's own dict (ours removed) for what DeepSpeed still runs."""
 
     ds: dict[str, Any]
     hetloco: HetlocoConfig
     source: str
     stages: int
+    bf16: bool = False
+    """bf16.enabled: autocast over fp32 master weights per replica; bf16 crosses stage links."""
+    clip: float = 1.0
+    """gradient_clipping, over the replica's own stages."""
+    micro_batch: int = 1
+    """train_micro_batch_size_per_gpu."""
+    grad_accum: int = 1
+    """gradient_accumulation_steps: micro-batches per optimizer step."""
+    optimizer: OptimizerSettings = OptimizerSettings()
+    scheduler: dict | None = None
+    """DeepSpeed's `scheduler` section with "auto" values resolved, or None."""
+
+    def engine_ds_config(self) -> dict[str, Any]:
+        """DeepSpeed's dict for its engine, with the settings we implement per replica taken out
+        of its hands (bf16, clipping, the optimizer: we pass a torch AdamW)."""
+        ds = json.loads(json.dumps(self.ds))
+        for key in ("optimizer", "train_batch_size"):
+            ds.pop(key, None)
+        ds["bf16"] = {"enabled": False}
+        ds["gradient_clipping"] = 0.0
+        ds.setdefault("steps_per_print", 10**9)
+        ds["train_micro_batch_size_per_gpu"] = self.micro_batch
+        ds["gradient_accumulation_steps"] = self.grad_accum
+        if self.scheduler is not None:
+            ds["scheduler"] = json.loads(json.dumps(self.scheduler))
+        return ds
 
 
 def _format_pydantic(err: ValidationError, source: str, prefix: str = "hetloco") -> str:
@@ -270,8 +339,51 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     if not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError(f"{source}: gradient_clipping must be a non-negative number, got {clip!r}")
     check_deepspeed_section(ds, source)
-    check_optimizer(ds.get("optimizer"), source)
-    return RunConfig(ds=ds, hetloco=hetloco, source=source, stages=stages)
+    optimizer = _optimizer_settings(ds.get("optimizer"), source)
+    return RunConfig(ds=ds, hetloco=hetloco, source=source, stages=stages,
+                     bf16=bool((ds.get("bf16") or {}).get("enabled", False)), clip=float(clip),
+                     micro_batch=ds.get("train_micro_batch_size_per_gpu", 1),
+                     grad_accum=ds.get("gradient_accumulation_steps", 1), optimizer=optimizer,
+                     scheduler=_scheduler(ds.get("scheduler"), optimizer))
+
+
+def _optimizer_settings(section: dict | None, source: str) -> OptimizerSettings:
+    if not section:
+        return OptimizerSettings()
+    kind = str(section.get("type", "AdamW"))
+    if kind.lower() not in ("adamw", "adam"):
+        raise ConfigError(f"{source}: optimizer.type = {kind!r}: the inner optimizer is AdamW")
+    p = dict(section.get("params") or {})
+    unknown = set(p) - {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode"}
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)} in optimizer.params")
+    d = OptimizerSettings()
+    try:
+        out = OptimizerSettings(lr=float(p.get("lr", d.lr)), betas=tuple(float(b) for b in p.get("betas", d.betas)),
+                                eps=float(p.get("eps", d.eps)), weight_decay=float(p.get("weight_decay", d.weight_decay)))
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: optimizer.params must hold numbers, got {p!r}") from None
+    if not out.lr > 0:
+        raise ConfigError(f"{source}: optimizer.params.lr = {out.lr} must be > 0")
+    if len(out.betas) != 2 or not all(0 <= b < 1 for b in out.betas):
+        raise ConfigError(f"{source}: optimizer.params.betas = {list(out.betas)} must be two numbers in [0, 1)")
+    if out.eps <= 0 or out.weight_decay < 0:
+        raise ConfigError(f"{source}: optimizer.params eps = {out.eps} must be > 0 and weight_decay = "
+                          f"{out.weight_decay} >= 0")
+    return out
+
+
+def _scheduler(section: dict | None, optimizer: OptimizerSettings) -> dict | None:
+    """DeepSpeed's scheduler section with the "auto" values HF users write resolved."""
+    if not section:
+        return None
+    section = json.loads(json.dumps(section))
+    params = section.setdefault("params", {})
+    if params.get("warmup_max_lr") == "auto":
+        params["warmup_max_lr"] = optimizer.lr
+    if params.get("warmup_min_lr") == "auto":
+        params["warmup_min_lr"] = 0.0
+    return section
 
 
 def load_config(path: str | os.PathLike | None) -> RunConfig:
@@ -290,9 +402,8 @@ def load_config(path: str | os.PathLike | None) -> RunConfig:
 
 
 def default_config_path() -> str:
-    """`configs/cpu_tiny.json` of the repository (the package is installed editable from it)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.join(repo, "configs", "cpu_tiny.json")
+    """`configs/cpu_tiny.json`, shipped inside the package (hetloco_ds/configs)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_tiny.json")
 
 
 def check_topology(world_size: int, stages: int, source: str, num_layers: int | None = None) -> int:
@@ -305,25 +416,6 @@ def check_topology(world_size: int, stages: int, source: str, num_layers: int | 
     if num_layers is not None and stages > num_layers:
         raise ConfigError(f"{source}: pipeline.stages = {stages} exceeds the model's {num_layers} decoder layers")
     return world_size // stages
-
-
-def check_optimizer(section: dict | None, source: str) -> None:
-    """The values torch's AdamW would reject inside every rank, rejected here once, by key."""
-    section = section or {}
-    kind = str(section.get("type", "AdamW"))
-    if kind.lower() not in ("adamw", "adam"):
-        raise ConfigError(f"{source}: optimizer.type = {kind!r}: the inner optimizer is AdamW")
-    params = section.get("params") or {}
-    rules = {"lr": lambda v: v >= 0, "eps": lambda v: v >= 0, "weight_decay": lambda v: v >= 0}
-    for key, ok in rules.items():
-        value = params.get(key)
-        if value is not None and (not isinstance(value, (int, float)) or not ok(value)):
-            raise ConfigError(f"{source}: optimizer.params.{key} = {value!r} must be a number >= 0")
-    betas = params.get("betas")
-    if betas is not None:
-        if (not isinstance(betas, (list, tuple)) or len(betas) != 2
-                or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
-            raise ConfigError(f"{source}: optimizer.params.betas = {betas!r} must be two numbers in [0, 1)")
 
 
 def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int) -> int:

@@ -1,14 +1,16 @@
 """HetlocoEngine: DeepSpeed's PipelineEngine with SparseLoCo in place of its optimizer step.
 
-What changes against the stock engine, and nothing else:
+The engine is glue: DeepSpeed runs the pipeline schedule; the method is the stage's
+`StageAlgorithm`; the engine implements the hooks of the DeepSpeed adapter (`patches`), where
+it differs from the stock engine in this, and nothing else:
 - no data-parallel gradient all-reduce and no data-parallel loss all-reduce: each replica
-  takes H local AdamW steps on its own data (`_exec_reduce_grads`, `_aggregate_total_loss`);
+  takes H local AdamW steps on its own data;
 - gradient clipping over the replica's own stages (the norm is reduced over the pipe group);
 - bf16 as autocast over fp32 parameters held per replica (DeepSpeed's BF16_Optimizer shards
   master weights across replicas and all-gathers them every step);
 - every H steps, the outer step of each stage inside that stage's data-parallel group;
-- subspace bookkeeping on compressed replicas (T_S kept in Col(U), eqs. 3-4 after a sync);
-- every p2p call and collective is counted by kind (hetloco_ds.meter).
+- its own sends and receives on the stage links, so every byte is counted, by kind, in this
+  engine's ByteMeter.
 """
 from __future__ import annotations
 
@@ -17,13 +19,20 @@ from dataclasses import dataclass, field
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from . import optim, subspace
-from .config import HetlocoConfig
-from .exchange import all_gather_payloads
-from .meter import ByteMeter, get_meter, nbytes
-from .sparseloco.outer import SparseLoCoState
+from . import optim
+from .algorithm import StageAlgorithm
+from .config import RunConfig
+from .meter import ByteMeter, nbytes
+from .patches import PipelineEngineAdapter
+from .pipe.links import StageLinks
+from .transport.static import GroupTransport, PipeStageLink
+
+# DeepSpeed's PipelineEngine.__init__ puts these on the wire before our counters exist: a
+# 4-byte loss scalar to the next stage (a p2p "warm-up") and a [2] int64 parameter count
+# all-reduced over the model-parallel group. They are counted as control once the meter exists.
+_DS_INIT_P2P_BYTES = 4
+_DS_INIT_PARAM_COUNT_BYTES = 16
 
 
 @dataclass
@@ -40,105 +49,82 @@ class StepRecord:
     extra: dict = field(default_factory=dict)
 
 
-def _dispatch(name: str):
-    def call(self, **kwargs):
-        return getattr(self, name)(**kwargs)
-
-    call.__name__ = name
-    return call
+def _ids(members) -> list:
+    """Replica ids as metrics.jsonl writes them: ints for the static world's replica indices."""
+    return [int(m) if m.isdigit() else m for m in members]
 
 
-class HetlocoEngine(PipelineEngine):
-    # The stock map holds PipelineEngine's own functions, so subclass overrides would never
-    # run; dispatching by name makes every instruction go through normal method lookup.
-    _INSTRUCTION_MAP = {cmd: _dispatch(fn.__name__) for cmd, fn in PipelineEngine._INSTRUCTION_MAP.items()}
-
-    def __init__(self, *args, hetloco: HetlocoConfig, bf16: bool, seq_len: int, clip: float, **kwargs):
-        self.hetloco = hetloco
-        self.clip_norm = clip
-        self.bf16 = bf16
+class HetlocoEngine(PipelineEngineAdapter):
+    def __init__(self, *args, run: RunConfig, seq_len: int, **kwargs):
+        self.run = run
+        self.hetloco = hetloco = run.hetloco
         self.seq_len = seq_len
-        self.meter: ByteMeter = get_meter()
+        self.meter = ByteMeter()
         super().__init__(*args, **kwargs)
         self.replica = self.grid.data_parallel_id
         self.num_replicas = self.grid.data_parallel_size
         self.dp_group = self.grid.get_data_parallel_group()
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
-        self.outer_steps = 0
-        self.split_basis: torch.Tensor | None = None
-        self.ratio = hetloco.subspace.ratio_for(self.replica, self.num_replicas)
-        self.module.autocast_dtype = torch.bfloat16 if bf16 else None
-        self._setup_subspace()
-        self.outer: SparseLoCoState | None = None
-        if hetloco.sparseloco.enabled:
-            self.outer = SparseLoCoState(self.trainable_params(), hetloco.sparseloco)
+        self._count_deepspeed_init_traffic()
+        self.links = StageLinks(
+            self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
+            self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None,
+            self.device, self.meter)
+        self.stage_link = PipeStageLink(self.pipe_group, self.grid.stage_to_global(0), self.is_first_stage(),
+                                        self.num_stages, self.device, self.meter)
+        self.transport = GroupTransport(self.dp_group, self.meter)
+        cfg = self.module.llama_config
+        self.algorithm = StageAlgorithm(
+            self.trainable_params(), hetloco, replica=self.replica, num_replicas=self.num_replicas,
+            hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, device=self.device,
+            embeddings=self.module.embeddings(), layers=list(self.module.local_layers().values()))
+        self.module.autocast_dtype = torch.bfloat16 if run.bf16 else None
+        self.module.configure_boundary(self.algorithm.basis, torch.bfloat16 if run.bf16 else torch.float32)
+        self.algorithm.setup(self.stage_link)
+        self.module.codec.perp = self.algorithm.perp
         self.meter.since_mark()
 
-    # ----------------------------------------------------------------- parameters
+    def _count_deepspeed_init_traffic(self) -> None:
+        if not self.is_last_stage():
+            self.meter.add("sent", _DS_INIT_P2P_BYTES, "control")
+        if not self.is_first_stage():
+            self.meter.add("recv", _DS_INIT_P2P_BYTES, "control")
+        if self.num_stages > 1:
+            self.meter.add("sent", _DS_INIT_PARAM_COUNT_BYTES, "control")
+            self.meter.add("recv", _DS_INIT_PARAM_COUNT_BYTES, "control")
+
+    @property
+    def outer_steps(self) -> int:
+        return self.algorithm.outer_steps
+
     def trainable_params(self) -> list[torch.nn.Parameter]:
         """This stage's trainable parameters in a fixed order (the same on every replica)."""
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _owned(self, param: torch.nn.Parameter) -> bool:
-        """False for a tied copy held by a stage that is not its owner (counted once in norms)."""
-        for d in self.module.tied_comms.values():
-            if self.global_rank != min(d["ranks"]) and any(param is p for p in d["module"].parameters()):
-                return False
-        return True
+    # ------------------------------------------------------------ stage links (adapter hooks)
+    def _message_spec(self):
+        return self.module.codec.message_spec(self.micro_batch_size, self.seq_len)
 
-    # ------------------------------------------------------------------- subspace
-    def _setup_subspace(self) -> None:
-        cfg = self.hetloco.subspace
-        d = self.module.llama_config.hidden_size
-        wire = torch.bfloat16 if self.bf16 else torch.float32
-        if not cfg.any_compressed:
-            self.module.configure_boundary(None, wire)
-            return
-        self.split_basis = subspace.split_basis(cfg, self.num_replicas, d, cfg.seed).to(self.device)
-        basis = None
-        if cfg.compressed(self.replica, self.num_replicas):
-            basis = subspace.make_basis(d, subspace.subspace_dim(d, self.ratio), cfg.seed)
-        self.module.configure_boundary(basis, wire)
-        # TE lives on the first stage; every stage of the replica needs T_perp = TE - Pi(TE).
-        # One dense V x d broadcast at start-up; after that only sparse aggregates move.
-        first = self.module.embeddings()[0] if self.module.is_first_stage else None
-        table = (first.table().detach().clone() if first is not None else torch.empty(
-            self.module.llama_config.vocab_size, d, device=self.device))
-        if self.num_stages > 1:
-            src = self.grid.stage_to_global(0)
-            dist.broadcast(table, src=src, group=self.pipe_group)
-            self.meter.add("sent" if self.module.is_first_stage else "recv", nbytes(table), "control")
-        t_s, perp = subspace.split_embedding(table, self.split_basis)
-        self.module.set_perp(perp)
-        with torch.no_grad():
-            for emb in self.module.embeddings():
-                emb.weight.copy_(t_s)
+    def send_activations(self, outputs):
+        self.links.send(outputs if isinstance(outputs, tuple) else (outputs,), True, "activation")
 
-    def _after_inner_step(self) -> None:
-        basis = self.module.codec.basis
-        if basis is not None:
-            subspace.after_inner_step_(self.module.embeddings(), self.module.local_layers().values(), basis,
-                                       self.hetloco.subspace.project_residual_weights)
+    def recv_activations(self):
+        message = self.links.recv(self._message_spec(), True, "activation")
+        for t in message:
+            t.requires_grad = t.is_floating_point()
+        return message[0] if len(message) == 1 else tuple(message)
 
-    # ------------------------------------------------------------ communication
-    def _exec_send_activations(self, buffer_id):
-        with self.meter.kind("activation"):
-            super()._exec_send_activations(buffer_id)
+    def send_grads(self, inputs):
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        self.links.send([t.grad for t in inputs if t.is_floating_point()], False, "activation_grad")
 
-    def _exec_recv_activations(self, buffer_id):
-        with self.meter.kind("activation"):
-            super()._exec_recv_activations(buffer_id)
+    def recv_grads(self, outputs):
+        spec = [s for s in self._message_spec() if s[1].is_floating_point]
+        grads = self.links.recv(spec, False, "activation_grad")
+        return grads[0] if isinstance(outputs, torch.Tensor) else grads
 
-    def _exec_send_grads(self, buffer_id):
-        with self.meter.kind("activation_grad"):
-            super()._exec_send_grads(buffer_id)
-
-    def _exec_recv_grads(self, buffer_id):
-        with self.meter.kind("activation_grad"):
-            super()._exec_recv_grads(buffer_id)
-
-    def _exec_reduce_tied_grads(self):
+    def reduce_tied_grads(self):
         # Tied embedding/head gradients are summed over the replica's own first and last stage.
         for weight, group in self.module.get_tied_weights_and_groups():
             if weight.grad is not None:
@@ -146,36 +132,38 @@ class HetlocoEngine(PipelineEngine):
                 self.meter.add("sent", nbytes(weight.grad), "control")
                 self.meter.add("recv", nbytes(weight.grad), "control")
 
-    def _exec_reduce_grads(self):
-        if self.outer is None:  # plain data parallelism (the H = 1 AdamW baseline)
-            for p in self.trainable_params():
-                if p.grad is not None:
-                    self.meter.add("sent", nbytes(p.grad), "outer_sync")
-                    self.meter.add("recv", nbytes(p.grad), "outer_sync")
-            super()._exec_reduce_grads()
-        # SparseLoCo: no data-parallel communication between outer steps.
+    def reduce_grads(self):
+        if self.algorithm.sparseloco:
+            return  # SparseLoCo: no data-parallel communication between outer steps
+        # Plain data parallelism (the H = 1 AdamW baseline): DeepSpeed's all-reduce.
+        for p in self.trainable_params():
+            if p.grad is not None:
+                self.meter.add("sent", nbytes(p.grad), "outer_sync")
+                self.meter.add("recv", nbytes(p.grad), "outer_sync")
+        self.ds_reduce_grads()
 
-    def _aggregate_total_loss(self):
+    def replica_loss(self):
         # The replica's own loss; no all-reduce across replicas (they meet at outer steps).
         if self.is_last_stage():
-            return self._scale_loss_by_gas(self.total_loss).detach().clone()
+            return self.gas_scaled_loss().detach().clone()
         return torch.zeros((), device=self.device)
 
     # ---------------------------------------------------------------- compute
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.trainable_params() if p.grad is not None]
         # A tied copy on a stage that is not its owner is counted once, by the owner.
-        sq = optim.grad_sq_norm([p.grad for p in params if self._owned(p)]).to(self.device)
+        sq = optim.grad_sq_norm([p.grad for p in params if self.module.tied_copy_owned(p, self.global_rank)])
+        sq = sq.to(self.device)
         if self.num_stages > 1:
             dist.all_reduce(sq, group=self.pipe_group)
             self.meter.add("sent", nbytes(sq), "control")
             self.meter.add("recv", nbytes(sq), "control")
-        return optim.clip_([p.grad for p in params], sq, self.clip_norm)
+        return optim.clip_([p.grad for p in params], sq, self.run.clip)
 
-    def _exec_optimizer_step(self, lr_kwargs=None):
+    def optimizer_step(self, lr_kwargs=None):
         self.last_grad_norm = self._clip_gradients()
-        super()._exec_optimizer_step(lr_kwargs)
-        self._after_inner_step()
+        self.ds_optimizer_step(lr_kwargs)
+        self.algorithm.after_inner_step(self.stage_link)
 
     # ------------------------------------------------------------------ steps
     def train_batch(self, data_iter=None, force_outer: bool = False):
@@ -195,11 +183,11 @@ class HetlocoEngine(PipelineEngine):
         self.local_steps += 1
         outer = None
         due = self.local_steps % self.hetloco.sparseloco.inner_steps == 0
-        if self.outer is not None and (due or force_outer):
+        if self.algorithm.sparseloco and (due or force_outer):
             outer = self.outer_step()
-        return self._record(local_loss, time.perf_counter() - start, outer)
+        return self._record(local_loss, start, outer)
 
-    def _record(self, local_loss: torch.Tensor, seconds: float, outer: dict | None) -> StepRecord:
+    def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()
         vec = torch.tensor([float(local_loss)] + self.meter.as_vector(counts), dtype=torch.float64, device=self.device)
         if self.num_stages > 1:
@@ -209,6 +197,8 @@ class HetlocoEngine(PipelineEngine):
             self.meter.add("recv", nbytes(vec), "control")
             dist.all_reduce(vec, group=self.pipe_group)
         values = vec.tolist()
+        # Timed after the host has the loss: on a GPU the step's kernels are done only then.
+        seconds = time.perf_counter() - start
         tokens = self.micro_batch_size * self.micro_batches * self.seq_len
         return StepRecord(
             step=self.local_steps,
@@ -222,91 +212,20 @@ class HetlocoEngine(PipelineEngine):
         )
 
     def outer_step(self) -> dict:
-        """SparseLoCo outer step for this stage, inside this stage's data-parallel group.
-
-        Every rank of the group reaches the all-gather (`exchange.all_gather_payloads`) at the
-        same local step with payloads of the same length (the layout depends only on parameter
-        shapes), so it cannot deadlock.
-        """
+        """SparseLoCo outer step for this stage, inside this stage's data-parallel group."""
         start = time.perf_counter()
-        params = self.trainable_params()
-        payload = self.outer.prepare(params)
-        if self.num_replicas > 1:
-            # all_gather on NCCL; on gloo a recv-first pairwise exchange (hetloco_ds.exchange says why)
-            gathered = all_gather_payloads(payload, self.dp_group)
-            self.meter.add("sent", nbytes(payload), "outer_sync")
-            self.meter.add("recv", nbytes(payload) * (self.num_replicas - 1), "outer_sync")
-        else:
-            gathered = [payload]
-        report = self.outer.finish(params, gathered, keep_average=self._embedding_param_indices())
-        self._resync_embedding(report)
-        self.outer_steps += 1
-        if report.excluded and self.global_rank == 0:
-            print(f"[hetloco] WARNING outer step {self.outer_steps}: replicas {report.excluded} had a "
+        result = self.algorithm.outer_step(self.transport, self.stage_link)
+        if result.excluded and self.global_rank == 0:
+            print(f"[hetloco] WARNING outer step {result.outer_step}: replicas {list(result.excluded)} had a "
                   "non-finite pseudo-gradient and were excluded; they were reset to the synced parameters",
                   flush=True)
         return {
-            "outer_step": self.outer_steps,
+            "outer_step": result.outer_step,
             "seconds": time.perf_counter() - start,
-            "payload_bytes": nbytes(payload),
-            "excluded": list(report.excluded),
-            "contributors": report.contributors,
+            "payload_bytes": result.payload_bytes,
+            "excluded": _ids(result.excluded),
+            "contributors": _ids(result.contributors),
         }
-
-    def _embedding_param_indices(self) -> list[int]:
-        if self.split_basis is None or not self.hetloco.subspace.embedding_adaptation:
-            return []
-        params = self.trainable_params()
-        return [i for i, p in enumerate(params) if any(p is e.weight for e in self.module.embeddings())]
-
-    def _resync_embedding(self, report) -> None:
-        """Eqs. 3-4 on every stage that holds T_perp, from the sparse T_S aggregate alone."""
-        if self.split_basis is None or not self.hetloco.subspace.embedding_adaptation:
-            return
-        params = self.trainable_params()
-        vocab, d = self.module.llama_config.vocab_size, self.module.llama_config.hidden_size
-        if self.module.is_first_stage:
-            idx = self._embedding_param_indices()[0]
-            avg = report.averages[idx]
-        else:
-            avg = torch.empty(vocab, d, device=self.device)
-        if self.num_stages > 1:
-            # The first stage sends the averaged T_S pseudo-gradient's sparse form: the
-            # decoded average of M top-k payloads has at most M*k entries per chunk.
-            avg = self._broadcast_sparse(avg)
-        embeddings = self.module.embeddings()
-        t_s = embeddings[0].weight if embeddings else None
-        subspace.resync_embedding_(t_s, self.module.codec.perp, avg, self.hetloco.sparseloco.outer_lr, self.split_basis)
-        with torch.no_grad():
-            for emb in embeddings[1:]:
-                emb.weight.copy_(t_s)
-        for i, p in enumerate(params):
-            if any(p is e.weight for e in embeddings):
-                self.outer.rebase(i, p)
-
-    def _broadcast_sparse(self, dense: torch.Tensor) -> torch.Tensor:
-        """Broadcast a mostly-zero tensor from the first stage as (int32 indices, values)."""
-        src = self.grid.stage_to_global(0)
-        count = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if self.module.is_first_stage:
-            flat = dense.reshape(-1)
-            idx = flat.nonzero().reshape(-1).to(torch.int32)
-            vals = flat[idx.long()]
-            count[0] = idx.numel()
-        dist.broadcast(count, src=src, group=self.pipe_group)
-        n = int(count.item())
-        if not self.module.is_first_stage:
-            idx = torch.empty(n, dtype=torch.int32, device=self.device)
-            vals = torch.empty(n, dtype=dense.dtype, device=self.device)
-        dist.broadcast(idx, src=src, group=self.pipe_group)
-        dist.broadcast(vals, src=src, group=self.pipe_group)
-        size = nbytes(count) + nbytes(idx) + nbytes(vals)
-        self.meter.add("sent" if self.module.is_first_stage else "recv", size, "embedding_sync")
-        if self.module.is_first_stage:
-            return dense
-        out = torch.zeros_like(dense).reshape(-1)
-        out[idx.long()] = vals
-        return out.reshape(dense.shape)
 
     # ------------------------------------------------------------- validation
     @torch.no_grad()
@@ -314,12 +233,9 @@ class HetlocoEngine(PipelineEngine):
         """Mean loss of this replica's pipeline over `micro_batches` batches; no cross-replica traffic."""
         train_iter = self.data_iterator
         self.module.eval()
-        self._compute_loss = True
         self.set_dataiterator(data_iter)
-        self._exec_schedule(self._inference_schedule(micro_batches))
-        loss = None
-        if self.is_last_stage():
-            loss = float(torch.stack([l.float() for l in self.fwd_outputs]).mean())
+        losses = self.run_inference(micro_batches)
+        loss = float(torch.stack([l.float() for l in losses]).mean()) if self.is_last_stage() else None
         self.set_dataiterator(train_iter)
         self.module.train()
         self.meter.since_mark()  # validation traffic stays out of the next step's row (totals keep it)

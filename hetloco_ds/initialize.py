@@ -8,14 +8,11 @@ over fp32 master weights), gradient clipping (over the replica's stages) and the
 """
 from __future__ import annotations
 
-import copy
 import os
-from dataclasses import dataclass
 
 import torch
 
-import patches
-
+from . import patches
 from .config import RunConfig, check_topology
 from .optim import build_optimizer
 
@@ -34,41 +31,20 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
-@dataclass
-class Built:
-    engine: "HetlocoEngine"  # noqa: F821
-    module: "HetlocoPipelineModule"  # noqa: F821
-    replica: int
-    num_replicas: int
-    stage: int
-
-
 def build_engine(run: RunConfig, module, seq_len: int):
     """A HetlocoEngine over an already built HetlocoPipelineModule."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from .engine import HetlocoEngine
 
-    ds = copy.deepcopy(run.ds)
-    bf16 = bool(ds.pop("bf16", {}).get("enabled", False))
-    ds["bf16"] = {"enabled": False}
-    clip = float(ds.pop("gradient_clipping", 1.0))
-    ds["gradient_clipping"] = 0.0
-    ds.pop("train_batch_size", None)
-    ds.setdefault("steps_per_print", 10**9)
-    optimizer_section = ds.pop("optimizer", None)
-    ds.setdefault("train_micro_batch_size_per_gpu", 1)
-    ds.setdefault("gradient_accumulation_steps", 1)
-    if "scheduler" in ds:
-        _fill_auto_scheduler(ds["scheduler"], optimizer_section)
-
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     module.to(device)
     if run.hetloco.train.compile:
         compile_stage(module)
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, optimizer_section)
+    optimizer = build_optimizer(params, run.optimizer)
     mpu = module.mpu()
+    ds = run.engine_ds_config()
     engine = HetlocoEngine(
         args=None,
         model=module,
@@ -78,10 +54,8 @@ def build_engine(run: RunConfig, module, seq_len: int):
         dist_init_required=False,
         config=ds,
         config_class=DeepSpeedConfig(ds, mpu),
-        hetloco=run.hetloco,
-        bf16=bf16,
+        run=run,
         seq_len=seq_len,
-        clip=clip,
     )
     return engine
 
@@ -101,18 +75,6 @@ def compile_stage(module) -> None:
             layer.compile()
     if module.loss_fn is not None:
         module.loss_fn = torch.compile(module.loss_fn)
-
-
-def _fill_auto_scheduler(section: dict, optimizer_section: dict | None) -> None:
-    """Resolve "auto" values in the scheduler params that HF users write."""
-    params = section.setdefault("params", {})
-    lr = float(((optimizer_section or {}).get("params") or {}).get("lr", 1e-3))
-    for key in ("warmup_max_lr",):
-        if params.get(key) == "auto":
-            params[key] = lr
-    for key in ("warmup_min_lr",):
-        if params.get(key) == "auto":
-            params[key] = 0.0
 
 
 def build_module(run: RunConfig, llama_config, hf_dir: str | None = None):

@@ -8,9 +8,6 @@ that lets every stage apply eqs. 3-4); `control` is everything else we put on a 
 """
 from __future__ import annotations
 
-import contextlib
-from collections import defaultdict
-
 import torch
 
 KINDS = ("activation", "activation_grad", "outer_sync", "embedding_sync", "control")
@@ -21,36 +18,19 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 class ByteMeter:
-    """Per-rank cumulative counters of payload bytes sent and received, by kind."""
+    """Per-rank cumulative counters of payload bytes sent and received, by kind.
+
+    One per engine: the engine's own sends, receives and collectives (and the transports it
+    hands the meter to) count here, where the bytes are handed over, never through a global."""
 
     def __init__(self) -> None:
         self.total = {k: {"sent": 0, "recv": 0} for k in KINDS}
-        self._kind: list[str] = []
         self._mark = self.snapshot()
 
-    @contextlib.contextmanager
-    def kind(self, kind: str):
-        """Attribute the p2p calls made inside this block to `kind`."""
+    def add(self, direction: str, n: int, kind: str) -> None:
         if kind not in self.total:
             raise ValueError(f"unknown byte kind {kind!r}; expected one of {KINDS}")
-        self._kind.append(kind)
-        try:
-            yield
-        finally:
-            self._kind.pop()
-
-    @property
-    def current_kind(self) -> str:
-        return self._kind[-1] if self._kind else "control"
-
-    def add(self, direction: str, n: int, kind: str | None = None) -> None:
-        self.total[kind or self.current_kind][direction] += int(n)
-
-    def sent(self, tensor: torch.Tensor, kind: str | None = None) -> None:
-        self.add("sent", nbytes(tensor), kind)
-
-    def recv(self, tensor: torch.Tensor, kind: str | None = None) -> None:
-        self.add("recv", nbytes(tensor), kind)
+        self.total[kind][direction] += int(n)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {k: dict(v) for k, v in self.total.items()}
@@ -69,28 +49,3 @@ class ByteMeter:
     def from_vector(values) -> dict[str, dict[str, int]]:
         it = iter(int(v) for v in values)
         return {k: {"sent": next(it), "recv": next(it)} for k in KINDS}
-
-
-_METER: ByteMeter | None = None
-
-
-def get_meter() -> ByteMeter:
-    """The process's meter (one engine per process)."""
-    global _METER
-    if _METER is None:
-        _METER = ByteMeter()
-    return _METER
-
-
-def reset_meter() -> ByteMeter:
-    global _METER
-    _METER = ByteMeter()
-    return _METER
-
-
-def merge(a: dict, b: dict) -> dict:
-    out = defaultdict(dict)
-    for k in KINDS:
-        for d in ("sent", "recv"):
-            out[k][d] = a[k][d] + b[k][d]
-    return dict(out)

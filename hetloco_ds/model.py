@@ -9,6 +9,8 @@ rebuild the high-rank embedding component T_perp[x]; an uncompressed boundary dr
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
 )
+
+from .sizes import LayerLayout
 
 
 def stage_config(config: LlamaConfig) -> LlamaConfig:
@@ -157,3 +161,31 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """
     target = F.pad(labels[:, 1:].long(), (0, 1), value=-100)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """One layer of the model's layer list: `cls(*args)` builds it."""
+
+    cls: type
+    args: tuple
+    tied: str | None = None
+    """Key shared by layers that are one module (the tied embedding and head), else None."""
+    forward_fn: Callable | None = None
+    """How a tied replica is called instead of its forward (the tied head: `tied_head_forward`)."""
+
+    def build(self) -> nn.Module:
+        return self.cls(*self.args)
+
+
+def layer_list(config: LlamaConfig) -> list[LayerEntry]:
+    """LlamaForCausalLM as a list of stage layers, in `sizes.LayerLayout` order: embedding,
+    decoder layers, final norm, LM head (tied: a replica of the embedding). The pipeline wraps
+    these in DeepSpeed LayerSpecs; the HF key map and the simulator build them directly."""
+    tied = "embed" if config.tie_word_embeddings else None
+    layers = [LayerEntry(TokenEmbedding, (config,), tied)]
+    layers += [LayerEntry(DecoderLayer, (config, i)) for i in range(config.num_hidden_layers)]
+    layers.append(LayerEntry(FinalNorm, (config,)))
+    layers.append(LayerEntry(TokenEmbedding, (config,), tied, tied_head_forward) if tied else LayerEntry(LMHead, (config,)))
+    assert len(layers) == LayerLayout(config.num_hidden_layers).count
+    return layers

@@ -4,27 +4,26 @@ from __future__ import annotations
 
 import torch
 
-from .config import ConfigError
+from .config import OptimizerSettings
 
 
-def build_optimizer(params, section: dict | None) -> torch.optim.Optimizer:
-    """torch.optim.AdamW from DeepSpeed's `optimizer` section (paper defaults otherwise);
-    fused on CUDA, so no DeepSpeed op has to be JIT-built and the step is one kernel."""
-    section = section or {"type": "AdamW", "params": {}}
-    kind = str(section.get("type", "AdamW")).lower()
-    if kind not in ("adamw", "adam"):
-        raise ConfigError(f"optimizer.type = {section.get('type')!r}: the inner optimizer is AdamW")
-    p = dict(section.get("params", {}))
+def build_optimizer(params, settings: OptimizerSettings) -> torch.optim.Optimizer:
+    """torch.optim.AdamW with the run's settings; fused on CUDA, so no DeepSpeed op has to be
+    JIT-built and the step is one kernel."""
     params = list(params)
     fused = bool(params) and all(q.is_cuda for q in params)
-    return torch.optim.AdamW(
-        params,
-        lr=float(p.get("lr", 1e-3)),
-        betas=tuple(p.get("betas", (0.9, 0.95))),
-        eps=float(p.get("eps", 1e-8)),
-        weight_decay=float(p.get("weight_decay", 0.1)),
-        fused=fused,
-    )
+    return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, eps=settings.eps,
+                             weight_decay=settings.weight_decay, fused=fused)
+
+
+def build_scheduler(scheduler: dict | None, optimizer: torch.optim.Optimizer):
+    """DeepSpeed's LR schedule from the run's (resolved) `scheduler` section, as its engine
+    builds it, for drivers without a DeepSpeed engine (the simulator); None without one."""
+    if not scheduler:
+        return None
+    from deepspeed.runtime import lr_schedules
+
+    return getattr(lr_schedules, scheduler["type"])(optimizer, **scheduler.get("params", {}))
 
 
 def grad_sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -1,12 +1,18 @@
-"""Named LLaMA shapes: `--model-config NAME` or a JSON file of LlamaConfig fields."""
+"""Named LLaMA shapes: `--model-config NAME` or a JSON file of LlamaConfig fields.
+
+The one table of named shapes: training (`model_config_for`) and the cost model
+(`plan.ModelShape.preset`) both read PRESETS. Pure Python at import (the cost model runs
+without torch); transformers is imported only to build a LlamaConfig.
+"""
 from __future__ import annotations
 
 import json
 import os
 
-from transformers import LlamaConfig
-
 from .config import ConfigError
+
+DEFAULT_VOCAB = 32000
+"""Vocabulary of a preset where no tokenizer fixes it (the paper's 32K; the cost model's default)."""
 
 # The paper's Table 6 / Table 9 shapes (head dim 128, SwiGLU), and a CPU-sized one.
 PRESETS: dict[str, dict] = {
@@ -20,11 +26,16 @@ PRESETS: dict[str, dict] = {
                  intermediate_size=3904, max_position_embeddings=2048),
     "1B": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=8,
                intermediate_size=8192, max_position_embeddings=1024),
+    # LLaMA-2-70B-like, for the paper's Figure 2.
+    "70B": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                intermediate_size=28672, max_position_embeddings=4096),
 }
 
 
-def model_config_for(name_or_json: str, vocab_size: int) -> LlamaConfig:
+def model_config_for(name_or_json: str, vocab_size: int):
     """A LlamaConfig from a preset name or a JSON file; `vocab_size` fills in where not given."""
+    from transformers import LlamaConfig
+
     if name_or_json in PRESETS:
         fields = dict(PRESETS[name_or_json])
     elif name_or_json.endswith(".json"):

@@ -13,49 +13,38 @@ import argparse
 import copy
 import itertools
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-from . import optim, subspace
-from .config import ConfigError, HetlocoConfig, RunConfig, load_config, parse_config
-from .model import TokenEmbedding, causal_lm_loss
-from .pipe.module import BoundaryCodec, id_dtype_for, layer_specs, stage_parts
-from .sparseloco.outer import SparseLoCoState, payload_nbytes
+from . import optim, sizes
+from .algorithm import StageAlgorithm
+from .config import ConfigError, HetlocoConfig, RunConfig, load_config
+from .model import TokenEmbedding, causal_lm_loss, layer_list
+from .patches import seed_layer
+from .sparseloco.outer import payload_nbytes
+from .pipe.module import BoundaryCodec
+from .transport import Gathered, LocalStageLink
 
 
 def build_layers(config, seed: int) -> list[nn.Module]:
     """All layers, each seeded by its index exactly as the pipeline seeds it (so the same model)."""
-    from deepspeed.pipe import TiedLayerSpec
-    from deepspeed.runtime import utils as ds_utils
-
     layers: list[nn.Module] = []
     tied: dict[str, nn.Module] = {}
-    for idx, spec in enumerate(layer_specs(config)):
-        if isinstance(spec, TiedLayerSpec) and spec.key in tied:
-            layers.append(tied[spec.key])  # the tied head: the same module, gradients add up
+    for idx, entry in enumerate(layer_list(config)):
+        if entry.tied in tied:
+            layers.append(tied[entry.tied])  # the tied head: the same module, gradients add up
             continue
-        ds_utils.set_random_seed(seed + idx)
-        module = spec.build()
-        if isinstance(spec, TiedLayerSpec):
-            tied[spec.key] = module
+        seed_layer(seed, idx)
+        module = entry.build()
+        if entry.tied:
+            tied[entry.tied] = module
         layers.append(module)
     return layers
-
-
-def scheduler_from_ds(ds: dict, optimizer):
-    """DeepSpeed's scheduler from the JSON's `scheduler` section, as its engine builds it."""
-    section = ds.get("scheduler")
-    if not section:
-        return None
-    from deepspeed.runtime import lr_schedules
-
-    return getattr(lr_schedules, section["type"])(optimizer, **section.get("params", {}))
 
 
 @dataclass
@@ -83,54 +72,58 @@ class Variant:
 
 
 class SimReplica:
-    """One replica: its own copy of every layer, optimizer, schedule and per-stage outer state."""
+    """One replica: its own copy of every layer, optimizer and schedule, and per virtual stage
+    the same StageAlgorithm and BoundaryCodec a pipeline rank of that stage holds."""
 
     def __init__(self, layers, run: RunConfig, hetloco: HetlocoConfig, replica: int, num_replicas: int,
-                 stages: int, perp, split_basis, device, wire_dtype, bf16: bool):
+                 stages: int, device):
         self.replica = replica
         self.layers = copy.deepcopy(layers)
-        self.hetloco = hetloco
-        self.bf16 = bf16
         config = self.layers[1].layer.self_attn.config
-        n = config.num_hidden_layers
-        self.parts = stage_parts(n, stages)
-        cfg = hetloco.subspace
-        basis = None
-        if cfg.compressed(replica, num_replicas):
-            d = config.hidden_size
-            basis = subspace.make_basis(d, subspace.subspace_dim(d, cfg.ratio_for(replica, num_replicas)), cfg.seed).to(device)
-        self.codec = BoundaryCodec(basis, wire_dtype, id_dtype_for(config.vocab_size))
-        self.codec.perp = perp
-        self.embeddings = [m for m in self.layers if isinstance(m, TokenEmbedding)][:1]
-        for emb in self.embeddings:
-            emb.perp = perp
+        self.parts = sizes.stage_parts(config.num_hidden_layers, stages)
         self.stage_params = []
         seen: set[int] = set()
         for s in range(stages):
             params = []
-            for layer in self.layers[self.parts[s]:self.parts[s + 1]]:
+            for layer in self.stage_layers(s):
                 for p in layer.parameters():
                     if id(p) not in seen:
                         seen.add(id(p))
                         params.append(p)
             self.stage_params.append(params)
         self.params = [p for ps in self.stage_params for p in ps]
-        self.optimizer = optim.build_optimizer(self.params, run.ds.get("optimizer"))
-        self.scheduler = scheduler_from_ds(run.ds, self.optimizer)
-        self.outer = [SparseLoCoState(ps, hetloco.sparseloco) for ps in self.stage_params] if hetloco.sparseloco.enabled else None
+        self.algorithms = [
+            StageAlgorithm(self.stage_params[s], hetloco, replica=replica, num_replicas=num_replicas,
+                           hidden_size=config.hidden_size, vocab_size=config.vocab_size, device=device,
+                           embeddings=[m for m in self.stage_layers(s) if isinstance(m, TokenEmbedding)],
+                           layers=self.stage_layers(s))
+            for s in range(stages)]
+        self.links = LocalStageLink.for_replica(stages)
+        wire = torch.bfloat16 if run.bf16 else torch.float32
+        self.codecs = [BoundaryCodec(config.hidden_size, config.vocab_size, alg.basis, wire) for alg in self.algorithms]
+        for alg, link, codec in zip(self.algorithms, self.links, self.codecs):
+            alg.setup(link)
+            codec.perp = alg.perp
+        self.bf16 = run.bf16
+        self.optimizer = optim.build_optimizer(self.params, run.optimizer)
+        self.scheduler = optim.build_scheduler(run.scheduler, self.optimizer)
+
+    def stage_layers(self, s: int) -> list[nn.Module]:
+        return self.layers[self.parts[s]:self.parts[s + 1]]
 
     def loss(self, ids, labels):
         x = ids
         stages = len(self.parts) - 1
-        # As in the pipeline: the layers under autocast, the loss outside it.
+        # As in the pipeline: the layers under autocast, the loss outside it; stage s encodes
+        # with its own codec and stage s + 1 decodes with its own, as two ranks would.
         with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             for s in range(stages):
                 if s > 0:
-                    x = self.codec.decode(x)
-                for layer in self.layers[self.parts[s]:self.parts[s + 1]]:
+                    x = self.codecs[s].decode(x)
+                for layer in self.stage_layers(s):
                     x = layer(x)
                 if s < stages - 1:
-                    x = self.codec.encode(x)
+                    x = self.codecs[s].encode(x)
         return causal_lm_loss(x, labels)
 
     def backward(self, micro_batches) -> torch.Tensor:
@@ -150,9 +143,8 @@ class SimReplica:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        if self.codec.basis is not None:
-            subspace.after_inner_step_(self.embeddings, self.layers, self.codec.basis,
-                                       self.hetloco.subspace.project_residual_weights)
+        for alg, link in zip(self.algorithms, self.links):
+            alg.after_inner_step(link)
 
 
 class Simulation:
@@ -160,25 +152,10 @@ class Simulation:
 
     def __init__(self, run: RunConfig, hetloco: HetlocoConfig, llama_config, replicas: int, stages: int, device):
         self.run, self.hetloco, self.M, self.S, self.device = run, hetloco, replicas, stages, device
-        self.bf16 = bool(run.ds.get("bf16", {}).get("enabled", False))
-        self.clip = float(run.ds.get("gradient_clipping", 1.0))
-        self.micro = int(run.ds.get("train_micro_batch_size_per_gpu", 1))
-        self.gas = int(run.ds.get("gradient_accumulation_steps", 1))
+        self.micro, self.gas = run.micro_batch, run.grad_accum
         layers = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed)]
-        cfg = hetloco.subspace
-        d = llama_config.hidden_size
-        self.split_basis = None
-        perp = None
-        if cfg.any_compressed:
-            self.split_basis = subspace.split_basis(cfg, replicas, d, cfg.seed).to(device)
-            emb = layers[0]
-            t_s, perp = subspace.split_embedding(emb.table().detach().clone(), self.split_basis)
-            with torch.no_grad():
-                emb.weight.copy_(t_s)
-        wire = torch.bfloat16 if self.bf16 else torch.float32
-        self.replicas = [SimReplica(layers, run, hetloco, m, replicas, stages, perp, self.split_basis, device, wire, self.bf16)
-                         for m in range(replicas)]
-        self.perp = perp
+        self.replicas = [SimReplica(layers, run, hetloco, m, replicas, stages, device) for m in range(replicas)]
+        self.members = tuple(str(m) for m in range(replicas))
         self.step = 0
         self.outer_steps = 0
 
@@ -193,54 +170,36 @@ class Simulation:
                 for r in self.replicas:
                     torch._foreach_copy_([p.grad for p in r.params], means)
         for r in self.replicas:
-            r.clip_and_step(self.clip)
+            r.clip_and_step(self.run.clip)
         self.step += 1
         return losses
 
     def outer_step(self) -> dict:
-        """Per stage: every replica prepares, the payloads are 'all-gathered' (a list), all finish."""
-        excluded: set[int] = set()
+        """Per stage: every replica prepares, the payloads are 'all-gathered' (a list), all
+        finish; stages in order, so each replica's first stage shares its T_S aggregate first."""
+        excluded: set[str] = set()
         for s in range(self.S):
-            payloads = [r.outer[s].prepare(r.stage_params[s]) for r in self.replicas]
-            keep = self._embedding_indices(s)
-            reports = [r.outer[s].finish(r.stage_params[s], payloads, keep_average=keep) for r in self.replicas]
-            excluded.update(reports[0].excluded)
-            if keep:
-                self._resync_embedding(s, keep[0], reports[0].averages[keep[0]])
+            gathered = Gathered([r.algorithms[s].prepare() for r in self.replicas], self.members)
+            for r in self.replicas:
+                excluded.update(r.algorithms[s].finish(gathered, r.links[s]).excluded)
         self.outer_steps += 1
-        return {"outer_step": self.outer_steps, "excluded": sorted(excluded)}
-
-    def _embedding_indices(self, stage: int) -> list[int]:
-        if self.split_basis is None or not self.hetloco.subspace.embedding_adaptation:
-            return []
-        r = self.replicas[0]
-        return [i for i, p in enumerate(r.stage_params[stage]) if any(p is e.weight for e in r.embeddings)]
-
-    def _resync_embedding(self, stage: int, index: int, avg) -> None:
-        lr = self.hetloco.sparseloco.outer_lr
-        subspace.resync_embedding_(None, self.perp, avg, lr, self.split_basis)
-        for r in self.replicas:
-            t_s = r.stage_params[stage][index]
-            with torch.no_grad():
-                t_s.copy_(subspace.project(t_s, self.split_basis))
-            r.outer[stage].rebase(index, t_s)
+        return {"outer_step": self.outer_steps, "excluded": sorted(int(m) for m in excluded)}
 
     @torch.no_grad()
-    def validation_loss(self, batches) -> float:
-        r = self.replicas[0]
-        return float(sum(torch.stack([r.loss(ids, labels) for ids, labels in batches]).tolist()) / len(batches))
+    def validation_losses(self, batches) -> list[float]:
+        """Every replica's mean loss over the same held-out batches, each through its own
+        pipeline (a compressed replica through its compressed boundaries), as the paper averages."""
+        return [float(torch.stack([r.loss(ids, labels) for ids, labels in batches]).mean()) for r in self.replicas]
 
     def link_bytes_per_step(self, seq_len: int) -> dict:
         """Bytes per optimizer step and replica on stage links (forward + backward) and per
         outer step on replica links, from the shapes the real pipeline sends."""
-        d = self.replicas[0].layers[1].layer.self_attn.config.hidden_size
-        wire = 2 if self.bf16 else 4
+        config = self.replicas[0].layers[1].layer.self_attn.config
         rows = []
-        for m, r in enumerate(self.replicas):
-            k = d if r.codec.basis is None else r.codec.basis.shape[1]
-            ids = 0 if r.codec.basis is None else torch.empty((), dtype=r.codec.id_dtype).element_size()
-            per_mb = self.micro * seq_len * (2 * k * wire + ids)
-            rows.append(per_mb * self.gas * (self.S - 1))
+        for r in self.replicas:
+            fwd, bwd = sizes.boundary_nbytes(self.micro, seq_len, config.hidden_size, r.codecs[0].width,
+                                             2 if self.run.bf16 else 4, config.vocab_size)
+            rows.append((fwd + bwd) * self.gas * (self.S - 1))
         outer = sum(payload_nbytes([tuple(p.shape) for p in ps], self.hetloco.sparseloco)
                     for ps in self.replicas[0].stage_params)
         return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
@@ -314,9 +273,11 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         if syncs(step) or step == steps or len(pending) >= 50:
             flush()
     bar.close()
-    val = sim.validation_loss(val_batches)
+    val_losses = sim.validation_losses(val_batches)
+    val = sum(val_losses) / len(val_losses)
     if out:
-        out.write(json.dumps({"kind": "validation", "variant": variant.name, "step": steps, "loss": val}) + "\n")
+        out.write(json.dumps({"kind": "validation", "variant": variant.name, "step": steps, "loss": val,
+                              "replica_losses": val_losses}) + "\n")
         out.close()
     tail = max(1, min(H, steps) if hetloco.sparseloco.enabled else min(10, steps))
     final_train = sum(sum(l) / len(l) for l in history[-tail:]) / tail
@@ -328,6 +289,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         "replica_losses": history,
         "final_train_loss": final_train,
         "val_loss": val,
+        "val_losses": val_losses,
         "stage_link_bytes_per_token": stage_bytes / tokens_per_step,
         "outer_sync_bytes_per_replica_per_outer_step": link["outer_payload_per_replica"],
         "seconds": time.perf_counter() - t0,
@@ -402,10 +364,10 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
         llama_config = model_config_for(args.model_config, len(tokenizer))
-        stage_parts(llama_config.num_hidden_layers, stages)
+        sizes.stage_parts(llama_config.num_hidden_layers, stages)
         for v in variants:
             if v.ratio > 1:
-                subspace.subspace_dim(llama_config.hidden_size, v.ratio)
+                sizes.subspace_dim(llama_config.hidden_size, v.ratio)
         corpus = data.load_corpus(args.data, tokenizer, run.hetloco.train.seq_len)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"hetloco-ds simulate: error: {err}", file=sys.stderr)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import DecoderLayer
+from .sizes import subspace_dim
 
 
 def make_basis(d: int, k: int, seed: int) -> torch.Tensor:
@@ -29,12 +30,6 @@ def make_basis(d: int, k: int, seed: int) -> torch.Tensor:
     # Fix the sign ambiguity of QR so the basis does not depend on the LAPACK build.
     q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
     return q.to(torch.float32).contiguous()
-
-
-def subspace_dim(d: int, ratio: int) -> int:
-    if ratio < 1 or d % ratio != 0:
-        raise ValueError(f"subspace ratio {ratio} must divide the hidden size d = {d}")
-    return d // ratio
 
 
 def project(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

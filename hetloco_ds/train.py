@@ -51,6 +51,8 @@ class TrainArgs:
     resume: bool = False
     overwrite: bool = False
     text_field: str | None = None
+    tokenizer: str | None = None
+    dtype: str | None = None
 
 
 @dataclasses.dataclass
@@ -116,17 +118,80 @@ def _read_json(path: str) -> dict:
 
 def _resume_args(args: TrainArgs, record: dict) -> TrainArgs:
     """Fill what --resume leaves out from the run's record; refuse what differs from it."""
+    from . import convert
+
     saved = record["args"]
     filled = {}
-    for field, flag in (("model", "--model"), ("model_config", "--model-config"), ("data", "--data"),
-                        ("text_field", "--text-field")):
+    for field, flag in (("model", "--model"), ("tokenizer", "--tokenizer"), ("dtype", "--dtype"),
+                        ("model_config", "--model-config"), ("data", "--data"), ("text_field", "--text-field")):
         given, then = getattr(args, field), saved.get(field)
+        if given is not None and field in ("model", "tokenizer"):  # a Hub id: its local snapshot, as recorded
+            given = str(convert.resolve_hf_dir(given, flag))
         if given is None:
             filled[field] = then
-        elif (_norm_path(given) if field in ("model", "data") else given) != then:
+        elif (_norm_path(given) if field in ("model", "tokenizer", "data") else given) != then:
             raise ConfigError(f"--resume: {flag} {given} is not the run's ({then if then is not None else 'none given'}; "
                               f"{os.path.join(args.out, rundir.RUN_CONFIG)})")
     return dataclasses.replace(args, **filled)
+
+
+def _model_and_tokenizer(args: TrainArgs, run: RunConfig):
+    """(LlamaConfig, tokenizer, args) of a new run. Hub ids in --model / --tokenizer become their
+    local snapshot directories in the returned args (every later reader needs a directory). The
+    model config's `dtype` is the export dtype: --dtype, else the source checkpoint's, else none."""
+    from . import convert, data
+
+    dtype = convert.parse_dtype(args.dtype)
+    if args.tokenizer is not None:
+        given = args.tokenizer
+        args = dataclasses.replace(args, tokenizer=str(convert.resolve_hf_dir(given, "--tokenizer",
+                                                                              convert.HUB_TOKENIZER_FILES)))
+        if not convert.tokenizer_files(args.tokenizer):
+            raise ConfigError(f"--tokenizer {given}: no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, ...)")
+    if args.model is not None:
+        given = args.model
+        args = dataclasses.replace(args, model=str(convert.resolve_hf_dir(given, "--model")))
+        llama_config = convert.read_hf_config(args.model)
+        convert.check_hf_dir(args.model, llama_config)  # shapes from headers, before any rank loads
+        provenance = {"source_model": given}
+        if not os.path.isdir(os.path.expanduser(given)):  # a Hub id: its snapshot folder is named by the commit
+            provenance["source_revision"] = os.path.basename(args.model)
+        setattr(llama_config, convert.PROVENANCE_KEY, provenance)
+        llama_config.dtype = dtype or convert.weights_dtype(args.model) or llama_config.dtype
+        if args.tokenizer is None:
+            if not convert.tokenizer_files(args.model):
+                raise ConfigError(f"--model {given} has no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, "
+                                  "...); pass --tokenizer DIR_OR_HUB_ID")
+            args = dataclasses.replace(args, tokenizer=args.model)
+        tokenizer = _load_tokenizer(args.tokenizer)
+        if args.model_config is not None:
+            wanted = model_config_for(args.model_config, llama_config.vocab_size)
+            for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                        "intermediate_size", "vocab_size"):
+                if getattr(wanted, key) != getattr(llama_config, key):
+                    raise ConfigError(
+                        f"--model {given} has {key} = {getattr(llama_config, key)} but --model-config "
+                        f"{args.model_config} asks for {getattr(wanted, key)}"
+                    )
+    else:
+        if args.tokenizer is not None:
+            tokenizer = _load_tokenizer(args.tokenizer)
+        else:
+            tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
+        llama_config = model_config_for(args.model_config or "tiny", len(tokenizer))
+        llama_config.dtype = dtype
+    return llama_config, tokenizer, args
+
+
+def _load_tokenizer(directory: str):
+    """AutoTokenizer of a local directory; any failure is one ConfigError naming it."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as err:  # transformers raises ValueError, OSError, ImportError, ... for a bad directory
+        detail = " ".join(str(err).split())
+        raise ConfigError(f"cannot load a tokenizer from {directory}: {type(err).__name__}: {detail}") from None
 
 
 def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
@@ -172,37 +237,20 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
     seq_len = run.hetloco.train.seq_len
     hf_dir = None
     if record is not None:
+        # The run's own metadata rebuilds the model; the checkpoint brings the weights.
         meta = convert.load_hf_meta(os.path.join(out, rundir.CHECKPOINTS))
         llama_config, tokenizer = meta.config, meta.tokenizer
         if tokenizer is None:
             raise ConfigError(f"--resume: {meta.path} holds no tokenizer")
-    elif args.model is not None:
-        if not os.path.isdir(args.model):
-            raise ConfigError(f"--model {args.model}: not a directory (expected a save_pretrained directory)")
-        llama_config = convert.read_hf_config(args.model)
-        convert.check_hf_dir(args.model, llama_config)  # shapes from headers, before any rank loads
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        if args.model_config is not None:
-            wanted = model_config_for(args.model_config, llama_config.vocab_size)
-            for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                        "intermediate_size", "vocab_size"):
-                if getattr(wanted, key) != getattr(llama_config, key):
-                    raise ConfigError(
-                        f"--model {args.model} has {key} = {getattr(llama_config, key)} but --model-config "
-                        f"{args.model_config} asks for {getattr(wanted, key)}"
-                    )
-        hf_dir = args.model
     else:
-        tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
-        llama_config = model_config_for(args.model_config or "tiny", len(tokenizer))
+        llama_config, tokenizer, args = _model_and_tokenizer(args, run)
+        hf_dir = args.model
     M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers)
     if len(tokenizer) > llama_config.vocab_size:
         raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {llama_config.vocab_size}")
     corpus = data.load_corpus(args.data, tokenizer, seq_len, text_field=args.text_field)
     try:  # the replicas' data streams, built as the ranks will build them
-        data.ReplicaBatches(corpus.train, M - 1, M, run.ds["train_micro_batch_size_per_gpu"])
+        data.ReplicaBatches(corpus.train, M - 1, M, run.micro_batch)
     except ValueError as err:
         raise ConfigError(f"--data {args.data or '(default: the Python stdlib)'}: {err}") from None
 
@@ -213,6 +261,15 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
         except checkpoint.CheckpointError as err:
             raise ConfigError(f"--resume: {err}") from None
     return RunPlan(args, run, raw, llama_config, tokenizer, corpus, world, M, hf_dir, resume)
+
+
+def prepare_inputs(args: TrainArgs, world_size: int):
+    """(run, llama_config, tokenizer, corpus) of a new run, through `plan_run`'s checks, for
+    callers that want only the inputs (no run directory is judged). Hub ids in `args.model` /
+    `args.tokenizer` are replaced in place by their local snapshot directories."""
+    plan = plan_run(args, world_size, owned=True)
+    args.model, args.tokenizer = plan.args.model, plan.args.tokenizer
+    return plan.run, plan.llama_config, plan.tokenizer, plan.corpus
 
 
 def own_run(plan: RunPlan) -> rundir.RunLock:
@@ -231,12 +288,13 @@ def own_run(plan: RunPlan) -> rundir.RunLock:
         if plan.resume is not None:
             keep_rows_up_to(os.path.join(out, rundir.METRICS), plan.resume.step)
         else:
-            convert.save_hf_meta(plan.ckpt_dir, plan.llama_config, plan.tokenizer)
             a = plan.args
+            convert.save_hf_meta(plan.ckpt_dir, plan.llama_config, plan.tokenizer, model_dir=a.model,
+                                 tokenizer_dir=a.tokenizer)
             rundir.write_record(out, {
                 "config": plan.raw_config, "config_file": plan.run.source,
-                "args": {"model": _norm_path(a.model), "model_config": a.model_config, "data": _norm_path(a.data),
-                         "text_field": a.text_field},
+                "args": {"model": _norm_path(a.model), "tokenizer": _norm_path(a.tokenizer), "dtype": a.dtype,
+                         "model_config": a.model_config, "data": _norm_path(a.data), "text_field": a.text_field},
                 "world_size": plan.world, "stages": plan.run.stages, "replicas": plan.replicas,
                 "model": plan.llama_config.to_dict(), "data_description": plan.corpus.description,
                 "ds": plan.run.ds, "hetloco": plan.run.hetloco.model_dump(),
@@ -369,7 +427,7 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
 
     from . import convert, data
     from .initialize import build_engine, build_module
-    from .metrics import MetricsWriter, Progress, validated_steps
+    from .metrics import MetricsWriter, Progress, RunFacts, validated_steps
 
     args, run, corpus = plan.args, plan.run, plan.corpus
     out, ckpt_dir = args.out, plan.ckpt_dir
@@ -393,8 +451,10 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
 
         H = run.hetloco.sparseloco.inner_steps if run.hetloco.sparseloco.enabled else 1
         metrics_path = os.path.join(out, rundir.METRICS)
-        writer = MetricsWriter(metrics_path if engine.is_last_stage() else None)
-        progress = Progress(total=args.steps, initial=engine.local_steps, enabled=(rank == 0), monitor=engine.monitor)
+        facts = RunFacts.from_engine(engine)
+        writer = MetricsWriter(metrics_path if engine.is_last_stage() else None, facts)
+        progress = Progress(total=args.steps, initial=engine.local_steps, enabled=(rank == 0), monitor=engine.monitor,
+                            facts=facts)
         eval_every = train_cfg.eval_interval
         next_eval = (engine.local_steps // eval_every + 1) * eval_every if eval_every else None
         ckpt_every = train_cfg.checkpoint_interval * H
@@ -429,7 +489,7 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
             last = engine.local_steps + 1 == args.steps
             rec = engine.train_batch(batches if needs_data else None, force_outer=last)
             watchdog.progress(f"step {rec.step}", rec.seconds)
-            at_boundary = rec.outer is not None or engine.outer is None
+            at_boundary = rec.outer is not None or not engine.algorithm.sparseloco
             writer.step(rec)
             progress.update(rec)
             if at_boundary and train_cfg.max_nonfinite_outer_steps:

@@ -90,7 +90,7 @@ CONFIG_CASES = {
         {"pipeline.stages": 1, "hetloco.subspace.ratio": 5, "hetloco.subspace.compressed_replicas": [1]},
         "{cfg}: hetloco.subspace.ratio = 5 does not divide the model's hidden_size = 32 (replica 1 is compressed)"),
     "negative_lr": (
-        {"optimizer.params.lr": -0.001}, "{cfg}: optimizer.params.lr = -0.001 must be a number >= 0"),
+        {"optimizer.params.lr": -0.001}, "{cfg}: optimizer.params.lr = -0.001 must be > 0"),
     "compressed_replica_missing": (
         {"pipeline.stages": 1, "hetloco.subspace.compressed_replicas": [2]},
         "{cfg}: hetloco.subspace.compressed_replicas = [2] names replica 2, but 2 ranks / pipeline.stages = 1 make "

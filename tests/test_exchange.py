@@ -10,7 +10,7 @@ def _exchange_body(rank, groups):
     import torch
     import torch.distributed as tdist
 
-    from hetloco_ds.exchange import all_gather_payloads
+    from hetloco_ds.transport.static import all_gather_payloads
 
     group = None
     if groups is not None:

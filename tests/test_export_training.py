@@ -47,8 +47,7 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
     last in-loop one fell on the last step, or if compression stops shrinking the wire."""
     from transformers import LlamaForCausalLM
 
-    from hetloco_ds.pipe.module import id_dtype_for
-    from hetloco_ds.subspace import subspace_dim
+    from hetloco_ds.sizes import id_bytes as id_width, subspace_dim
 
     hf_dir = save_tiny_hf_with_tokenizer(tmp_path / "hf")
     data_dir = write_text_folder(tmp_path / "data")
@@ -69,7 +68,7 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
     steps = _step_rows(rows)
     assert Counter((r["step"], r["replica"]) for r in steps) == {(s, m): 1 for s in range(1, 9) for m in (0, 1)}
     k = subspace_dim(HIDDEN, 2)
-    id_bytes = torch.empty((), dtype=id_dtype_for(96)).element_size()
+    id_bytes = id_width(96)
     wire = {0: {"activation": MICRO * SEQ_LEN * HIDDEN * 4, "activation_grad": MICRO * SEQ_LEN * HIDDEN * 4},
             1: {"activation": MICRO * SEQ_LEN * (k * 4 + id_bytes), "activation_grad": MICRO * SEQ_LEN * k * 4}}
     assert wire[1]["activation"] < wire[0]["activation"]

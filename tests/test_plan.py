@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from hetloco_ds import plan
+import torch
+
+from hetloco_ds import plan, sizes
 from hetloco_ds.plan import ModelShape, predict
 
 # d=8, 2 layers, 2 heads, FFN 16, vocab 32; with chunk=16 a 2-D tensor is cut into 4x4 tiles.
@@ -44,15 +46,15 @@ def test_tiny_shape_outer_payload_bytes_by_hand():
 
 
 def test_tiny_shape_boundary_bytes_and_flops_by_hand():
-    """b=2, L=4, d=8: uncompressed 2*4*8*2 = 128 B each way; ratio 2 (k=4): 64 B of
-    activations + 16 B of token ids forward, 64 B backward. FLOPs per micro-batch (8 tokens):
+    """b=2, L=4, d=8, vocab 32: uncompressed 2*4*8*2 = 128 B each way; ratio 2 (k=4): 64 B of
+    activations + 8 B of int8 token ids forward, 64 B backward. FLOPs per micro-batch (8 tokens):
     stage 0: 6 * 640 matmul weights + 12*1*8*4 attention = 4224 per token; stage 1 adds the LM head."""
-    assert plan.boundary_bytes(2, 4, 8, ratio=1) == (128, 128)
-    assert plan.boundary_bytes(2, 4, 8, ratio=2) == (80, 64)
+    assert sizes.boundary_nbytes(2, 4, 8, 8, 2, 32) == (128, 128)
+    assert sizes.boundary_nbytes(2, 4, 8, 4, 2, 32) == (72, 64)
     p = predict(TINY, stages=2, ratio=2, micro_batch=2, n_mb=5, **TINY_KW)
     assert p.k == 4
-    assert (p.fwd_bytes_microbatch, p.bwd_bytes_microbatch) == (80, 64)
-    assert p.stage_link_bytes_per_step == 5 * (80 + 64)
+    assert (p.fwd_bytes_microbatch, p.bwd_bytes_microbatch) == (72, 64)
+    assert p.stage_link_bytes_per_step == 5 * (72 + 64)
     assert p.flops_per_microbatch == [4224 * 8, (6 * 896 + 384) * 8]
 
 
@@ -60,10 +62,12 @@ def test_real_shapes_match_hand_counts():
     """178M preset has 177,622,016 parameters; a 1024x1024 tensor is 256 tiles of 64x64 with 32
     kept each: 8192 x (4 B value + 1.5 B index) = 45,056 B (vs 4 MiB dense)."""
     assert plan.resolve_model("178M").n_params() == 177_622_016
-    assert plan.tensor_payload_bytes((1024, 1024)) == 45_056
-    assert plan.chunk_layout((28672, 8192)) == (28672 * 8192 // 4096, 4096)
-    assert plan.chunk_layout((1536,)) == (1, 1536)
-    assert plan.chunk_topk(1536) == 12
+    assert sizes.tensor_wire((1024, 1024)).nbytes == 45_056
+    big = sizes.chunking((28672, 8192))
+    assert (big.n_chunks, big.chunk_len) == (28672 * 8192 // 4096, 4096)
+    norm = sizes.chunking((1536,))
+    assert (norm.n_chunks, norm.chunk_len) == (1, 1536)
+    assert sizes.topk_per_chunk(1536) == 12
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -216,13 +220,42 @@ def test_cli_fleet_mode(tmp_path, capsys):
     assert d["stages"] == 2 and math.isclose(d["target_utilisation"], 0.9)
 
 
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quant_bits", [None, 2, 4, 8])
-def test_plan_payload_equals_the_engine_wire_format(quant_bits):
-    """The cost model's payload bytes equal sparseloco.outer.payload_nbytes for a real shape
-    (178M's stage tensors, awkward 2688-wide FFN): the plan predicts the bytes the engine sends."""
-    from hetloco_ds.sparseloco.outer import OuterConfig, payload_nbytes
+def test_plan_payload_equals_the_bytes_the_engine_builds(quant_bits, value_dtype):
+    """The cost model's outer-sync payload equals the length of the payload the engine's
+    SparseLoCoState actually builds, for every quant width and both value types, on 178M's
+    stage tensors (awkward 2688-wide FFN; a 1000-token vocabulary for speed and odd tiles).
+    Breaks if either side restates a size rule."""
+    from hetloco_ds.sparseloco.outer import OuterConfig, SparseLoCoState
 
-    st = plan.stage_tensors(plan.PRESETS["178M"], 2)
-    for ts in st:
-        engine = payload_nbytes([tuple(s) for _, s in ts], OuterConfig(quant_bits=quant_bits))
-        assert plan.outer_payload_bytes(ts, quant_bits=quant_bits) == engine
+    for ts in plan.stage_tensors(ModelShape.preset("178M", vocab=1000), 2):  # 1000 x 1024: 50 x 64 tiles
+        shapes = sorted({tuple(s) for _, s in ts})  # one tensor of each shape keeps it fast
+        cfg = OuterConfig(quant_bits=quant_bits, value_dtype=value_dtype)
+        built = SparseLoCoState([torch.randn(s) for s in shapes], cfg).prepare([torch.randn(s) for s in shapes])
+        value_bytes = torch.empty((), dtype=value_dtype).element_size()
+        assert plan.outer_payload_bytes([("", s) for s in shapes], quant_bits=quant_bits,
+                                        value_bytes=value_bytes) == built.numel()
+
+
+@pytest.mark.parametrize("vocab", [127, 128, 129, 32767, 32768, 32769, 65536])
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_plan_boundary_bytes_equal_the_engine_message(vocab, wire):
+    """At every vocabulary edge of the id width (int8 up to 128 ids, int16 up to 32768, then
+    int32), the bytes `plan` counts for a compressed boundary equal the tensors the engine's
+    BoundaryCodec puts on the wire, and the largest id survives the trip. Breaks if plan and
+    the codec disagree on the id width (they once did: 2 bytes up to 65536 vs int32 above 32768)."""
+    from hetloco_ds.pipe.module import BoundaryCodec
+    from hetloco_ds.subspace import make_basis
+
+    b, L, d, ratio = 2, 3, 16, 4
+    codec = BoundaryCodec(d, vocab, make_basis(d, d // ratio, 0), wire)
+    codec.perp = torch.randn(vocab, d)
+    ids = torch.tensor([[0, vocab - 1, 5], [vocab - 1, 1, 2]])
+    message = codec.encode((torch.randn(b, L, d), ids))
+    sent = sum(t.numel() * t.element_size() for t in message)
+    shape = ModelShape(d=d, n_layers=2, n_heads=2, ffn=32, vocab=vocab, seq_len=L)
+    p = predict(shape, stages=2, ratio=ratio, micro_batch=b, act_bytes=torch.empty((), dtype=wire).element_size())
+    assert p.fwd_bytes_microbatch == sent
+    assert [tuple(t.shape) for t in message] == [s for s, _ in codec.message_spec(b, L)]
+    assert torch.equal(codec.decode(message)[1], ids)

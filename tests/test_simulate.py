@@ -76,15 +76,15 @@ def test_simulator_ablation_switches(tmp_path_factory):
 
     def run(variant):
         sim = Simulation(cfg, variant.hetloco(cfg.hetloco, 2), llama, 2, 2, torch.device("cpu"))
-        perp0 = sim.perp.clone()
+        perp0 = sim.replicas[0].algorithms[0].perp.clone()
         g = torch.Generator().manual_seed(0)
         for _ in range(2):
             sim.train_step([[(ids, ids)] for ids in torch.randint(0, 96, (2, 2, 16), generator=g)])
         # After inner steps (the outer step then applies the unprojected sparse average).
         o = sim.replicas[1].layers[1].layer.self_attn.o_proj.weight.detach()
-        off = subspace.off_subspace_norm(o.T, sim.replicas[1].codec.basis)
+        off = subspace.off_subspace_norm(o.T, sim.replicas[1].algorithms[0].basis)
         sim.outer_step()
-        return torch.equal(perp0, sim.perp), off
+        return torch.equal(perp0, sim.replicas[0].algorithms[0].perp), off
 
     fixed, off = run(Variant("ablate", ratio=4, compressed=2, embedding_adaptation=False, project_residual_weights=True))
     assert fixed and off < 1e-5
@@ -108,14 +108,14 @@ def test_per_replica_ratios_share_the_smallest_subspace():
                                     "train": {"seq_len": 16}}})
     llama = model_config_for("tiny", 96)
     sim = Simulation(cfg, cfg.hetloco, llama, 2, 2, torch.device("cpu"))
-    ks = [r.codec.basis.shape[1] for r in sim.replicas]
+    ks = [r.codecs[0].width for r in sim.replicas]
     assert ks == [32, 16]
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         sim.train_step([[(ids, ids)] for ids in torch.randint(0, 96, (2, 2, 16), generator=g)])
         for r in sim.replicas:
-            assert subspace.off_subspace_norm(r.embeddings[0].weight.detach(), r.codec.basis) < 1e-5
+            assert subspace.off_subspace_norm(r.algorithms[0].embeddings[0].weight.detach(), r.algorithms[0].basis) < 1e-5
     sim.outer_step()
     for r in sim.replicas:
-        assert subspace.off_subspace_norm(r.embeddings[0].weight.detach(), sim.split_basis) < 1e-5
-    assert torch.equal(sim.replicas[0].embeddings[0].weight, sim.replicas[1].embeddings[0].weight)
+        assert subspace.off_subspace_norm(r.algorithms[0].embeddings[0].weight.detach(), r.algorithms[0].split_basis) < 1e-5
+    assert torch.equal(sim.replicas[0].algorithms[0].embeddings[0].weight, sim.replicas[1].algorithms[0].embeddings[0].weight)

@@ -4,16 +4,14 @@ Pure functions of tensors: no processes, no collectives, no optimizer state. Eve
 works on any device and on an optional leading batch dimension (a stack of same-shape
 tensors), so the outer step can compress all same-shape parameters of a stage in one pass.
 
-Chunking (METHOD.md, "Outer step")
-    2-D [R, C]: tiles of tr x tc, tr = largest divisor of R that is <= side, tc = largest
-    divisor of C that is <= side, side = isqrt(chunk_size) (64 for 4096). Tiles are numbered
-    row-major over the tile grid; each tile is flattened row-major into one chunk.
-    Anything else (1-D, 0-D, >= 3-D) is flattened; chunk length = largest divisor of numel
-    that is <= chunk_size.
+Chunking, k per chunk, index widths and section sizes are size rules: they live in
+`hetloco_ds.sizes` (shared with the cost model) and are only applied here. Tiles are numbered
+row-major over the tile grid; each tile is flattened row-major into one chunk. `chunking`
+"tiles" (ours) or "per_dim" (templar: 1-D tensors in chunks of <= 64) and `topk_rule` "scaled"
+(ours) or "fixed" (templar: k = topk in every chunk) select the rule (see sizes.py).
 
 Top-k
-    k = topk_per_chunk(chunk_len) = min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
-    (Python's round: halves go to even). Selection is `torch.topk(|x|, k, sorted=False)` per
+    k = sizes.topk_per_chunk(chunk_len, rule=topk_rule). Selection is `torch.topk(|x|, k, sorted=False)` per
     chunk; the *signed* values are sent. Ties in magnitude are broken however torch.topk
     breaks them on that device (PyTorch leaves it unspecified). Either choice is valid under
     error feedback (the entry not sent stays in the error buffer), and only the sender ever
@@ -23,13 +21,19 @@ Top-k
     is what lets the outer step detect a non-finite replica from the k selected values alone.
 
 Quantisation (optional, bits in {2, 4, 8}; levels = 2**bits), per tensor over its selected values
-    centre = mean, std = *population* std (correction=0: defined for a single value),
-    width = 6 * std / levels, code = clamp(floor((v - centre) / width + levels/2), 0, levels-1).
+    centre = mean, std = population std ("population", ours: defined for a single value) or
+    sample std ("sample", templar's ||v - mean|| / sqrt(n - 1); population for n = 1), width =
+    6 * std / levels, code = clamp(R((v - centre) / width + levels/2), 0, levels-1),
+    R = floor ("floor", ours: `levels` bins of equal width covering centre +- 3 std) or
+    round-half-to-even ("nearest", templar's _quantize_values: bin b is centred on
+    centre + (b - levels/2) * width, so the range is skewed by half a bin to the negative side).
     The lookup table (float32, `levels` entries) holds each bin's mean of the values that fell
-    into it (accumulated in float64); an empty bin holds its centre,
-    centre + (code - levels/2 + 1/2) * width. std == 0 (all values equal): width is replaced by
-    1 for the division, so codes stay finite and the table holds the values' mean - no NaN.
-    Decoding is lut[code].
+    into it (accumulated in float64); an empty bin (never decoded) holds its centre,
+    centre + (code - levels/2 + 1/2) * width for floor, centre + (code - levels/2) * width
+    for nearest. The two stds differ by a factor sqrt(n / (n - 1)) ~ 1 + 1/(2n), enough to move
+    a value lying near a bin edge to the next bin. std == 0 (all values equal): width is
+    replaced by 1 for the division, so codes stay finite and the table holds the values'
+    mean - no NaN. Decoding is lut[code].
 
 Payload of one tensor (`TensorCodec.nbytes` bytes; a batch is `[B, nbytes]`, one row per tensor)
     unquantised:  values  n_sel x value_dtype (float32 or bfloat16, little-endian)
@@ -45,6 +49,11 @@ Payload of one tensor (`TensorCodec.nbytes` bytes; a batch is `[B, nbytes]`, one
     b >> 4, an odd count padded with a zero index. Larger chunks use 16 or 32 bits. Float
     sections come first and every payload is a multiple of 4 bytes, so in a concatenation of
     payloads every float section stays 4-byte aligned and is read as a view, without a copy.
+    Small chunks (per_dim 1-D chunks of 64) keep 12-bit indices, as templar does: 6 bits
+    would fit, but 1-D tensors are a few thousandths of a LLaMA's parameters.
+
+Dense payload (`DenseCodec`, the uncompressed DiLoCo control): the whole tensor, row-major,
+as value_dtype, zero padding to a multiple of 4 bytes (`sizes.dense_wire_nbytes`).
 """
 from __future__ import annotations
 
@@ -55,22 +64,15 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .. import sizes
+from ..sizes import QUANT_BITS
+
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
-QUANT_BITS = (2, 4, 8)
-PAYLOAD_ALIGN = 4
+QUANT_ROUNDINGS = ("floor", "nearest")
+QUANT_STDS = ("population", "sample")
 
 
 # --------------------------------------------------------------------------- chunking
-def largest_divisor(n: int, cap: int) -> int:
-    """The largest divisor of n that is <= cap (n >= 1, cap >= 1)."""
-    if n < 1 or cap < 1:
-        raise ValueError(f"largest_divisor needs n >= 1 and cap >= 1, got n={n}, cap={cap}")
-    for d in range(min(n, cap), 0, -1):
-        if n % d == 0:
-            return d
-    return 1  # unreachable: 1 divides n
-
-
 @dataclass(frozen=True)
 class ChunkLayout:
     """How a tensor of `shape` is cut into `n_chunks` chunks of `chunk_len` elements.
@@ -85,17 +87,9 @@ class ChunkLayout:
     tile: tuple[int, int] | None
 
     @classmethod
-    def for_shape(cls, shape, chunk_size: int = 4096) -> "ChunkLayout":
-        shape = tuple(int(s) for s in shape)
-        numel = math.prod(shape)
-        if numel == 0:
-            raise ValueError(f"cannot chunk an empty tensor of shape {shape}")
-        if len(shape) == 2:
-            side = math.isqrt(chunk_size)
-            tr, tc = largest_divisor(shape[0], side), largest_divisor(shape[1], side)
-            return cls(shape, numel // (tr * tc), tr * tc, (tr, tc))
-        length = largest_divisor(numel, chunk_size)
-        return cls(shape, numel // length, length, None)
+    def for_shape(cls, shape, chunk_size: int = 4096, chunking: str = "tiles") -> "ChunkLayout":
+        c = sizes.chunking(shape, chunk_size, chunking)  # the rule lives in sizes
+        return cls(c.shape, c.n_chunks, c.chunk_len, c.tile)
 
     @property
     def numel(self) -> int:
@@ -155,11 +149,6 @@ class ChunkLayout:
 
 
 # --------------------------------------------------------------------------- top-k
-def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = 4096) -> int:
-    """k for a chunk of `chunk_len`: `topk` per `chunk_size`, scaled, at least 1, at most chunk_len."""
-    return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
-
-
 def topk_abs(chunks: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Per chunk (last axis) the k entries of largest magnitude: (signed values, int64 indices).
 
@@ -170,19 +159,22 @@ def topk_abs(chunks: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 # --------------------------------------------------------------------------- quantisation
-def quantise(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+def quantise(values: Tensor, bits: int, rounding: str = "floor", std: str = "population") -> tuple[Tensor, Tensor]:
     """Quantise along the last axis (one tensor per row): (uint8 codes, float32 lut [..., 2**bits]).
 
     See the module docstring for the rule. `values` must be finite.
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {bits}")
+    check_quant_rules(rounding, std)
     levels = 1 << bits
     v = values.float()
     centre = v.mean(-1, keepdim=True)
-    width = v.std(-1, correction=0, keepdim=True) * (6.0 / levels)
+    correction = 1 if std == "sample" and v.shape[-1] > 1 else 0
+    width = v.std(-1, correction=correction, keepdim=True) * (6.0 / levels)
     safe = torch.where(width > 0, width, torch.ones_like(width))
-    codes = torch.floor((v - centre) / safe + levels / 2).clamp_(0, levels - 1).to(torch.int64)
+    bin_of = torch.floor if rounding == "floor" else torch.round
+    codes = bin_of((v - centre) / safe + levels / 2).clamp_(0, levels - 1).to(torch.int64)
     # Per-row histograms as one bincount over row-offset codes (a shared-memory histogram on
     # CUDA; a scatter_add into 4 bins would serialise on atomics).
     shape = (*v.shape[:-1], levels)
@@ -190,7 +182,8 @@ def quantise(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     flat = (codes.reshape(rows, -1) + torch.arange(rows, device=v.device).unsqueeze(1) * levels).reshape(-1)
     sums = torch.bincount(flat, weights=v.double().reshape(-1), minlength=rows * levels).view(shape)
     counts = torch.bincount(flat, minlength=rows * levels).view(shape)
-    offsets = torch.arange(levels, device=v.device, dtype=torch.float64) - (levels / 2 - 0.5)
+    bin_centre = levels / 2 - (0.5 if rounding == "floor" else 0.0)
+    offsets = torch.arange(levels, device=v.device, dtype=torch.float64) - bin_centre
     empty = centre.double() + offsets * width.double()
     lut = torch.where(counts > 0, sums / counts.clamp(min=1), empty).float()
     return codes.to(torch.uint8), lut
@@ -202,24 +195,6 @@ def dequantise(codes: Tensor, lut: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- packing
-def index_bits(chunk_len: int) -> int:
-    """Bits per in-chunk index on the wire: 12 up to 4096 elements, then 16, then 32."""
-    if chunk_len <= 1 << 12:
-        return 12
-    if chunk_len <= 1 << 16:
-        return 16
-    return 32
-
-
-def packed_index_nbytes(n: int, bits: int = 12) -> int:
-    return 3 * ((n + 1) // 2) if bits == 12 else n * (bits // 8)
-
-
-def packed_code_nbytes(n: int, bits: int) -> int:
-    per = 8 // bits
-    return (n + per - 1) // per
-
-
 def _pad_last(t: Tensor, multiple: int) -> Tensor:
     pad = (-t.shape[-1]) % multiple
     if pad == 0:
@@ -278,7 +253,6 @@ def unpack_codes(packed: Tensor, n: int, bits: int) -> Tensor:
         raise ValueError(f"code bits must be one of {QUANT_BITS}, got {bits}")
     if bits == 8:
         return packed[..., :n].to(torch.uint8)
-    per = 8 // bits
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
     out = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return out.reshape(*packed.shape[:-1], -1)[..., :n]
@@ -302,14 +276,26 @@ class Selection(NamedTuple):
     values: Tensor  # float32 signed values before quantisation
 
 
-def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype) -> None:
-    """One error naming the bad value, for every place these settings enter."""
-    if chunk_size < 1 or topk < 1:
-        raise ValueError(f"chunk_size and topk must be >= 1, got {chunk_size}, {topk}")
-    if quant_bits is not None and quant_bits not in QUANT_BITS:
-        raise ValueError(f"quant_bits must be None or one of {QUANT_BITS}, got {quant_bits}")
+def value_nbytes(value_dtype: torch.dtype) -> int:
+    """Wire bytes of one unquantised value; one error naming the dtype if it cannot travel."""
     if value_dtype not in VALUE_DTYPES:
         raise ValueError(f"value_dtype must be one of {VALUE_DTYPES}, got {value_dtype}")
+    return torch.empty((), dtype=value_dtype).element_size()
+
+
+def check_quant_rules(rounding: str, std: str) -> None:
+    if rounding not in QUANT_ROUNDINGS:
+        raise ValueError(f"quant_rounding must be one of {QUANT_ROUNDINGS}, got {rounding!r}")
+    if std not in QUANT_STDS:
+        raise ValueError(f"quant_std must be one of {QUANT_STDS}, got {std!r}")
+
+
+def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype,
+                         chunking: str = "tiles", topk_rule: str = "scaled", quant_rounding: str = "floor",
+                         quant_std: str = "population") -> None:
+    """One error naming the bad value, for every place these settings enter (`sizes.check_codec`)."""
+    sizes.check_codec(chunk_size, topk, quant_bits, value_nbytes(value_dtype), chunking, topk_rule)
+    check_quant_rules(quant_rounding, quant_std)
 
 
 @dataclass(frozen=True)
@@ -325,42 +311,36 @@ class TensorCodec:
     topk: int = 32
     quant_bits: int | None = None
     value_dtype: torch.dtype = torch.float32
+    chunking: str = "tiles"
+    topk_rule: str = "scaled"
+    quant_rounding: str = "floor"
+    quant_std: str = "population"
     layout: ChunkLayout = field(init=False, repr=False)
     k: int = field(init=False)
     n_selected: int = field(init=False)
     index_bits: int = field(init=False)
     nbytes: int = field(init=False)
+    _head_nbytes: int = field(init=False, repr=False)
+    _index_nbytes: int = field(init=False, repr=False)
+    _code_nbytes: int = field(init=False, repr=False)
     _tables: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
-        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype)
+        check_quant_rules(self.quant_rounding, self.quant_std)
         shape = tuple(int(s) for s in self.shape)
-        layout = ChunkLayout.for_shape(shape, self.chunk_size)
-        k = topk_per_chunk(layout.chunk_len, self.topk, self.chunk_size)
-        n_sel = layout.n_chunks * k
-        ibits = index_bits(layout.chunk_len)
+        wire = sizes.tensor_wire(shape, self.chunk_size, self.topk, self.quant_bits, value_nbytes(self.value_dtype),
+                                 self.chunking, self.topk_rule)
         set_ = object.__setattr__
         set_(self, "shape", shape)
-        set_(self, "layout", layout)
-        set_(self, "k", k)
-        set_(self, "n_selected", n_sel)
-        set_(self, "index_bits", ibits)
-        set_(self, "nbytes", _round_up(self._head_nbytes + self._index_nbytes + self._code_nbytes, PAYLOAD_ALIGN))
-
-    # section sizes (bytes): [head = values or lut][indices][codes][pad]
-    @property
-    def _head_nbytes(self) -> int:
-        if self.quant_bits is None:
-            return self.n_selected * torch.empty((), dtype=self.value_dtype).element_size()
-        return 4 << self.quant_bits  # float32 lut of 2**bits levels
-
-    @property
-    def _index_nbytes(self) -> int:
-        return packed_index_nbytes(self.n_selected, self.index_bits)
-
-    @property
-    def _code_nbytes(self) -> int:
-        return 0 if self.quant_bits is None else packed_code_nbytes(self.n_selected, self.quant_bits)
+        set_(self, "layout", ChunkLayout(shape, wire.chunks.n_chunks, wire.chunks.chunk_len, wire.chunks.tile))
+        set_(self, "k", wire.k)
+        set_(self, "n_selected", wire.n_selected)
+        set_(self, "index_bits", wire.index_bits)
+        set_(self, "nbytes", wire.nbytes)
+        # section sizes (bytes): [head = values or lut][indices][codes][pad]
+        set_(self, "_head_nbytes", wire.head_nbytes)
+        set_(self, "_index_nbytes", wire.index_nbytes)
+        set_(self, "_code_nbytes", wire.code_nbytes)
 
     def _positions(self, idx: Tensor) -> Tensor:
         """[B, n_chunks, k] in-chunk indices -> [B, n_selected] flat positions in each tensor."""
@@ -406,7 +386,7 @@ class TensorCodec:
             out[:, :head] = wire.view(torch.uint8)
             sent = wire.float()
         else:
-            codes, lut = quantise(sel.values, self.quant_bits)
+            codes, lut = quantise(sel.values, self.quant_bits, self.quant_rounding, self.quant_std)
             out[:, :head] = lut.view(torch.uint8)
             out[:, head + ib: head + ib + self._code_nbytes] = pack_codes(codes, self.quant_bits)
             sent = dequantise(codes, lut)
@@ -459,5 +439,33 @@ class TensorCodec:
         return out
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
+@dataclass(frozen=True)
+class DenseCodec:
+    """Wire format of a whole tensor (the uncompressed control): value_dtype, row-major, padded.
+
+    Methods take a batch `[B, *shape]`; payload rows are `[B, nbytes]` uint8.
+    """
+
+    shape: tuple[int, ...]
+    value_dtype: torch.dtype = torch.float32
+    numel: int = field(init=False)
+    nbytes: int = field(init=False)
+
+    def __post_init__(self):
+        shape = tuple(int(s) for s in self.shape)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "numel", math.prod(shape))
+        object.__setattr__(self, "nbytes", sizes.dense_wire_nbytes(shape, value_nbytes(self.value_dtype)))
+
+    def pack_(self, out: Tensor, e: Tensor) -> Tensor:
+        """Write `e` [B, *shape] into `out` [B, nbytes]; return what a receiver decodes, float32 [B, numel]."""
+        wire = e.reshape(e.shape[0], self.numel).to(self.value_dtype)
+        out[:, : wire.shape[1] * wire.element_size()] = wire.view(torch.uint8)
+        return wire.float()
+
+    def unpack(self, payload: Tensor) -> Tensor:
+        """Payload rows [B, nbytes] -> float32 values [B, numel]."""
+        if payload.dim() != 2 or payload.shape[1] != self.nbytes or payload.dtype != torch.uint8:
+            raise ValueError(f"expected uint8 payload rows of {self.nbytes} bytes, "
+                             f"got {payload.dtype} {tuple(payload.shape)}")
+        return bytes_as(payload[:, : self.numel * value_nbytes(self.value_dtype)], self.value_dtype).float()

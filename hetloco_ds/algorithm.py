@@ -1,0 +1,230 @@
+"""The method, for one pipeline stage of one replica: the one object every driver calls.
+
+`StageAlgorithm` owns the state the paper adds to a stage and every step of the method that
+touches it:
+
+    SparseLoCo   theta at the last sync and the error-feedback buffers (sparseloco.outer)
+    subspace     U of this replica (None when it sends full tensors), the split basis T_S lives
+                 in, T_perp, and which of the stage's parameters are T_S copies
+
+and three entry points:
+
+    setup(link)                   split TE into T_S + T_perp (paper 2.4) before training
+    after_inner_step(link)        after each optimizer step: T_S back into Col(U) on a compressed
+                                  replica; under plain data parallelism the re-split of eqs. 3-4
+    prepare() / finish(g, link)   the outer step (eq. 2, then eqs. 3-4), two-phase so that a
+    outer_step(transport, link)   driver holding every replica in one process (the simulator)
+                                  can gather the payloads itself
+
+The engine (one stage per process), the simulator (all stages and replicas in one process)
+and the checkpoint code call only these; the collective is a `transport.ReplicaTransport` and
+the replica's stage links a `transport.StageLink`, so the object never sees a process group.
+
+Why T_S is projected after every inner step on a compressed replica (the paper is silent; the
+reference re-snapshots instead): the first boundary sends (X - T_perp[x]) U, which keeps only
+the Col(U) part of T_S[x]. An off-subspace part of T_S would be trained by the first stage yet
+never reach the second, so the two stages would disagree about the model. Projecting keeps
+T_S in Col(U), where the boundary is lossless for it.
+
+Why under plain data parallelism (the AdamW baselines) every replica re-splits after every
+step: there the gradient all-reduce is a sync every step, and replicas must stay identical.
+Projecting T_S only on compressed replicas would make them drift apart, so every replica moves
+T_S's off-subspace part into T_perp (eqs. 3-4 with H = 1): T_perp += T_S - Pi(T_S), T_S = Pi(T_S).
+That part is dense and crosses the replica's stage links (counted as embedding_sync); it is
+the baseline's cost, not SparseLoCo's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import subspace
+from .model import DecoderLayer, TokenEmbedding
+from .sparseloco.outer import OuterReport, SparseLoCoState
+from .transport import Gathered, ReplicaTransport, StageLink
+
+
+@dataclass(frozen=True)
+class OuterResult:
+    """What one outer step did on this stage."""
+
+    outer_step: int
+    payload_bytes: int
+    contributors: tuple[str, ...]
+    """Replica ids whose pseudo-gradients were averaged."""
+    excluded: tuple[str, ...]
+    """Replica ids that sent a non-finite pseudo-gradient (left out, reset to the synced theta)."""
+
+
+class StageAlgorithm:
+    """SparseLoCo + subspace state of one pipeline stage of one replica (see the module docstring).
+
+    `params`: the stage's trainable parameters in a fixed order, the same on every replica of the
+    stage. `embeddings`: TokenEmbedding modules on this stage (the first stage's embedding, the
+    tied head's copy on the last); only those whose weight is among `params` are T_S copies this
+    object updates. `layers`: the stage's layers (the Table 5b ablation projects DecoderLayers).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], hetloco, *, replica: int, num_replicas: int,
+                 hidden_size: int, vocab_size: int, device, embeddings: Sequence[TokenEmbedding] = (),
+                 layers: Sequence[nn.Module] = ()):
+        self.params = list(params)
+        self.cfg = hetloco
+        self.replica, self.num_replicas = replica, num_replicas
+        self.shape = (vocab_size, hidden_size)
+        self.device = torch.device(device)
+        sub = hetloco.subspace
+        ids = {id(p) for p in self.params}
+        self.embeddings = [e for e in embeddings if id(e.weight) in ids]
+        self._embedding_index = [i for i, p in enumerate(self.params) if any(p is e.weight for e in self.embeddings)]
+        self.layers = [m for m in layers if isinstance(m, DecoderLayer)]
+        self.split_basis: Tensor | None = None
+        self.basis: Tensor | None = None
+        if sub.any_compressed:
+            self.split_basis = subspace.split_basis(sub, num_replicas, hidden_size, sub.seed).to(self.device)
+        if sub.compressed(replica, num_replicas):
+            k = subspace.subspace_dim(hidden_size, sub.ratio_for(replica, num_replicas))
+            self.basis = subspace.make_basis(hidden_size, k, sub.seed).to(self.device)
+        self.perp: Tensor | None = None
+        self.outer: SparseLoCoState | None = None
+        self.outer_steps = 0
+
+    @property
+    def sparseloco(self) -> bool:
+        """False under plain data parallelism (the AdamW baselines): no outer step."""
+        return self.cfg.sparseloco.enabled
+
+    @property
+    def compressed(self) -> bool:
+        return self.basis is not None
+
+    # ------------------------------------------------------------------ before training
+    @torch.no_grad()
+    def setup(self, link: StageLink) -> None:
+        """T_S = TE U U^T, T_perp = TE - T_S on every stage (the first stage's TE, shared once,
+        dense, over the replica's stage links); then snapshot theta for the first outer step.
+
+        Every stage of every replica calls it once, before training, from identical parameters.
+        """
+        if self.split_basis is not None:
+            first = self.embeddings[0].table().detach().clone() if link.is_first else None
+            table = link.share_dense(first, self.shape)
+            t_s, self.perp = subspace.split_embedding(table, self.split_basis)
+            for emb in self.embeddings:
+                emb.weight.copy_(t_s)
+                emb.perp = self.perp
+        if self.sparseloco:
+            self.outer = SparseLoCoState(self.params, self.cfg.sparseloco)
+
+    # ------------------------------------------------------------------ inner loop
+    @torch.no_grad()
+    def after_inner_step(self, link: StageLink) -> None:
+        """After each optimizer step (see the module docstring for both cases)."""
+        if self.split_basis is None:
+            return
+        if not self.sparseloco:
+            first = None
+            if link.is_first:
+                t_s = self.embeddings[0].weight
+                first = t_s - subspace.project(t_s, self.split_basis)
+            off = link.share_dense(first, self.shape, kind="embedding_sync")
+            self.perp.add_(off)
+            for emb in self.embeddings:
+                emb.weight.copy_(subspace.project(emb.weight, self.split_basis))
+            return
+        if self.basis is not None:
+            subspace.after_inner_step_(self.embeddings, self.layers, self.basis,
+                                       self.cfg.subspace.project_residual_weights)
+
+    # ------------------------------------------------------------------ outer step
+    def prepare(self) -> Tensor:
+        """Error feedback and compression of this stage's pseudo-gradient: its uint8 payload."""
+        return self.outer.prepare(self.params)
+
+    def finish(self, gathered: Gathered, link: StageLink) -> OuterResult:
+        """Aggregate the gathered payloads into the synced theta (eq. 2), then eqs. 3-4."""
+        keep = self._embedding_index if self._adapts_embedding else []
+        report = self.outer.finish(self.params, gathered.payloads, keep_average=keep)
+        if self._adapts_embedding:
+            self._resync_embedding(report, link)
+        self.outer_steps += 1
+        return OuterResult(
+            outer_step=self.outer_steps,
+            payload_bytes=report.bytes_per_replica,
+            contributors=tuple(gathered.members[i] for i in report.contributors),
+            excluded=tuple(gathered.members[i] for i in report.excluded),
+        )
+
+    def outer_step(self, transport: ReplicaTransport, link: StageLink) -> OuterResult:
+        return self.finish(transport.exchange(self.prepare()), link)
+
+    @property
+    def _adapts_embedding(self) -> bool:
+        return self.split_basis is not None and self.cfg.subspace.embedding_adaptation
+
+    @torch.no_grad()
+    def _resync_embedding(self, report: OuterReport, link: StageLink) -> None:
+        """Eqs. 3-4 on every stage that holds T_perp, from the sparse T_S aggregate alone: the
+        first stage shares it (at most M*k non-zeros a chunk), every stage applies the same
+        operations in the same order, so every T_perp stays bitwise equal."""
+        avg = report.averages[self._embedding_index[0]] if link.is_first else None
+        # The top-k aggregate has at most M*k non-zeros a chunk; a dense or momentum step has no
+        # zeros to skip, and its index list would double the bytes.
+        sparse = not (self.outer.cfg.dense or self.outer.cfg.outer_momentum > 0)
+        avg = link.share_sparse(avg, self.shape) if sparse else link.share_dense(avg, self.shape, kind="embedding_sync")
+        subspace.resync_embedding_(None, self.perp, avg, self.cfg.sparseloco.outer_lr, self.split_basis)
+        for emb in self.embeddings:
+            emb.weight.copy_(subspace.project(emb.weight, self.split_basis))
+        for i in self._embedding_index:
+            self.outer.rebase(i, self.params[i])
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Everything this object keeps (views: serialise before the next outer step)."""
+        return {"outer": self.outer.state_dict() if self.outer is not None else None,
+                "perp": self.perp, "outer_steps": self.outer_steps}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if (state["outer"] is None) != (self.outer is None):
+            raise ValueError("checkpointed algorithm state and this run disagree on sparseloco.enabled")
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])
+        if (state["perp"] is None) != (self.perp is None):
+            raise ValueError("checkpointed algorithm state and this run disagree on whether any replica compresses")
+        if self.perp is not None:
+            self.perp.copy_(state["perp"])
+        self.outer_steps = int(state["outer_steps"])
+
+    def global_state_dict(self) -> dict:
+        """What every replica of this stage holds alike at an outer boundary: what a joining
+        replica needs from a live peer (its own error feedback starts at zero). theta is the
+        synced theta_prev, not the parameters: a donor is asked after its own inner steps."""
+        synced = self.outer.theta_prev if self.outer is not None else [p.detach() for p in self.params]
+        momentum = self.outer.momentum if self.outer is not None else None
+        return {"theta": [t.clone() for t in synced], "perp": None if self.perp is None else self.perp.clone(),
+                "momentum": None if momentum is None else [m.clone() for m in momentum],
+                "outer_steps": self.outer_steps}
+
+    @torch.no_grad()
+    def load_global_state_dict(self, state: dict) -> None:
+        """Adopt a peer's synced stage: parameters, theta_prev, outer momentum, T_perp; error
+        feedback zeroed. In place and without SparseLoCoState.load_state_dict, which would clear
+        the pending flag: an elastic heal can come between prepare and finish."""
+        theta = [t.to(self.device) for t in state["theta"]]
+        for i, (p, t) in enumerate(zip(self.params, theta)):
+            p.copy_(t)
+            if self.outer is not None:
+                self.outer.rebase(i, t)
+        if self.outer is not None:
+            for e in self.outer.error:
+                e.zero_()
+            if self.outer.momentum is not None:
+                for m, t in zip(self.outer.momentum, state["momentum"]):
+                    m.copy_(t)
+        if self.perp is not None:
+            self.perp.copy_(state["perp"])
+        self.outer_steps = int(state["outer_steps"])

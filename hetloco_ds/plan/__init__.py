@@ -1,0 +1,18 @@
+"""Cost model (`hetloco-ds plan`): how long an inner step and an outer sync take on given links
+and devices, and which groups of a heterogeneous fleet should compress, and how much.
+
+Pure Python (no torch), so it runs anywhere and is testable on its own. By job:
+
+    model.py   byte and time model: ModelShape, Settings, predict (exact bytes from hetloco_ds.sizes)
+    fleet.py   the fleet planner: plan_fleet
+    cli.py     `hetloco-ds plan`: argument parsing and the printed tables
+"""
+from .cli import format_fleet, format_prediction, main
+from .fleet import DEFAULT_RATIOS, DeviceGroup, FleetPlan, GroupPlan, load_fleet, min_stages, plan_fleet, stage_memory_bytes
+from .model import (PRESETS, TERMS, ModelShape, Prediction, Settings, explain, outer_payload_bytes, parse_rate, predict,
+                    resolve_model, stage_tensors)
+
+__all__ = ["DEFAULT_RATIOS", "DeviceGroup", "FleetPlan", "GroupPlan", "ModelShape", "PRESETS", "Prediction", "Settings",
+           "TERMS", "explain", "format_fleet", "format_prediction", "load_fleet", "main", "min_stages",
+           "outer_payload_bytes", "parse_rate", "plan_fleet", "predict", "resolve_model", "stage_memory_bytes",
+           "stage_tensors"]

@@ -1,0 +1,144 @@
+"""`hetloco-ds plan`: print a prediction or a fleet plan (tables and one explaining paragraph)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..sizes import QUANT_BITS
+from .fleet import FleetPlan, plan_fleet
+from .model import PRESETS, TERMS, ModelShape, Prediction, Settings, fmt_bytes, fmt_rate, fmt_time, parse_rate, predict, resolve_model
+
+
+def format_prediction(p: Prediction) -> str:
+    """A readable table of a Prediction."""
+    i = p.inputs
+    rows = [
+        ("model", f"{p.model.name}: d={p.model.d}, layers={p.model.n_layers}, heads={p.model.n_heads}"
+                  f"/{p.model.kv_heads}, ffn={p.model.ffn}, vocab={p.model.vocab}, L={i['seq_len']}"),
+        ("parameters", f"{p.params_total / 1e9:.3f} B total; per stage "
+                       + ", ".join(f"{x / 1e9:.3f} B" for x in p.params_per_stage)),
+        ("topology", f"M={i['replicas']} replicas x S={i['stages']} stages, H={i['H']}"),
+        ("device", f"{i['tflops']:g} TFLOP/s peak x MFU {i['mfu']:g} per stage"),
+        ("batch", f"b={i['micro_batch']} x n_mb={i['n_mb']} micro-batches = {p.tokens_per_step} tokens/step/replica"),
+        ("stage link", f"{fmt_rate(i['stage_bw'])}, latency {fmt_time(i['stage_latency'])}, "
+                       f"k/d = {p.k}/{p.model.d} (ratio {p.model.d / p.k:.4g}), overlap={i['overlap']}"),
+        ("replica link", f"{fmt_rate(i['replica_bw'])}, latency {fmt_time(i['replica_latency'])}"),
+        ("compute / micro-batch", f"{fmt_time(max(p.compute_time_microbatch))} (slowest stage)"),
+        ("boundary / micro-batch", f"fwd {fmt_bytes(p.fwd_bytes_microbatch)} ({fmt_time(p.link_time_fwd)}), "
+                                   f"bwd {fmt_bytes(p.bwd_bytes_microbatch)} ({fmt_time(p.link_time_bwd)})"),
+        ("stage link / step", fmt_bytes(p.stage_link_bytes_per_step)),
+        ("outer payload / rank", f"{fmt_bytes(max(p.outer_payload_bytes))} (dense fp32: "
+                                 f"{fmt_bytes(max(p.dense_outer_bytes))}); per replica "
+                                 f"{fmt_bytes(p.outer_bytes_per_replica)}"),
+        ("outer sync", f"{fmt_time(p.outer_sync_time)} per outer step, "
+                       f"{fmt_time(p.breakdown['outer sync'])} per inner step"),
+        ("inner step", f"{fmt_time(p.total_time)} (schedule {fmt_time(p.schedule_time)})"),
+    ]
+    rows += [(f"  {t}", f"{fmt_time(p.breakdown[t])} ({p.breakdown[t] / p.total_time:.1%})") for t in TERMS]
+    rows += [("compute utilisation", f"{p.utilisation:.2%} (steady state {p.steady_state_utilisation:.2%})"),
+             ("dominant term", p.dominant)]
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{w}}  {b}" for a, b in rows) + "\n\n" + p.explanation
+
+
+def format_fleet(plan: FleetPlan) -> str:
+    """A readable table of a FleetPlan."""
+    head = (f"model {plan.model}: S = {plan.stages} stages ({plan.settings['stage_memory_gb']:.1f} GB "
+            f"per stage), M = {plan.replicas} replicas, target utilisation "
+            f"{plan.target_utilisation:.0%}\nouter sync {fmt_time(plan.outer_sync_time)} on a ring of "
+            + (fmt_rate(plan.replica_ring_bw) if plan.replica_ring_bw else "-")
+            + f"; outer step {fmt_time(plan.outer_step_time)}; "
+              f"{plan.tokens_per_second:,.0f} tokens/s fleet-wide\n")
+    cols = ("group", "devices", "S_need", "replicas", "role", "ratio", "util", "fleet util")
+    rows = [cols]
+    for g in plan.groups:
+        rows.append((g.name, str(g.devices), str(g.stages_needed), str(g.replicas), g.role,
+                     "-" if g.ratio is None else f"1/{g.ratio}" if g.ratio > 1 else "1",
+                     "-" if g.utilisation is None else f"{g.utilisation:.1%}",
+                     "-" if g.fleet_utilisation is None else f"{g.fleet_utilisation:.1%}"))
+    w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    table = "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows)
+    why = "\n".join(f"- {g.name}: {g.reason}" for g in plan.groups)
+    notes = "\n".join(f"note: {n}" for n in plan.notes)
+    return head + "\n" + table + "\n\n" + why + ("\n" + notes if notes else "")
+
+
+def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
+    """Options named after `Settings` fields default to Settings' own defaults (not restated here)."""
+    ap = argparse.ArgumentParser(prog=prog, description=(
+        "Predict step time, bytes and compute utilisation for SparseLoCo + subspace-compressed "
+        "pipelines, or plan a heterogeneous fleet (--fleet). Rates accept 100mbit, 1G, 1e9 (bits/s)."))
+    ap.add_argument("--model", default="512M", help=f"preset ({', '.join(PRESETS)}); --d etc. override it")
+    for name in ("d", "layers", "heads", "kv-heads", "ffn", "vocab", "seq-len"):
+        ap.add_argument(f"--{name}", type=int, default=None, help="override the preset's value")
+    ap.add_argument("--stages", "-S", type=int, default=None, help="pipeline stages (default 4; fleet: chosen)")
+    ap.add_argument("--replicas", "-M", type=int, default=argparse.SUPPRESS)
+    ap.add_argument("--stage-bw", type=parse_rate, default=argparse.SUPPRESS, help="bits/s per stage link")
+    ap.add_argument("--stage-latency", type=float, default=argparse.SUPPRESS, help="seconds")
+    ap.add_argument("--replica-bw", type=parse_rate, default=argparse.SUPPRESS, help="bits/s per replica link")
+    ap.add_argument("--replica-latency", type=float, default=argparse.SUPPRESS, help="seconds")
+    ap.add_argument("--tflops", type=float, default=argparse.SUPPRESS, help="peak TFLOP/s of one stage")
+    ap.add_argument("--mfu", type=float, default=argparse.SUPPRESS)
+    ap.add_argument("--micro-batch", "-b", type=int, default=argparse.SUPPRESS)
+    ap.add_argument("--n-mb", type=int, default=argparse.SUPPRESS, help="micro-batches per inner step")
+    ap.add_argument("-H", "--inner-steps", dest="H", type=int, default=argparse.SUPPRESS)
+    ap.add_argument("--topk", type=int, default=argparse.SUPPRESS)
+    ap.add_argument("--chunk", type=int, default=argparse.SUPPRESS)
+    ap.add_argument("--quant-bits", type=int, default=argparse.SUPPRESS, choices=QUANT_BITS)
+    ap.add_argument("--value-bytes", type=int, default=argparse.SUPPRESS, help="bytes per unquantised value (4 fp32, 2 bf16)")
+    ap.add_argument("--ratio", type=int, default=argparse.SUPPRESS, help="subspace ratio d/k (1 = uncompressed)")
+    ap.add_argument("--act-bytes", type=int, default=argparse.SUPPRESS)
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false", default=argparse.SUPPRESS,
+                    help="transfers block compute (DeepSpeed's blocking p2p)")
+    ap.add_argument("--fleet", default=None, help="fleet JSON: plan it instead of predicting")
+    ap.add_argument("--target", type=float, default=0.9, help="fleet: target compute utilisation")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON ('-' = stdout)")
+    return ap
+
+
+def _model_from_args(a: argparse.Namespace) -> ModelShape:
+    m = resolve_model(a.model)
+    over = {"d": a.d, "n_layers": a.layers, "n_heads": a.heads, "n_kv_heads": a.kv_heads,
+            "ffn": a.ffn, "vocab": a.vocab, "seq_len": a.seq_len}
+    over = {k: v for k, v in over.items() if v is not None}
+    if over:
+        m = resolve_model(dataclasses.replace(m, name=f"{m.name}*", **over))
+    return m
+
+
+def settings_from_args(a: argparse.Namespace) -> Settings:
+    """The Settings fields the parser defines (its dest names are Settings' field names)."""
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(Settings) if hasattr(a, f.name)}
+    if a.stages is None:
+        given.pop("stages")
+    return Settings(**given)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`hetloco-ds plan ...`: print a prediction (or a fleet plan); --json writes it."""
+    a = build_parser().parse_args(argv)
+    try:
+        m = _model_from_args(a)
+        settings = settings_from_args(a)
+        if a.fleet:
+            res: Any = plan_fleet(a.fleet, m, a.target, settings, stages=a.stages)
+            text = format_fleet(res)
+        else:
+            res = predict(m, settings)
+            text = format_prediction(res)
+    except (ValueError, OSError) as e:
+        print(f"hetloco-ds plan: error: {e}", file=sys.stderr)
+        return 2
+    payload = json.dumps(res.to_dict(), indent=2, default=str)
+    if a.json == "-":
+        print(payload)
+    else:
+        print(text)
+        if a.json:
+            Path(a.json).write_text(payload + "\n")
+            print(f"\nwrote {a.json}")
+    return 0

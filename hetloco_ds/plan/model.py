@@ -1,0 +1,446 @@
+"""The byte and time model: what one inner step and one outer sync cost on given links and devices.
+
+Pure Python (no torch). Byte counts are exact and come from `hetloco_ds.sizes`, the rules the
+engine itself follows; times are modelled.
+
+One inner step (one optimizer step of one replica, n_mb micro-batches of b x L tokens)
+-------------------------------------------------------------------------------------
+* compute per micro-batch on stage s: (6 * P_s + 12 * layers_s * d * L) * b * L FLOPs divided by
+  (peak FLOP/s x MFU). P_s counts the matmul weights on the stage (the LM head included, the
+  embedding table excluded: a gather is no FLOPs); the attention term is PaLM's convention (QK^T
+  and AV, forward + backward, no discount for causality). Subspace projections (X U, 2dk FLOPs a
+  token per boundary and direction) are left out: < 0.1% of a stage for the shapes here.
+* boundary bytes per micro-batch (`sizes.boundary_nbytes`): forward b*L*k*act_bytes (+ the token
+  ids when the boundary is compressed, for T_perp[x]), backward b*L*k*act_bytes. k = d / ratio.
+* links are full duplex (forward tensors go down one direction, gradients up the other), each
+  transfer pays `latency` once.
+* schedule (1F1B or GPipe, same count): (n_mb + S - 1) slots of the slowest stage.
+  - overlap=True: a transfer runs while the stage computes the next micro-batch, so
+    slot = max(t_compute, t_link) with t_link = max(fwd, bwd) bytes * 8 / bw + latency.
+  - overlap=False: every transfer blocks the stage (DeepSpeed's blocking p2p): n_mb transfers
+    each way on the critical path, time = (n_mb + S - 1) * t_compute + n_mb * (t_fwd + t_bwd).
+* outer sync every H inner steps: each stage group all-gathers its compact payloads
+  (`sizes.stage_payload_nbytes`), every rank sending its payload to the M - 1 others,
+  (M - 1) * (payload * 8 / bw + latency), receiving at the same time (full duplex). This assumes
+  each rank's outgoing bytes share one link of rate bw (a ring hop, a site's uplink). Where every
+  pair of ranks has a link of its own (netlab's per-peer shaping), the M - 1 sends run side by
+  side and take one payload time: the formula then over-predicts by up to (M - 1)x for M > 2
+  (the shaped-link benchmark measures M = 2, where the two agree). The S stage groups use
+  disjoint links and run at the same time, so the slowest stage group sets the time. It blocks
+  (no overlap with the inner loop) and is amortised as sync / H per inner step.
+* compute utilisation = compute time of the busiest stage / total time, with
+  total = (n_mb + S - 1) * slot + sync / H = compute + bubble + link stall + outer sync.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .. import sizes
+from ..presets import DEFAULT_VOCAB, PRESETS as SHAPE_PRESETS
+
+
+# ----------------------------------------------------------------------------- model shapes
+@dataclass(frozen=True)
+class ModelShape:
+    """A LLaMA-style decoder (SwiGLU MLP, RMSNorm, rotary, untied embedding and LM head)."""
+
+    d: int
+    """Hidden size d_model."""
+    n_layers: int
+    """Number of decoder layers."""
+    n_heads: int
+    """Attention (query) heads."""
+    ffn: int
+    """SwiGLU intermediate size."""
+    vocab: int
+    """Vocabulary size."""
+    seq_len: int
+    """Sequence length L."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None = n_heads."""
+    name: str = "custom"
+    """Label used in reports."""
+
+    @classmethod
+    def preset(cls, name: str, vocab: int = DEFAULT_VOCAB) -> "ModelShape":
+        """A named shape of `hetloco_ds.presets` (sequence length = its max_position_embeddings)."""
+        f = SHAPE_PRESETS[name]
+        return cls(d=f["hidden_size"], n_layers=f["num_hidden_layers"], n_heads=f["num_attention_heads"],
+                   n_kv_heads=f.get("num_key_value_heads"), ffn=f["intermediate_size"], vocab=vocab,
+                   seq_len=f["max_position_embeddings"], name=name)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.d // self.n_heads * self.kv_heads
+
+    def layer_tensors(self, i: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Parameter tensors of decoder layer i, as (HF-style name, shape)."""
+        d, f, kv = self.d, self.ffn, self.kv_dim
+        p = f"layers.{i}."
+        return [
+            (p + "self_attn.q_proj.weight", (d, d)),
+            (p + "self_attn.k_proj.weight", (kv, d)),
+            (p + "self_attn.v_proj.weight", (kv, d)),
+            (p + "self_attn.o_proj.weight", (d, d)),
+            (p + "mlp.gate_proj.weight", (f, d)),
+            (p + "mlp.up_proj.weight", (f, d)),
+            (p + "mlp.down_proj.weight", (d, f)),
+            (p + "input_layernorm.weight", (d,)),
+            (p + "post_attention_layernorm.weight", (d,)),
+        ]
+
+    def n_params(self) -> int:
+        return sum(math.prod(s) for stage in stage_tensors(self, 1) for _, s in stage)
+
+
+PRESETS: dict[str, ModelShape] = {name: ModelShape.preset(name) for name in SHAPE_PRESETS}
+
+
+def resolve_model(model: str | ModelShape) -> ModelShape:
+    """A preset name or a ModelShape, validated."""
+    if isinstance(model, str):
+        if model not in PRESETS:
+            raise ValueError(f"unknown model preset {model!r}; known: {', '.join(PRESETS)}")
+        return PRESETS[model]
+    if not isinstance(model, ModelShape):
+        raise ValueError(f"model must be a preset name or a ModelShape, got {model!r}")
+    for f in ("d", "n_layers", "n_heads", "ffn", "vocab", "seq_len"):
+        v = getattr(model, f)
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"model.{f} must be a positive integer, got {v!r}")
+    if model.d % model.n_heads:
+        raise ValueError(f"n_heads={model.n_heads} does not divide d={model.d}")
+    if model.n_heads % model.kv_heads:
+        raise ValueError(f"n_kv_heads={model.kv_heads} does not divide n_heads={model.n_heads}")
+    return model
+
+
+def stage_tensors(model: ModelShape, stages: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Trainable parameter tensors on each stage, as the pipeline splits the layers
+    (`sizes.decoder_layers_per_stage`): stage 0 holds the token embedding (T_S on a compressed
+    replica: same shape; T_perp is a buffer, never synced), the last stage the final norm and head."""
+    try:
+        per_stage = sizes.decoder_layers_per_stage(model.n_layers, stages)
+    except ValueError:
+        raise ValueError(f"stages={stages} exceeds n_layers={model.n_layers}: a stage needs a layer") from None
+    out: list[list[tuple[str, tuple[int, ...]]]] = []
+    first = 0
+    for s, n in enumerate(per_stage):
+        ts: list[tuple[str, tuple[int, ...]]] = []
+        if s == 0:
+            ts.append(("embed_tokens.weight", (model.vocab, model.d)))
+        for i in range(first, first + n):
+            ts.extend(model.layer_tensors(i))
+        if s == stages - 1:
+            ts.append(("norm.weight", (model.d,)))
+            ts.append(("lm_head.weight", (model.vocab, model.d)))
+        first += n
+        out.append(ts)
+    return out
+
+
+def _matmul_params(tensors: list[tuple[str, tuple[int, ...]]]) -> int:
+    """Weights that take part in a matmul: 2-D tensors except the embedding table."""
+    return sum(math.prod(s) for n, s in tensors if len(s) == 2 and not n.startswith("embed_tokens"))
+
+
+def outer_payload_bytes(tensors: Sequence[tuple[str, Sequence[int]]], topk: int = 32, chunk: int = 4096,
+                        quant_bits: int | None = None, value_bytes: int = 4) -> int:
+    """One stage's outer-sync payload, as the engine lays it out (`sizes.stage_payload_nbytes`)."""
+    return sizes.stage_payload_nbytes([s for _, s in tensors], chunk, topk, quant_bits, value_bytes)
+
+
+# ----------------------------------------------------------------------------- units
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(bit|bps|b/s|bit/s)?\s*$", re.I)
+_MULT = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str | float | int) -> float:
+    """Bits per second from 1e8, '100M', '100mbit', '1Gbps', '10 Gbit/s' (SI multipliers, as tc)."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _RATE_RE.match(text)
+    if not m:
+        raise ValueError(f"cannot read a bit rate from {text!r} (try 100mbit, 1G, 1e9)")
+    return float(m.group(1)) * _MULT[m.group(2).lower()]
+
+
+def fmt_rate(bps: float) -> str:
+    for unit, m in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= m:
+            return f"{bps / m:.3g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, m in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= m:
+            return f"{n / m:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_time(t: float) -> str:
+    if t == 0:
+        return "0 s"
+    if t >= 3600:
+        return f"{t / 3600:.3g} h"
+    if t >= 1:
+        return f"{t:.3g} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} us"
+
+
+def check_positive(name: str, v: Any, *, allow_zero: bool = False, integer: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if integer:
+        ok = ok and float(v).is_integer()
+    if not ok or v < 0 or (v == 0 and not allow_zero):
+        need = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {'an integer ' if integer else ''}{need}, got {v!r}")
+
+
+# ----------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class Settings:
+    """Everything a prediction depends on besides the model shape (rates in bits/s, or strings
+    such as "100mbit"; latencies in s). `predict` and `plan_fleet` take one of these, and any
+    field as a keyword override."""
+
+    stages: int = 4
+    """S pipeline stages."""
+    replicas: int = 8
+    """M SparseLoCo replicas."""
+    stage_bw: float | str = 1e9
+    """Each link between adjacent stages (per direction)."""
+    stage_latency: float = 0.0
+    replica_bw: float | str = 1e9
+    """Each rank's link to its stage group's ring neighbour."""
+    replica_latency: float = 0.0
+    tflops: float = 989.0
+    """Peak dense FLOP/s of one stage, in TFLOP/s."""
+    mfu: float = 0.45
+    """Fraction of peak the compute achieves."""
+    micro_batch: int = 1
+    """b sequences per micro-batch."""
+    n_mb: int = 32
+    """Micro-batches per inner step."""
+    H: int = 50
+    """Inner steps per outer step."""
+    topk: int = 32
+    chunk: int = 4096
+    quant_bits: int | None = None
+    """None sends `value_bytes` values; 2/4/8 packs codes plus a lookup table."""
+    value_bytes: int = 4
+    """Bytes per unquantised outer-sync value (4 fp32, 2 bf16)."""
+    ratio: int = 1
+    """Subspace ratio d / k on the stage boundaries (1 = uncompressed)."""
+    k: int | None = None
+    """Subspace width given directly (1 <= k <= d), for ratios that do not divide d; leave ratio at 1."""
+    act_bytes: int = 2
+    """Bytes per activation element on a stage link (2 = bf16)."""
+    overlap: bool = True
+    """Whether stage-link transfers overlap compute (see the module docstring)."""
+    seq_len: int | None = None
+    """Override the model's sequence length."""
+    link_efficiency: float = 1.0
+    """Goodput / link rate on every link; TCP/IPv4 over Ethernet at MTU 1500 gives ~0.957."""
+
+    def resolved(self, model: ModelShape) -> "Settings":
+        """Rates parsed, every field checked (one error naming the bad value), k filled in."""
+        s = dataclasses.replace(self, stage_bw=parse_rate(self.stage_bw), replica_bw=parse_rate(self.replica_bw),
+                                seq_len=model.seq_len if self.seq_len is None else self.seq_len)
+        for name in ("stages", "replicas", "micro_batch", "n_mb", "H", "act_bytes", "seq_len"):
+            check_positive(name, getattr(s, name), integer=True)
+        for name in ("stage_bw", "replica_bw", "tflops"):
+            check_positive(name, getattr(s, name))
+        for name in ("stage_latency", "replica_latency"):
+            check_positive(name, getattr(s, name), allow_zero=True)
+        if not (isinstance(s.mfu, (int, float)) and 0 < s.mfu <= 1):
+            raise ValueError(f"mfu must be in (0, 1], got {s.mfu!r}")
+        if not (isinstance(s.link_efficiency, (int, float)) and 0 < s.link_efficiency <= 1):
+            raise ValueError(f"link_efficiency must be in (0, 1], got {s.link_efficiency!r}")
+        sizes.check_codec(s.chunk, s.topk, s.quant_bits, s.value_bytes)
+        if s.k is None:
+            try:
+                k = sizes.subspace_dim(model.d, s.ratio)
+            except ValueError:
+                raise ValueError(f"subspace ratio {s.ratio} does not divide d={model.d}") from None
+        elif s.ratio != 1:
+            raise ValueError(f"give either ratio={s.ratio} or k={s.k}, not both")
+        elif not isinstance(s.k, int) or isinstance(s.k, bool) or not 1 <= s.k <= model.d:
+            raise ValueError(f"k must be an integer in [1, d={model.d}], got {s.k!r}")
+        else:
+            k = s.k
+        return dataclasses.replace(s, k=k)
+
+
+TERMS = ("compute", "pipeline bubble", "stage-link stall", "outer sync")
+
+
+@dataclass
+class Prediction:
+    """What `predict` returns. Times in seconds, bytes in bytes, per inner step unless named."""
+
+    model: ModelShape
+    inputs: dict[str, Any]
+    """The resolved Settings (rates in bits/s), as a dict."""
+    params_total: int
+    params_per_stage: list[int]
+    layers_per_stage: list[int]
+    k: int
+    """Subspace width d / ratio on the stage boundaries."""
+    tokens_per_microbatch: int
+    tokens_per_step: int
+    """Tokens one replica processes per inner step (b * L * n_mb)."""
+    flops_per_microbatch: list[float]
+    """Forward + backward FLOPs per micro-batch, per stage."""
+    compute_time_microbatch: list[float]
+    fwd_bytes_microbatch: int
+    bwd_bytes_microbatch: int
+    link_time_fwd: float
+    """One forward transfer on a stage link, latency included (0 when S = 1)."""
+    link_time_bwd: float
+    slot_time: float
+    """One schedule slot: max(compute, link) with overlap, compute + fwd + bwd without."""
+    schedule_time: float
+    """(n_mb + S - 1) * slot."""
+    stage_link_bytes_per_step: int
+    """Bytes one stage link carries per inner step, both directions together."""
+    outer_payload_bytes: list[int]
+    """Compressed outer-sync payload one rank contributes, per stage."""
+    dense_outer_bytes: list[int]
+    """Dense DiLoCo equivalent (fp32 pseudo-gradient), per stage."""
+    outer_bytes_per_replica: int
+    """Sum of the payloads over a replica's stages (what one replica sends per outer step)."""
+    outer_sync_time: float
+    """Per outer step: slowest stage group's all-gather, (M - 1) payloads over each rank's link."""
+    breakdown: dict[str, float]
+    """Per inner step: compute (busiest stage), pipeline bubble, stage-link stall, outer sync / H."""
+    total_time: float
+    utilisation: float
+    steady_state_utilisation: float
+    """Utilisation without fill/drain (n_mb -> infinity), outer sync still counted."""
+    dominant: str
+    """Largest term of `breakdown`."""
+    dominant_overhead: str
+    """Largest term of `breakdown` other than compute."""
+    stage_bw_for_compute_bound: float | None
+    """Stage-link bandwidth at which a transfer hides under (overlap) or equals (no overlap)
+    one micro-batch of compute; None when S = 1 or latency alone exceeds the compute time."""
+    explanation: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _stage_link_times(fwd: int, bwd: int, s: Settings) -> tuple[float, float]:
+    if s.stages == 1:
+        return 0.0, 0.0
+    rate = s.stage_bw * s.link_efficiency
+    return fwd * 8 / rate + s.stage_latency, bwd * 8 / rate + s.stage_latency
+
+
+def predict(model: str | ModelShape = "512M", settings: Settings | None = None, **overrides: Any) -> Prediction:
+    """Predict one replica's inner step and the outer sync (see the module docstring);
+    `overrides` replace fields of `settings` (default `Settings()`)."""
+    m = resolve_model(model)
+    try:
+        s = dataclasses.replace(settings or Settings(), **overrides)
+    except TypeError as err:
+        raise ValueError(f"predict: {err}") from None
+    s = s.resolved(m)
+    L = s.seq_len
+
+    tensors = stage_tensors(m, s.stages)
+    n_layers = sizes.decoder_layers_per_stage(m.n_layers, s.stages)
+    tok_mb = s.micro_batch * L
+    flops = [(6 * _matmul_params(ts) + 12 * nl * m.d * L) * tok_mb for ts, nl in zip(tensors, n_layers)]
+    t_mb = [f / (s.tflops * 1e12 * s.mfu) for f in flops]
+    t_c = max(t_mb)
+
+    fwd, bwd = sizes.boundary_nbytes(s.micro_batch, L, m.d, s.k, s.act_bytes, m.vocab) if s.stages > 1 else (0, 0)
+    t_f, t_b = _stage_link_times(fwd, bwd, s)
+    if s.overlap:
+        slot = max(t_c, t_f, t_b)
+        bubble, stall = (s.stages - 1) * slot, s.n_mb * (slot - t_c)
+    else:
+        # Blocking sends: each of the n_mb micro-batches crosses the link once each way on the
+        # critical path; fill and drain add S - 1 compute slots (checked against shaped-link
+        # runs at S = 2, bench/results/shaped_links.json).
+        slot = t_c + t_f + t_b
+        bubble, stall = (s.stages - 1) * t_c, s.n_mb * (t_f + t_b)
+    schedule = s.n_mb * t_c + bubble + stall
+
+    payload = [outer_payload_bytes(ts, s.topk, s.chunk, s.quant_bits, s.value_bytes) for ts in tensors]
+    dense = [4 * sum(math.prod(x) for _, x in ts) for ts in tensors]
+    sync = 0.0
+    if s.replicas > 1:
+        rate = s.replica_bw * s.link_efficiency
+        sync = max((s.replicas - 1) * (p * 8 / rate + s.replica_latency) for p in payload)
+
+    breakdown = {"compute": s.n_mb * t_c, "pipeline bubble": bubble, "stage-link stall": stall,
+                 "outer sync": sync / s.H}
+    total = sum(breakdown.values())
+    bw_needed: float | None = None
+    if s.stages > 1:
+        budget = t_c - s.stage_latency if s.overlap else t_c - 2 * s.stage_latency
+        sent = max(fwd, bwd) if s.overlap else fwd + bwd
+        bw_needed = sent * 8 / budget / s.link_efficiency if budget > 0 else None
+
+    p = Prediction(
+        model=m, inputs=dataclasses.asdict(s), params_total=m.n_params(),
+        params_per_stage=[sum(math.prod(x) for _, x in ts) for ts in tensors],
+        layers_per_stage=n_layers, k=s.k, tokens_per_microbatch=tok_mb,
+        tokens_per_step=tok_mb * s.n_mb, flops_per_microbatch=flops, compute_time_microbatch=t_mb,
+        fwd_bytes_microbatch=fwd, bwd_bytes_microbatch=bwd, link_time_fwd=t_f, link_time_bwd=t_b,
+        slot_time=slot, schedule_time=schedule, stage_link_bytes_per_step=s.n_mb * (fwd + bwd),
+        outer_payload_bytes=payload, dense_outer_bytes=dense,
+        outer_bytes_per_replica=sum(payload), outer_sync_time=sync, breakdown=breakdown,
+        total_time=total, utilisation=breakdown["compute"] / total,
+        steady_state_utilisation=t_c / (slot + sync / s.H / s.n_mb),
+        dominant=max(TERMS, key=lambda t: breakdown[t]),
+        dominant_overhead=max(TERMS[1:], key=lambda t: breakdown[t]), stage_bw_for_compute_bound=bw_needed,
+    )
+    p.explanation = explain(p)
+    return p
+
+
+def explain(p: Prediction) -> str:
+    """One paragraph: which term dominates and what would change it."""
+    i, b = p.inputs, p.breakdown
+    t_c = max(p.compute_time_microbatch)
+    share = {t: v / p.total_time for t, v in b.items()}
+    lines = [f"Compute utilisation {p.utilisation:.1%}: " + ", ".join(
+        f"{t} {share[t]:.1%}" for t in TERMS) + "."]
+    over = p.dominant_overhead
+    if over == "stage-link stall" and b[over] > 0:
+        t_link = max(p.link_time_fwd, p.link_time_bwd) if i["overlap"] else p.link_time_fwd + p.link_time_bwd
+        lines.append(
+            f"The stage links are the bottleneck: a micro-batch needs {fmt_time(t_link)} on a "
+            f"{fmt_rate(i['stage_bw'])} link against {fmt_time(t_c)} of compute.")
+        if p.stage_bw_for_compute_bound:
+            lines.append(f"About {fmt_rate(p.stage_bw_for_compute_bound)} per stage link (or a "
+                         f"larger subspace ratio) would hide it.")
+        else:
+            lines.append("Link latency alone exceeds one micro-batch of compute: use larger micro-batches.")
+    elif over == "pipeline bubble":
+        lines.append(f"Pipeline fill/drain costs (S-1)/(n_mb+S-1) = {i['stages'] - 1}/"
+                     f"{i['n_mb'] + i['stages'] - 1} of the schedule: more micro-batches per step "
+                     f"or fewer stages reduce it; bandwidth or compression do not.")
+    elif over == "outer sync":
+        lines.append(f"The outer sync ({fmt_bytes(max(p.outer_payload_bytes))} per rank, "
+                     f"{i['replicas'] - 1} ring steps on {fmt_rate(i['replica_bw'])}) takes "
+                     f"{fmt_time(p.outer_sync_time)} every {i['H']} inner steps: a faster replica "
+                     f"link, larger H or quantisation reduce it.")
+    if p.dominant == "compute":
+        lines.append("The step is compute-bound.")
+    return " ".join(lines)

@@ -1,0 +1,268 @@
+"""Every size rule of the method and the pipeline, once: pure integers, no torch.
+
+The codec (sparseloco.compress), the outer step's payload (sparseloco.outer), the boundary codec
+(pipe.module), the HF key map (convert), the simulator and the cost model (`plan`) all import
+these; none restates them. `plan` runs without torch, so nothing here imports it.
+
+Chunking (METHOD.md, "Outer step")
+    2-D [R, C]: tiles of tr x tc, tr = largest divisor of R that is <= side, tc = largest divisor
+    of C that is <= side, side = isqrt(chunk_size) (64 for 4096). Anything else is flattened and
+    cut into chunks of the largest divisor of numel that is <= chunk_size ("tiles", ours) or
+    <= side ("per_dim", templar's ChunkingTransformer: every dimension cut to <= 64).
+Top-k: "scaled" (ours): k = min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
+    (Python's round). "fixed" (templar's _clamp_topk): k = min(topk, chunk_len), raised to 2,
+    lowered to even, at most chunk_len, in every chunk whatever its length (32 of a 64-element
+    1-D chunk; templar itself would fail on a 1-element chunk).
+Indices: 12 bits up to 4096 elements a chunk (two in three bytes), then 16, then 32.
+Quantised values: codes packed at `bits` bits plus a float32 lookup table of 2**bits entries.
+Every tensor's section is padded to a multiple of 4 bytes; a stage payload is a 16-byte header
+plus its tensors' sections. The dense control sends each tensor whole: numel x value bytes, padded.
+Token ids cross a compressed boundary as the narrowest *signed* integer holding every id (gloo
+and NCCL have no uint16): int8 up to a vocabulary of 128, int16 up to 32768, else int32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+QUANT_BITS = (2, 4, 8)
+"""Allowed quantisation widths of selected values."""
+VALUE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Wire widths of unquantised values, by dtype name."""
+PAYLOAD_ALIGN = 4
+PAYLOAD_HEADER_BYTES = 16
+"""The self-checking header of one stage payload (sparseloco.outer.HEADER)."""
+MAX_CHUNK = 4096
+"""Largest chunk: its in-chunk indices fit 12 bits."""
+CHUNKINGS = ("tiles", "per_dim")
+"""How tensors that are not 2-D are chunked: <= chunk_size (ours) or <= isqrt(chunk_size) (templar)."""
+TOPK_RULES = ("scaled", "fixed")
+"""k per chunk: topk per chunk_size elements (ours) or topk in every chunk (templar)."""
+
+
+# --------------------------------------------------------------------------- chunks and top-k
+def largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of n that is <= cap (n >= 1, cap >= 1)."""
+    if n < 1 or cap < 1:
+        raise ValueError(f"largest_divisor needs n >= 1 and cap >= 1, got n={n}, cap={cap}")
+    for d in range(min(n, cap), 0, -1):
+        if n % d == 0:
+            return d
+    return 1  # unreachable: 1 divides n
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How a tensor of `shape` is cut: `n_chunks` chunks of `chunk_len`; `tile` = (tr, tc) or None."""
+
+    shape: tuple[int, ...]
+    n_chunks: int
+    chunk_len: int
+    tile: tuple[int, int] | None
+
+    @property
+    def numel(self) -> int:
+        return self.n_chunks * self.chunk_len
+
+
+def chunking(shape: Sequence[int], chunk_size: int = MAX_CHUNK, rule: str = "tiles") -> Chunking:
+    if rule not in CHUNKINGS:
+        raise ValueError(f"chunking must be one of {CHUNKINGS}, got {rule!r}")
+    shape = tuple(int(s) for s in shape)
+    numel = math.prod(shape)
+    if numel == 0:
+        raise ValueError(f"cannot chunk an empty tensor of shape {shape}")
+    side = math.isqrt(chunk_size)
+    if len(shape) == 2:
+        tr, tc = largest_divisor(shape[0], side), largest_divisor(shape[1], side)
+        return Chunking(shape, numel // (tr * tc), tr * tc, (tr, tc))
+    length = largest_divisor(numel, chunk_size if rule == "tiles" else side)
+    return Chunking(shape, numel // length, length, None)
+
+
+def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = MAX_CHUNK, rule: str = "scaled") -> int:
+    """k for a chunk of `chunk_len`. scaled: `topk` per `chunk_size`, at least 1, at most chunk_len.
+    fixed (templar): `topk` whatever the length, at least 2, even, at most chunk_len."""
+    if rule == "scaled":
+        return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
+    if rule == "fixed":
+        k = max(min(topk, chunk_len), 2)
+        return min(chunk_len, k - k % 2)
+    raise ValueError(f"topk_rule must be one of {TOPK_RULES}, got {rule!r}")
+
+
+# --------------------------------------------------------------------------- wire format
+def index_bits(chunk_len: int) -> int:
+    """Bits per in-chunk index on the wire: 12 up to 4096 elements, then 16, then 32."""
+    if chunk_len <= 1 << 12:
+        return 12
+    if chunk_len <= 1 << 16:
+        return 16
+    return 32
+
+
+def packed_index_nbytes(n: int, bits: int = 12) -> int:
+    return 3 * ((n + 1) // 2) if bits == 12 else n * (bits // 8)
+
+
+def packed_code_nbytes(n: int, bits: int) -> int:
+    per = 8 // bits
+    return (n + per - 1) // per
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def check_codec(chunk_size: int, topk: int, quant_bits: int | None, value_bytes: int,
+                chunk_rule: str = "tiles", topk_rule: str = "scaled") -> None:
+    """One error naming the bad value, for every place codec settings enter (config, codec, plan)."""
+    if chunk_rule not in CHUNKINGS:
+        raise ValueError(f"chunking must be one of {CHUNKINGS}, got {chunk_rule!r}")
+    if topk_rule not in TOPK_RULES:
+        raise ValueError(f"topk_rule must be one of {TOPK_RULES}, got {topk_rule!r}")
+    if not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK:
+        raise ValueError(f"chunk_size must be an integer in [1, {MAX_CHUNK}], got {chunk_size!r}")
+    if not isinstance(topk, int) or not 1 <= topk <= chunk_size:
+        raise ValueError(f"topk must be an integer in [1, chunk_size = {chunk_size}], got {topk!r}")
+    if quant_bits is not None and quant_bits not in QUANT_BITS:
+        raise ValueError(f"quant_bits must be null or one of {QUANT_BITS}, got {quant_bits!r}")
+    if value_bytes not in VALUE_BYTES.values():
+        raise ValueError(f"value bytes must be one of {sorted(VALUE_BYTES.values())}, got {value_bytes!r}")
+
+
+@dataclass(frozen=True)
+class TensorWire:
+    """Byte layout of one tensor's compressed pseudo-gradient (see sparseloco.compress)."""
+
+    chunks: Chunking
+    k: int
+    n_selected: int
+    index_bits: int
+    head_nbytes: int
+    """Values (unquantised) or the lookup table (quantised)."""
+    index_nbytes: int
+    code_nbytes: int
+    nbytes: int
+    """The whole section, padded to PAYLOAD_ALIGN."""
+
+
+def tensor_wire(shape: Sequence[int], chunk_size: int = MAX_CHUNK, topk: int = 32,
+                quant_bits: int | None = None, value_bytes: int = 4,
+                chunk_rule: str = "tiles", topk_rule: str = "scaled") -> TensorWire:
+    check_codec(chunk_size, topk, quant_bits, value_bytes, chunk_rule, topk_rule)
+    chunks = chunking(shape, chunk_size, chunk_rule)
+    k = topk_per_chunk(chunks.chunk_len, topk, chunk_size, topk_rule)
+    n_sel = chunks.n_chunks * k
+    bits = index_bits(chunks.chunk_len)
+    idx = packed_index_nbytes(n_sel, bits)
+    if quant_bits is None:
+        head, codes = n_sel * value_bytes, 0
+    else:
+        head, codes = (1 << quant_bits) * 4, packed_code_nbytes(n_sel, quant_bits)
+    return TensorWire(chunks, k, n_sel, bits, head, idx, codes, round_up(head + idx + codes, PAYLOAD_ALIGN))
+
+
+def dense_wire_nbytes(shape: Sequence[int], value_bytes: int = 4) -> int:
+    """One tensor's section in the dense control: every value, padded to PAYLOAD_ALIGN."""
+    if value_bytes not in VALUE_BYTES.values():
+        raise ValueError(f"value bytes must be one of {sorted(VALUE_BYTES.values())}, got {value_bytes!r}")
+    return round_up(math.prod(int(s) for s in shape) * value_bytes, PAYLOAD_ALIGN)
+
+
+def stage_payload_nbytes(shapes: Iterable[Sequence[int]], chunk_size: int = MAX_CHUNK, topk: int = 32,
+                         quant_bits: int | None = None, value_bytes: int = 4,
+                         chunk_rule: str = "tiles", topk_rule: str = "scaled", dense: bool = False) -> int:
+    """One replica's payload for a stage whose parameters have `shapes`: header + sections."""
+    if dense:
+        return PAYLOAD_HEADER_BYTES + sum(dense_wire_nbytes(s, value_bytes) for s in shapes)
+    return PAYLOAD_HEADER_BYTES + sum(tensor_wire(s, chunk_size, topk, quant_bits, value_bytes,
+                                                  chunk_rule, topk_rule).nbytes for s in shapes)
+
+
+# --------------------------------------------------------------------------- stage boundaries
+def id_bytes(vocab_size: int) -> int:
+    """Bytes of one token id on a compressed boundary (narrowest signed int holding vocab - 1)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    if vocab_size <= 1 << 7:
+        return 1
+    if vocab_size <= 1 << 15:
+        return 2
+    return 4
+
+
+def subspace_dim(d: int, ratio: int) -> int:
+    """k = d / ratio; the ratio must divide d."""
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio < 1 or d % ratio != 0:
+        raise ValueError(f"subspace ratio {ratio!r} must be a positive integer dividing the hidden size d = {d}")
+    return d // ratio
+
+
+def boundary_nbytes(micro_batch: int, seq_len: int, d: int, k: int, act_bytes: int, vocab_size: int) -> tuple[int, int]:
+    """(forward, backward) bytes one micro-batch puts on one stage boundary.
+
+    Forward: b*L*k activations, plus the token ids when compressed (k < d: the receiver needs
+    T_perp[x]); backward: b*L*k activation gradients.
+    """
+    act = micro_batch * seq_len * k * act_bytes
+    ids = micro_batch * seq_len * id_bytes(vocab_size) if k < d else 0
+    return act + ids, act
+
+
+# --------------------------------------------------------------------------- pipeline layout
+@dataclass(frozen=True)
+class LayerLayout:
+    """DeepSpeed layer indices of the pipeline's layer list for `n` decoder layers:
+
+        0        token embedding
+        1..n     decoder layers 0..n-1
+        n + 1    final norm
+        n + 2    LM head (or, tied, a replica of the embedding)
+    """
+
+    n: int
+
+    embedding: int = 0
+
+    def decoder(self, i: int) -> int:
+        return 1 + i
+
+    @property
+    def decoders(self) -> range:
+        return range(1, self.n + 1)
+
+    @property
+    def norm(self) -> int:
+        return self.n + 1
+
+    @property
+    def head(self) -> int:
+        return self.n + 2
+
+    @property
+    def count(self) -> int:
+        return self.n + 3
+
+
+def decoder_layers_per_stage(num_layers: int, num_stages: int) -> list[int]:
+    """Decoder layers on each stage: as even as possible, earlier stages take the remainder."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"stage count {num_stages} must be between 1 and the {num_layers} decoder layers")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def stage_parts(num_layers: int, num_stages: int) -> list[int]:
+    """Layer-index boundaries of each stage in the pipeline's layer list (`LayerLayout`): the
+    embedding on the first stage, the decoder layers split by `decoder_layers_per_stage`, the
+    norm and head on the last. Stage s holds layers [parts[s], parts[s + 1])."""
+    layout = LayerLayout(num_layers)
+    parts = [layout.embedding]
+    first = 0
+    for n in decoder_layers_per_stage(num_layers, num_stages):
+        first += n
+        parts.append(layout.decoder(first))  # one past the stage's last decoder layer
+    parts[-1] = layout.count
+    return parts

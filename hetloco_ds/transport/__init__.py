@@ -1,0 +1,90 @@
+"""How the replicas of one stage meet at the outer sync, and how a replica's stages share a
+tensor: two small interfaces the method talks to, with the implementations beside them.
+
+* `ReplicaTransport.exchange(payload) -> Gathered`: every contributing replica's payload of this
+  stage. `static.GroupTransport` is a fixed DeepSpeed data-parallel group (one world);
+  `elastic` (torchft) is a group whose members change between outer steps; `LocalExchange`
+  is the simulator's, where all replicas live in one process.
+* `StageLink`: what the method sends across a replica's own stage links outside the pipeline
+  schedule - one tensor from the first stage to every stage (the T_perp set-up, the sparse
+  T_S aggregate of eqs. 3-4). `static.PipeStageLink` broadcasts over the pipe group;
+  `LocalStageLink` hands the tensor over in memory.
+
+The method (`hetloco_ds.algorithm`) imports only this module; it never sees a process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """The payloads of one outer step's exchange, one per contributing replica."""
+
+    payloads: list[torch.Tensor]
+    """uint8 payloads, in `members` order."""
+    members: tuple[str, ...]
+    """Replica ids of the payloads' senders, in a fixed order every member sees alike."""
+
+
+class ReplicaTransport(Protocol):
+    def exchange(self, payload: torch.Tensor) -> Gathered:
+        """Send this replica's payload to the stage's other live replicas; return all of them.
+
+        Every member must get the same list in the same order (the outer step sums in list
+        order, which keeps replicas bitwise identical)."""
+
+
+class StageLink(Protocol):
+    is_first: bool
+    """Whether this stage is the replica's first (the one that holds T_S and sends)."""
+
+    def share_dense(self, tensor: torch.Tensor | None, shape: tuple[int, ...], kind: str = "control") -> torch.Tensor:
+        """The first stage's `tensor` (others pass None) on every stage of the replica; its
+        bytes are counted as `kind`."""
+
+    def share_sparse(self, tensor: torch.Tensor | None, shape: tuple[int, ...],
+                     kind: str = "embedding_sync") -> torch.Tensor:
+        """As `share_dense` for a mostly-zero tensor: only its non-zeros travel."""
+
+
+class LocalExchange:
+    """The simulator's exchange: the caller collects every replica's payload itself."""
+
+    def __init__(self, payloads: list[torch.Tensor], members: tuple[str, ...] | None = None):
+        self.gathered = Gathered(list(payloads), members or tuple(str(m) for m in range(len(payloads))))
+
+    def exchange(self, payload: torch.Tensor) -> Gathered:
+        return self.gathered
+
+
+class LocalStageLink:
+    """A replica's stages in one process: the first stage's tensor is handed to the others.
+
+    The first stage must share before the others ask (the simulator walks stages in order)."""
+
+    def __init__(self, is_first: bool, shared: dict):
+        self.is_first = is_first
+        self._shared = shared  # one dict per replica, common to its stages' links
+
+    def _share(self, tensor, key):
+        if self.is_first:
+            self._shared[key] = tensor
+            return tensor
+        if key not in self._shared:
+            raise RuntimeError("a later stage asked for a tensor the first stage has not shared yet")
+        return self._shared[key]
+
+    def share_dense(self, tensor, shape, kind="control"):
+        return self._share(tensor, "dense")
+
+    def share_sparse(self, tensor, shape, kind="embedding_sync"):
+        return self._share(tensor, "sparse")
+
+    @staticmethod
+    def for_replica(stages: int) -> list["LocalStageLink"]:
+        shared: dict = {}
+        return [LocalStageLink(s == 0, shared) for s in range(stages)]

@@ -1,0 +1,106 @@
+"""DeepSpeed's PipelineEngine with the private seams hetloco_ds uses turned into named hooks.
+
+DeepSpeed's stock instruction map holds PipelineEngine's own functions, so a subclass's
+`_exec_*` override would never run: the map here dispatches by name. Each private `_exec_*`
+method below only moves DeepSpeed's buffers in and out of a hook that `hetloco_ds.engine`
+implements with its own sends, receives and collectives, where the bytes are counted.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+
+def _by_name(name: str):
+    def call(self, **kwargs):
+        return getattr(self, name)(**kwargs)
+
+    call.__name__ = name
+    return call
+
+
+class PipelineEngineAdapter(PipelineEngine):
+    _INSTRUCTION_MAP = {cmd: _by_name(fn.__name__) for cmd, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from . import check_instance
+
+        check_instance(self, "PipelineEngine")
+
+    # ---------------------------------------------------------- hooks (implemented by hetloco_ds)
+    def send_activations(self, outputs) -> None:
+        raise NotImplementedError
+
+    def recv_activations(self):
+        """The previous stage's message, its floating tensors requiring grad."""
+        raise NotImplementedError
+
+    def send_grads(self, inputs) -> None:
+        """Send the gradients of the floating tensors of `inputs` (what recv_activations returned)."""
+        raise NotImplementedError
+
+    def recv_grads(self, outputs):
+        """The next stage's gradients for the floating tensors of `outputs` (a tensor or a list)."""
+        raise NotImplementedError
+
+    def reduce_tied_grads(self) -> None:
+        raise NotImplementedError
+
+    def reduce_grads(self) -> None:
+        raise NotImplementedError
+
+    def optimizer_step(self, lr_kwargs=None) -> None:
+        raise NotImplementedError
+
+    def replica_loss(self) -> torch.Tensor:
+        """What train_batch returns on every stage of the replica."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------- DeepSpeed's own behaviour
+    def ds_reduce_grads(self) -> None:
+        """DeepSpeed's data-parallel gradient all-reduce."""
+        PipelineEngine._exec_reduce_grads(self)
+
+    def ds_optimizer_step(self, lr_kwargs=None) -> None:
+        """DeepSpeed's optimizer step (optimizer, LR schedule, step counters, monitor)."""
+        PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+
+    def gas_scaled_loss(self) -> torch.Tensor:
+        """The last stage's loss of this step: micro-batch losses summed, divided by their count."""
+        return self._scale_loss_by_gas(self.total_loss)
+
+    def run_inference(self, micro_batches: int) -> list[torch.Tensor]:
+        """DeepSpeed's inference schedule over `micro_batches`; the last stage's losses."""
+        from . import check_instance
+
+        self._compute_loss = True  # what eval_batch sets: the last stage computes the loss
+        self._exec_schedule(self._inference_schedule(micro_batches))
+        check_instance(self, "PipelineEngine after _exec_schedule")
+        return list(self.fwd_outputs)
+
+    # ---------------------------------------------------------- DeepSpeed's private methods
+    def _exec_send_activations(self, buffer_id):
+        self.send_activations(self.pipe_buffers["outputs"][buffer_id])
+
+    def _exec_recv_activations(self, buffer_id):
+        self.pipe_buffers["inputs"][buffer_id] = self.recv_activations()
+
+    def _exec_send_grads(self, buffer_id):
+        self.send_grads(self.pipe_buffers["inputs"][buffer_id])
+        self.pipe_buffers["inputs"][buffer_id] = None  # as DeepSpeed does: the input is no longer needed
+
+    def _exec_recv_grads(self, buffer_id):
+        self.grad_layer = self.recv_grads(self.pipe_buffers["outputs"][buffer_id])
+
+    def _exec_reduce_tied_grads(self):
+        self.reduce_tied_grads()
+
+    def _exec_reduce_grads(self):
+        self.reduce_grads()
+
+    def _exec_optimizer_step(self, lr_kwargs=None):
+        self.optimizer_step(lr_kwargs)
+
+    def _aggregate_total_loss(self):
+        return self.replica_loss()
