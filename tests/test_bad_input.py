@@ -163,8 +163,8 @@ def test_corrupt_safetensors_header_names_the_file(inputs, tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["train", "--steps", 4, "--model", bad, "--data", inputs["data"], "--config",
             write_config(tmp_path / "cfg.json"), "--out", out, "--nproc", 2]
-    fails_with(capsys, argv, f"{weights} is corrupt: its safetensors header is not JSON "
-                             "(Expecting value: line 1 column 1 (char 0))", out)
+    fails_with(capsys, argv, f"{weights}: not a readable safetensors file (Error while deserializing header: "
+                             "invalid JSON in header: expected value at line 1 column 1)", out)
 
 
 # --------------------------------------------------------------------------- the run directory
