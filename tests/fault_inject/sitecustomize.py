@@ -5,7 +5,7 @@ HETLOCO_FAULT="<rank>:<event>:<n>[:<action>]" makes the process of global rank <
 n-th <event>; processes of other ranks, and those without the variable, are untouched.
 
 events  step  a torch AdamW step (inside a training step: after forward and backward)
-        sync  an outer step's payload exchange (hetloco_ds.exchange.all_gather_payloads)
+        sync  an outer step's payload exchange (hetloco_ds.transport.static.GroupTransport.exchange)
         ckpt  inside hetloco_ds.checkpoint: a file written (write_durably) or a directory
               fsynced (_fsync_dir: after the manifest, after the rename, after `latest`)
 actions kill  SIGKILL (default); at a file write, half of the file's bytes are written first
@@ -50,7 +50,8 @@ class _Fault:
 def _install(fault):
     import torch
 
-    from hetloco_ds import checkpoint, exchange
+    from hetloco_ds import checkpoint
+    from hetloco_ds.transport import static
 
     step = torch.optim.AdamW.step
 
@@ -61,14 +62,14 @@ def _install(fault):
 
     torch.optim.AdamW.step = adamw_step
 
-    gather = exchange.all_gather_payloads
+    exchange = static.GroupTransport.exchange
 
-    def all_gather_payloads(*args, **kwargs):
+    def exchange_then_fault(self, *args, **kwargs):
         if fault.hit("sync"):
             fault.fire()
-        return gather(*args, **kwargs)
+        return exchange(self, *args, **kwargs)
 
-    exchange.all_gather_payloads = all_gather_payloads
+    static.GroupTransport.exchange = exchange_then_fault
 
     write_durably = checkpoint.write_durably
 
