@@ -57,6 +57,10 @@ class OuterResult:
     """Replica ids whose pseudo-gradients were averaged."""
     excluded: tuple[str, ...]
     """Replica ids that sent a non-finite pseudo-gradient (left out, reset to the synced theta)."""
+    selected: int | None = None
+    """With `count_selected`: entries the contributors sent (`OuterReport.selected`)."""
+    distinct: int | None = None
+    """With `count_selected`: coordinates at least one contributor sent (`OuterReport.distinct`)."""
 
 
 class StageAlgorithm:
@@ -144,10 +148,11 @@ class StageAlgorithm:
         """Error feedback and compression of this stage's pseudo-gradient: its uint8 payload."""
         return self.outer.prepare(self.params)
 
-    def finish(self, gathered: Gathered, link: StageLink) -> OuterResult:
-        """Aggregate the gathered payloads into the synced theta (eq. 2), then eqs. 3-4."""
+    def finish(self, gathered: Gathered, link: StageLink, count_selected: bool = False) -> OuterResult:
+        """Aggregate the gathered payloads into the synced theta (eq. 2), then eqs. 3-4.
+        `count_selected` adds the overlap of the replicas' selections (a diagnostic)."""
         keep = self._embedding_index if self._adapts_embedding else []
-        report = self.outer.finish(self.params, gathered.payloads, keep_average=keep)
+        report = self.outer.finish(self.params, gathered.payloads, keep_average=keep, count_selected=count_selected)
         if self._adapts_embedding:
             self._resync_embedding(report, link)
         self.outer_steps += 1
@@ -156,6 +161,8 @@ class StageAlgorithm:
             payload_bytes=report.bytes_per_replica,
             contributors=tuple(gathered.members[i] for i in report.contributors),
             excluded=tuple(gathered.members[i] for i in report.excluded),
+            selected=report.selected,
+            distinct=report.distinct,
         )
 
     def outer_step(self, transport: ReplicaTransport, link: StageLink) -> OuterResult:

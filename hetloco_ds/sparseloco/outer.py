@@ -225,6 +225,11 @@ class OuterReport:
     averages: dict[int, Tensor] = field(default_factory=dict)
     """Parameter index -> dense fp32 update direction `avg` with theta = theta_prev - outer_lr * avg (the
     aggregate; with outer momentum the Nesterov step), only for the indices asked via `keep_average`."""
+    selected: int | None = None
+    """With `count_selected`: entries the contributors sent, summed over them (n * k per chunk)."""
+    distinct: int | None = None
+    """With `count_selected`: coordinates at least one contributor sent; selected / distinct is the
+    mean number of replicas behind each coordinate of the aggregate (n when dense)."""
 
 
 @dataclass
@@ -397,12 +402,14 @@ class SparseLoCoState:
 
     @torch.no_grad()
     def finish(self, params: Sequence[Tensor], payloads: Sequence[Tensor],
-               keep_average: bool | Iterable[int] = False) -> OuterReport:
+               keep_average: bool | Iterable[int] = False, count_selected: bool = False) -> OuterReport:
         """Aggregate the gathered payloads (in list order), apply the outer step, write the
         synced theta into `params` in place.
 
         `keep_average`: True, or the parameter indices, for which the report carries the dense
         fp32 `avg` with theta = theta_prev - outer_lr * avg (the embedding resync needs it for T_S).
+        `count_selected`: the report carries `selected` and `distinct` (one boolean pass over
+        each group's state and one host sync; a diagnostic, off in training).
         """
         params = self._check(params)
         if not self._pending:
@@ -414,12 +421,13 @@ class SparseLoCoState:
         keep = set(range(len(params))) if keep_average is True else set(keep_average or ())
         lr, n = self.cfg.outer_lr, len(contributors)
         averages: dict[int, Tensor] = {}
+        counts = [0, torch.zeros((), dtype=torch.int64, device=self.device)] if count_selected else None
         for g in self._groups:
             numel = g.theta_prev[0].numel()
             if n == 0:
                 averages.update({i: torch.zeros(g.shape, device=self.device) for i in g.members if i in keep})
                 continue
-            acc, scale = self._aggregate(g, [g.rows(payloads[m]) for m in contributors])
+            acc, scale = self._aggregate(g, [g.rows(payloads[m]) for m in contributors], counts)
             if self.cfg.outer_momentum > 0:
                 # Nesterov (torch.optim.SGD's form, dampening 0): b = mu*b + avg; step = avg + mu*b
                 mu = self.cfg.outer_momentum
@@ -435,11 +443,13 @@ class SparseLoCoState:
         # every replica, the excluded ones too, leaves with the synced theta
         torch._foreach_copy_(params, self.theta_prev)
         self._pending = False
-        return OuterReport(self.nbytes, contributors, excluded, averages)
+        selected, distinct = (counts[0], int(counts[1])) if counts is not None else (None, None)
+        return OuterReport(self.nbytes, contributors, excluded, averages, selected, distinct)
 
-    def _aggregate(self, g: _Group, rows: list[Tensor]) -> tuple[Tensor, float]:
+    def _aggregate(self, g: _Group, rows: list[Tensor], counts: list | None = None) -> tuple[Tensor, float]:
         """(acc, scale) over the contributors' payload rows (each [G, nbytes]), in list order: the
-        aggregate of the group's flattened [G * numel] state is scale * acc."""
+        aggregate of the group's flattened [G * numel] state is scale * acc. `counts`, when given,
+        [selected, distinct] to add this group's entries sent and coordinates sent by anyone to."""
         n, size, numel = len(rows), len(g.members), g.theta_prev[0].numel()
         flat = torch.stack(rows).view(n * size, g.codec.nbytes)
         # Decode all contributors at once into [n, G, per] values (per = numel when dense, else
@@ -458,6 +468,15 @@ class SparseLoCoState:
             median = norms.median(dim=0).values  # the lower middle value for even n, as torch.median
             values = values * (median / (norms + CLIP_EPS)).clamp(max=1.0).unsqueeze(-1)
         values = values.reshape(n, -1)
+        if counts is not None:
+            if pos is None:  # dense: every coordinate from every contributor
+                counts[0] += n * size * numel
+                counts[1] += size * numel
+            else:
+                hit = torch.zeros(size * numel, dtype=torch.bool, device=self.device)
+                hit[pos.reshape(-1)] = True
+                counts[0] += pos.numel()
+                counts[1] += hit.sum()
         if pos is None:
             acc = values[0].clone()
             for r in range(1, n):
