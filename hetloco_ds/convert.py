@@ -766,6 +766,17 @@ def _layer_file(tag_dir: Path, idx: int) -> Path:
     raise ConversionError(f"missing layer file {path}")
 
 
+def _check_export_target(source: Path, target: Path) -> None:
+    """The export never writes into, or (with overwrite) deletes, what it reads from: the
+    checkpoint directory, anything inside it, or a directory containing it (the run directory)."""
+    src, dst = os.path.realpath(source), os.path.realpath(target)
+    if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
+        raise ConversionError(f"export target {target} is inside the checkpoint directory {source} it reads from")
+    if src.startswith(dst.rstrip(os.sep) + os.sep):
+        raise ConversionError(f"export target {target} contains the checkpoint directory {source} it reads from; "
+                              "choose a directory outside it")
+
+
 def export(
     ckpt_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -788,6 +799,7 @@ def export(
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise ConversionError(f"checkpoint directory {ckpt_dir} does not exist")
+    _check_export_target(ckpt_dir, Path(out_dir))
     tag = tag if tag is not None else _read_latest(ckpt_dir)
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():

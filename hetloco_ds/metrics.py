@@ -25,6 +25,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from .checkpoint import replace_text
 from .engine import StepRecord
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU from NVIDIA's datasheets, matched as a
@@ -151,6 +152,35 @@ class MetricsWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def keep_rows_up_to(path: str, step: int) -> int:
+    """Before a run resumed at `step` appends again: drop the rows a stopped run wrote past that
+    step (they are about to be written again), so no (kind, step, replica) row is doubled.
+    Rewrites the file atomically; returns how many rows were dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f.read().split("\n") if line]
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line torn by a full disk
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line)
+    replace_text(path, "".join(line + "\n" for line in keep))
+    return len(lines) - len(keep)
+
+
+def validated_steps(path: str) -> set[int]:
+    """Steps that already have a validation row."""
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        return {row["step"] for row in map(json.loads, filter(None, f.read().split("\n")))
+                if row.get("kind") == "validation"}
 
 
 def human_bytes(n: float) -> str:
