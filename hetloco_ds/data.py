@@ -39,6 +39,7 @@ import platform
 import shutil
 import sysconfig
 import tempfile
+from typing import TYPE_CHECKING
 import uuid
 from bisect import bisect_right
 from pathlib import Path
@@ -49,6 +50,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # annotations only: datasets is imported where it is used (the simulator runs without it)
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +340,6 @@ def _looks_like_path(data: str) -> bool:
 
 
 def _resolve(data: str | None, split: str) -> _Source:
-    import datasets
     if data is None:
         root = stdlib_root()
         text = [root / f for f in _stdlib_sources()]
