@@ -126,6 +126,9 @@ PRESETS: dict[str, dict] = {
                     error_decay=0.95, outer_lr=1.0),
     # DiLoCo (Douillard et al. 2023): dense pseudo-gradients, outer Nesterov SGD lr 0.7, momentum 0.9.
     "diloco": dict(aggregation="dense", outer_lr=0.7, outer_momentum=0.9),
+    # The paper's eq. (2) as written: the sum of the sparse pseudo-gradients over M, no clip.
+    "paper": dict(aggregation="mean", norm_clip="none", chunking="tiles", topk_rule="scaled", quant_rounding="floor",
+                  quant_std="population", outer_momentum=0.0),
 }
 
 
