@@ -1,18 +1,33 @@
-"""The paper's Tables 1, 2, 4 and 5a in shape, at small scale, with the simulator on GPUs.
+"""The paper's Tables 1, 2, 4 and 5a in the paper's regime, at small scale, with the batched simulator.
 
-M = 8 replicas x S = 4 virtual stages, H = 50, a LLaMA of ~20M parameters on the embedded
-corpus (the Python standard library, BPE 8192, carried as a pre-tokenised tensor file so
-the GPU machine needs no `datasets`), the same token budget for every row.
+The regime (issue 16; METHOD.md "The paper's training regime"), not the absolute sizes: a 20M
+LLaMA, M = 8 replicas x S = 4 virtual stages, H = 50, 32 x 2 x 256 = 16,384 tokens per replica
+step (524K global in the paper, 131K here), 5000 steps = 100 outer syncs, about 32 tokens per
+parameter, every replica validated through its own pipeline and the mean reported, AdamW at its
+own tuned lr (`--lr-sweep`), 2 seeds, on real code (bench/make_code_corpus.py, int16 blocks).
 
-The rows x seeds are spread over every visible GPU and `--procs-per-gpu` worker processes on
-each (one replica set is too small to keep a GPU busy: the host launching kernels is the
-limit). Workers take the next unclaimed row, longest first, and rewrite their own
-`paper_tables_<tag>_g<gpu>p<proc>.json` under `--out` after every row, so a killed call keeps
-what finished. `bench/summarize_tables.py` merges them.
+Rows in priority order (`--rows`; ROW[:RATIO][:FLAG...] as `hetloco-ds simulate --variants`):
+SparseLoCo, AdamW, PP-Compress and Het at 1/8 and 1/96, AdamW with compression and its het mix,
+Het 1/8 without embedding adaptation, the dense DiLoCo control (`diloco`, SparseLoCo's loop with
+`aggregation: dense`; in the default list once this checkout's config accepts it). `--aggregation
+A` / `--outer-lr X` set those on every SparseLoCo row, and a row can carry any sparseloco field
+(`het:8:aggregation=selected_count`), so an aggregation study is a row list, not new code.
 
-    python bench/paper_tables.py --data .benchdata/stdlib_bpe8192_seq256.pt --seeds 0,1 \\
-        --steps 1500 --procs-per-gpu 6 --out $OUT
-    python bench/paper_tables.py --data ... --calibrate --steps 20 --procs 1,4,8 --out $OUT
+Rows x seeds are spread over every visible GPU, `--procs-per-gpu` worker processes on each (one
+batched row fills a GPU: 1). Workers take the next unclaimed row in priority order and rewrite
+their own `paper_tables_<tag>_g<gpu>p<proc>.json` under `--out` after every row, so a killed
+call keeps what finished; `bench/summarize_tables.py` merges them.
+
+Budget: a worker starts no row it cannot finish before `--budget-s` (judged by `--s-per-step` or
+its previous row's pace), and a running row stops at its last outer-step boundary before the
+deadline: abandoned, or with `--state-dir` saved there and resumed by the next call (the device
+keeps ignored paths such as runs/ while it stays warm), so rows longer than one call still finish.
+
+    python bench/paper_tables.py --data .benchdata/code_bpe8192_seq256.pt --lr-sweep 3e-4,1e-3,2e-3 \\
+        --steps 1000 --tag sweep --out $OUT                                  # short lr sweep, seed 0
+    python bench/paper_tables.py --data ... --lr-from bench/results/paper_tables_sweep/paper_tables_summary.json \\
+        --state-dir runs/paper_tables_state --tag h100x8 --out $OUT          # the tables
+    python bench/paper_tables.py --data ... --estimate                      # FLOPs and GPU-minutes per row
 """
 from __future__ import annotations
 
@@ -24,42 +39,86 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hetloco_ds.config import parse_config  # noqa: E402
+from hetloco_ds.config import ConfigError, SparseLoCoConfig, parse_config  # noqa: E402
 from hetloco_ds.data import Corpus  # noqa: E402
 from hetloco_ds.presets import model_config_for  # noqa: E402
 from hetloco_ds.simulate import degradation_table, parse_variants, simulate_variant  # noqa: E402
 
-# Rows in priority order: Table 1/2 (uniform vs het at three ratios), Table 4 (AdamW H=1),
-# Table 5a (embedding adaptation off).
-DEFAULT_ROWS = ("sparseloco,pp:8,het:8,pp:24,het:24,pp:96,het:96,adamw,adamw-pp:8,adamw-het:8,"
-                "pp:8:noadapt,het:8:noadapt")
+PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, as bench/gpu_throughput.py
 
 
-def run_config(steps: int, micro: int, lr: float, seq_len: int, bf16: bool, inner_steps: int = 50) -> dict:
+def dense_aggregation_supported() -> bool:
+    """Whether this checkout's config has the dense DiLoCo control (`aggregation: dense`)."""
+    return "dense" in typing.get_args(SparseLoCoConfig.model_fields["aggregation"].annotation)
+
+
+# Issue 16's order: SparseLoCo, AdamW, PP-Compress and Het at 1/8 and 1/96, AdamW with and without
+# compression and its het mix, the embedding-adaptation ablation, then the dense control.
+PRIORITY_ROWS = ("sparseloco", "adamw", "pp:8", "het:8", "pp:96", "het:96", "adamw-pp:8", "adamw-het:8",
+                 "het:8:noadapt", "diloco")
+DEFAULT_ROWS = ",".join(r for r in PRIORITY_ROWS if r != "diloco" or dense_aggregation_supported())
+
+
+def run_config(args, seq_len: int) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": args.gas,
         "gradient_clipping": 1.0,
-        "bf16": {"enabled": bf16},
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "bf16": {"enabled": args.device == "cuda"},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupCosineLR",
-                      "params": {"total_num_steps": steps, "warmup_num_steps": max(1, steps // 10),
+                      "params": {"total_num_steps": args.steps, "warmup_num_steps": max(1, args.steps // 10),
                                  "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}},
-        "hetloco": {"sparseloco": {"inner_steps": inner_steps, "outer_lr": 1.0, "error_decay": 0.95, "topk": 32},
-                    "train": {"seq_len": seq_len, "eval_batches": 16, "seed": 0}},
+        "hetloco": {"sparseloco": {"inner_steps": args.inner_steps, "outer_lr": 1.0, "error_decay": 0.95, "topk": 32},
+                    "train": {"seq_len": seq_len, "eval_batches": args.eval_batches, "seed": 0}},
     }
 
 
+def best_lrs(path: str) -> dict[str, float]:
+    """{"adamw": lr, "sparseloco": lr}: the lowest mean validation loss of each mode in a sweep summary."""
+    with open(path) as f:
+        doc = json.load(f)
+    best = doc.get("best_lr") or {}
+    if not best:
+        raise SystemExit(f"--lr-from {path}: no best_lr in it (summarise an --lr-sweep run)")
+    return best
+
+
+def row_list(args) -> list[str]:
+    """`--rows`, or in sweep mode each `--sweep-rows` row at each lr; `--lr-from`, `--aggregation` and
+    `--outer-lr` appended as flags to the rows they concern (a row's own flag wins)."""
+    if args.lr_sweep:
+        return [f"{r}:lr={lr}" for r in args.sweep_rows.split(",") for lr in args.lr_sweep.split(",")]
+    rows = [r for r in args.rows.split(",") if r]
+    lrs = best_lrs(args.lr_from) if args.lr_from else {}
+    out = []
+    for r in rows:
+        mode = "adamw" if r.startswith("adamw") else "sparseloco"
+        flags = r.split(":")[1:]
+        keys = {f.split("=")[0] for f in flags if "=" in f}
+        extra = []
+        if mode in lrs and "lr" not in keys:
+            extra.append(f"lr={lrs[mode]:g}")
+        if mode == "sparseloco" and args.aggregation and "aggregation" not in keys and not r.startswith("diloco"):
+            extra.append(f"aggregation={args.aggregation}")
+        if mode == "sparseloco" and args.outer_lr and "outer_lr" not in keys:
+            extra.append(f"outer_lr={args.outer_lr:g}")
+        out.append(":".join([r, *extra]))
+    return out
+
+
 def ordered_variants(args) -> list:
-    """Every (row, seed), longest first: rows with more compressed replicas (the codec adds work to
-    each of their steps), then in the priority order of `--rows`."""
-    variants = parse_variants(args.rows.split(","), args.replicas, [int(s) for s in args.seeds.split(",")])
-    return sorted(variants, key=lambda v: -(v.compressed + 2 * v.project_residual_weights))
+    """Every (row, seed) in priority order, seeds inner: the first rows finish on every seed first."""
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.lr_sweep:
+        seeds = seeds[:1]
+    return parse_variants(row_list(args), args.replicas, seeds)
 
 
 def gpu_ids(device: str) -> list[str]:
@@ -78,51 +137,117 @@ def load(args):
     corpus = Corpus(train=blob["train"].to(torch.int32), val=blob["val"].to(torch.int32),
                     description=blob["description"], cache_path=args.data)
     seq_len = corpus.train.shape[1]
-    run = parse_config(run_config(args.steps, args.micro, args.lr, seq_len, bf16=args.device == "cuda",
-                                  inner_steps=args.inner_steps))
-    return corpus, run, model_config_for(args.model, blob["vocab_size"])
+    run = parse_config(run_config(args, seq_len))
+    llama = model_config_for(args.model, blob["vocab_size"])
+    llama.max_position_embeddings = max(llama.max_position_embeddings, seq_len)
+    return corpus, run, llama
+
+
+def n_params(llama) -> int:
+    """Trainable parameters of one replica (embedding, layers, norm, head)."""
+    d, f, L, V = llama.hidden_size, llama.intermediate_size, llama.num_hidden_layers, llama.vocab_size
+    kv = llama.num_key_value_heads * (d // llama.num_attention_heads)
+    layer = d * d * 2 + 2 * d * kv + 3 * d * f + 2 * d
+    return V * d * (1 if llama.tie_word_embeddings else 2) + L * layer + d
+
+
+def row_flops(llama, args, seq_len: int) -> float:
+    """Training FLOPs of one row: (6 N + 12 L d seq) a token (bench/gpu_throughput.py's convention)
+    x every replica's tokens; the boundary codec and the outer steps are left out (< 1%)."""
+    per_token = 6 * n_params(llama) + 12 * llama.num_hidden_layers * llama.hidden_size * seq_len
+    return per_token * args.steps * args.replicas * args.micro * args.gas * seq_len
+
+
+def safe_name(name: str) -> str:
+    return name.replace(":", "_").replace("=", "-")
+
+
+def finished_rows(paths: str) -> set[str]:
+    """Row names (with seed) already in the run JSONs among `paths` (files or folders, comma-separated)."""
+    done = set()
+    for path in [p for p in paths.split(",") if p]:
+        files = [os.path.join(path, f) for f in sorted(os.listdir(path))] if os.path.isdir(path) else [path]
+        for f in files:
+            if os.path.basename(f).startswith("paper_tables_") and f.endswith(".json"):
+                with open(f) as fh:
+                    done.update(r["variant"]["name"] for r in json.load(fh).get("rows", []))
+    return done
 
 
 def claim(claims: str, name: str) -> bool:
     """True for exactly one worker per name (an exclusive create)."""
     try:
-        os.close(os.open(os.path.join(claims, name.replace(":", "_")), os.O_CREAT | os.O_EXCL))
+        os.close(os.open(os.path.join(claims, safe_name(name)), os.O_CREAT | os.O_EXCL))
         return True
     except FileExistsError:
         return False
 
 
 def worker(args) -> int:
-    """Run unclaimed rows until none is left or the next would end after `--deadline`; rewrite `--out` after each."""
+    """Run unclaimed rows in priority order until none is left or the budget ends; rewrite `--out` after each."""
     torch.set_num_threads(args.threads)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
     corpus, run, llama = load(args)
     device = torch.device(args.device)
     seq_len = corpus.train.shape[1]
+    tokens_per_replica_step = args.micro * args.gas * seq_len
     meta = {
         "card": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "command": args.command, "worker": args.worker, "gpus": args.gpus,
         "procs_per_gpu": args.procs_per_gpu, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "model": args.model, "model_config": llama.to_dict(), "replicas": args.replicas, "stages": args.stages,
-        "steps": args.steps, "inner_steps": args.inner_steps, "micro_batch": args.micro, "seq_len": seq_len,
-        "lr": args.lr, "tokens_per_row": args.steps * args.micro * seq_len * args.replicas, "data": corpus.description,
+        "model": args.model, "model_config": llama.to_dict(), "n_params": n_params(llama),
+        "replicas": args.replicas, "stages": args.stages, "steps": args.steps, "inner_steps": args.inner_steps,
+        "micro_batch": args.micro, "grad_accum": args.gas, "seq_len": seq_len, "lr": args.lr,
+        "tokens_per_replica_step": tokens_per_replica_step,
+        "tokens_per_row": args.steps * args.replicas * tokens_per_replica_step,
+        "corpus_train_tokens": corpus.train.numel(), "data": corpus.description, "simulator": "batched",
+        "compile": args.compile, "lr_sweep": args.lr_sweep, "eval_batches": args.eval_batches,
     }
-    results, last = [], 0.0
-    for v in ordered_variants(args):
-        if time.time() + last > args.deadline:  # would not end in time, judging by this worker's last row
-            break
+    results, unfinished, pace = [], [], args.s_per_step
+    done = finished_rows(args.skip_done)
+    variants = [v for v in ordered_variants(args) if v.name not in done]
+    states = {v.name: os.path.join(args.state_dir, safe_name(v.name) + ".pt") if args.state_dir else None
+              for v in variants}
+    # Rows saved by an earlier call first: they are the closest to done.
+    variants.sort(key=lambda v: not (states[v.name] and os.path.exists(states[v.name])))
+    for v in variants:
+        state = states[v.name]
+        if pace and not state and time.time() + pace * args.steps + 60 > args.deadline:
+            continue  # would not end in time; another worker or a later call takes it
         if not claim(args.claims, v.name):
             continue
         t0 = time.time()
-        r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False)
-        last = time.time() - t0
-        r.pop("replica_losses")
-        results.append(r)
-        print(f"[{args.worker}] {v.name:<24} val {r['val_loss']:.4f} train {r['final_train_loss']:.4f} "
-              f"({r['seconds']:.0f}s, {r['seconds'] / args.steps:.3f} s/step)", flush=True)
+        try:
+            r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
+                                 compile=args.compile, deadline=args.deadline - 60, state_path=state)
+        except Exception as err:  # noqa: BLE001 - a compiler failure costs the row's speed, not the row
+            if not args.compile or isinstance(err, torch.cuda.OutOfMemoryError):
+                raise
+            print(f"[{args.worker}] {v.name}: compiled run failed ({type(err).__name__}: {str(err)[:200]}); "
+                  "this worker goes on eager", flush=True)
+            args.compile = meta["compile"] = False
+            t0 = time.time()
+            r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
+                                 compile=False, deadline=args.deadline - 60, state_path=state)
+        if r["status"] != "done":
+            unfinished.append({k: r[k] for k in ("status", "step", "steps", "seconds")} | {"row": v.name})
+            print(f"[{args.worker}] {v.name:<28} {r['status']} at step {r['step']} of {args.steps}", flush=True)
+        else:
+            pace = (time.time() - t0) / args.steps
+            r.pop("replica_losses")
+            r["train_losses"] = r["train_losses"][::10]  # every 10th step is enough for a curve
+            results.append(r)
+            last = r["outer"][-1] if r["outer"] else {}
+            print(f"[{args.worker}] {v.name:<28} val {r['val_loss']:.4f} train {r['final_train_loss']:.4f} "
+                  f"overlap {last.get('replicas_per_selected') or 0:.2f} cos {last.get('update_cosine') or 0:.2f} "
+                  f"({r['seconds']:.0f}s, {r['seconds'] / args.steps:.3f} s/step)", flush=True)
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({**meta, "rows": degradation_table(results)}, f, indent=1, default=str)
+            json.dump({**meta, "rows": degradation_table(results), "unfinished": unfinished}, f, indent=1, default=str)
         os.replace(tmp, args.out)
+        if r["status"] != "done" or time.time() + 60 > args.deadline:
+            break  # the budget is spent
     return 0
 
 
@@ -132,26 +257,30 @@ def calibrate_worker(args) -> int:
     corpus, run, llama = load(args)
     device = torch.device(args.device)
     v = ordered_variants(args)[0]
-    simulate_variant(run, v, llama, corpus, args.replicas, args.stages, 2, device, progress=False)
+    simulate_variant(run, v, llama, corpus, args.replicas, args.stages, 2, device, progress=False, compile=args.compile)
     open(os.path.join(args.claims, f"ready{args.worker}"), "w").close()
     start = time.time()
     while len([n for n in os.listdir(args.claims) if n.startswith("ready")]) < args.level and time.time() < start + 300:
         time.sleep(0.05)
-    r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False)
+    r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
+                         compile=args.compile)
     with open(args.out, "w") as f:
         json.dump({"row": v.name, "s_per_step": r["seconds"] / args.steps,
                    "card": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}, f)
     return 0
 
 
-FORWARD = ("data", "model", "replicas", "stages", "steps", "inner_steps", "micro", "lr", "rows", "seeds", "device",
-           "procs_per_gpu", "command")
+FORWARD = ("data", "model", "replicas", "stages", "steps", "inner_steps", "micro", "gas", "lr", "rows", "seeds",
+           "device", "procs_per_gpu", "command", "eval_batches", "lr_sweep", "sweep_rows", "lr_from", "aggregation",
+           "outer_lr", "state_dir", "s_per_step", "skip_done")
 
 
 def spawn(args, n: int, gpus: list[str], role: list[str], outs: list[str], claims: str) -> int:
     """n workers, round-robin over `gpus`, each told the run's options, its role and output file."""
     threads = args.threads or max(1, (os.cpu_count() or 1) // n)
-    forward = [x for k in FORWARD for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    forward = [x for k in FORWARD if getattr(args, k) not in (None, "")
+               for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    forward += ["--compile"] if args.compile else []
     procs = []
     for w in range(n):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -166,9 +295,9 @@ def spawn(args, n: int, gpus: list[str], role: list[str], outs: list[str], claim
 def calibrate(args, gpus: list[str]) -> int:
     """s/step per process and aggregate steps/s on one GPU at each concurrency in `--procs`."""
     levels, tmp = [int(p) for p in args.procs.split(",")], tempfile.mkdtemp()
-    report = {"card": None, "torch": torch.__version__,
-              "command": args.command, "model": args.model, "replicas": args.replicas, "stages": args.stages,
-              "micro_batch": args.micro, "steps": args.steps, "cpus": os.cpu_count(), "levels": []}
+    report = {"card": None, "torch": torch.__version__, "command": args.command, "model": args.model,
+              "replicas": args.replicas, "stages": args.stages, "micro_batch": args.micro, "grad_accum": args.gas,
+              "steps": args.steps, "compile": args.compile, "cpus": os.cpu_count(), "levels": []}
     for n in levels:
         claims = tempfile.mkdtemp(dir=tmp)
         outs = [os.path.join(claims, f"w{w}.json") for w in range(n)]
@@ -184,44 +313,64 @@ def calibrate(args, gpus: list[str]) -> int:
         print(f"procs/GPU {n:>3}: s/step per process {min(per):.3f}-{max(per):.3f}, "
               f"aggregate {agg:.2f} steps/s per GPU", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    tasks, usable = len(ordered_variants(args)), args.budget_s - 60  # start-up, validation, tail
-    report["suggestion"] = {}
-    for g in (1, 2, 4, 8):
-        # Rows run in waves of procs x g workers, each row at its level's measured s/step.
-        fits = {lv["procs"]: int(usable / (-(-tasks // (lv["procs"] * g)) * max(lv["s_per_step"])))
-                for lv in report["levels"]}
-        if fits:
-            procs = max(fits, key=fits.get)
-            report["suggestion"][g] = {"procs_per_gpu": procs, "steps_per_row": fits[procs]}
-            print(f"{tasks} rows in ~{usable:.0f}s of training on {g} GPU(s): --procs-per-gpu {procs} "
-                  f"--steps {fits[procs]} at most", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"paper_tables_calibration_{args.tag}.json"), "w") as f:
         json.dump(report, f, indent=1)
     return 0
 
 
+def estimate(args) -> int:
+    """FLOPs of each row and its GPU-minutes on one H100 at a few MFUs (no training)."""
+    corpus, _, llama = load(args)
+    seq_len = corpus.train.shape[1]
+    flops = row_flops(llama, args, seq_len)
+    tokens = args.steps * args.replicas * args.micro * args.gas * seq_len
+    rows = ordered_variants(args)
+    print(f"{args.model}: {n_params(llama) / 1e6:.1f}M parameters; {tokens / 1e6:.0f}M tokens a row "
+          f"({tokens / n_params(llama):.1f} per parameter, {tokens / corpus.train.numel():.1f} epochs of the corpus); "
+          f"{flops:.3g} FLOPs a row")
+    for mfu in (0.15, 0.25, 0.35):
+        minutes = flops / (PEAK_FLOPS * mfu) / 60
+        print(f"  MFU {mfu:.2f}: {minutes:5.1f} GPU-minutes a row, {minutes * len(rows) / 60:5.2f} GPU-hours for "
+              f"{len(rows)} rows x seeds")
+    return 0
+
+
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="torch file with int16 or int32 'train'/'val' blocks [N, seq] (bench/make_code_corpus.py)")
     p.add_argument("--model", default="20M")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=5000, help="inner steps a row (5000 at H = 50: 100 outer syncs)")
     p.add_argument("--inner-steps", type=int, default=50)
-    p.add_argument("--micro", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--rows", default=DEFAULT_ROWS)
+    p.add_argument("--micro", type=int, default=32)
+    p.add_argument("--gas", type=int, default=2, help="micro-batches a step: micro x gas x seq tokens per replica step")
+    p.add_argument("--lr", type=float, default=1e-3, help="inner lr of rows without their own (lr=X or --lr-from)")
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out micro-batches each replica validates on")
+    p.add_argument("--rows", default=DEFAULT_ROWS, help="comma-separated rows in priority order")
     p.add_argument("--seeds", default="0,1")
+    p.add_argument("--lr-sweep", default="", help="comma-separated lrs: run --sweep-rows at each (first seed only)")
+    p.add_argument("--sweep-rows", default="adamw,sparseloco")
+    p.add_argument("--lr-from", default="", help="a sweep's paper_tables_summary.json: its best lr per mode")
+    p.add_argument("--aggregation", default="", help="sparseloco.aggregation of every SparseLoCo row")
+    p.add_argument("--outer-lr", type=float, default=0.0, help="sparseloco.outer_lr of every SparseLoCo row (0: 1.0)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the batched simulator's forward")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--procs-per-gpu", type=int, default=int(os.environ.get("PROCS_PER_GPU", 6)))
+    p.add_argument("--procs-per-gpu", type=int, default=int(os.environ.get("PROCS_PER_GPU", 1)))
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: CPUs / workers)")
     p.add_argument("--budget-s", type=float, default=540,
-                   help="start no row that would end after this many seconds (by the worker's previous row)")
+                   help="seconds from launch after which no row is started or continued (a running one stops at "
+                        "its last outer-step boundary before it)")
+    p.add_argument("--s-per-step", type=float, default=0.0,
+                   help="expected seconds a step (bench/sim_throughput.py) for the budget's first-row judgement")
+    p.add_argument("--state-dir", default="", help="save rows stopped by the budget here and resume them next call")
+    p.add_argument("--skip-done", default="", help="run JSONs (files or folders, comma-separated) whose rows are done")
     p.add_argument("--tag", default="run", help="names the partial JSONs: paper_tables_<tag>_g<gpu>p<proc>.json")
     p.add_argument("--out", required=True, help="directory for the JSONs (a worker: its JSON file)")
     p.add_argument("--calibrate", action="store_true", help="time s/step at each concurrency of --procs")
-    p.add_argument("--procs", default="1,4,8", help="with --calibrate: processes per GPU to try")
+    p.add_argument("--procs", default="1,2", help="with --calibrate: processes per GPU to try")
+    p.add_argument("--estimate", action="store_true", help="print each row's FLOPs and GPU-minutes, train nothing")
     # Internal: what the launcher tells each worker.
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
@@ -235,14 +384,28 @@ def main() -> int:
         return calibrate_worker(args) if args.calibrate_worker else worker(args)
 
     args.command = " ".join(sys.argv)
+    try:  # every row's config checked here, before any worker (or GPU) starts
+        variants = ordered_variants(args)
+        base = parse_config(run_config(args, 256)).hetloco
+        for v in variants:
+            v.hetloco(base, args.replicas)
+    except ConfigError as err:
+        raise SystemExit(f"paper_tables: {err}") from None
+    if args.estimate:
+        return estimate(args)
     gpus = gpu_ids(args.device)
     if args.calibrate:
         return calibrate(args, gpus)
     os.makedirs(args.out, exist_ok=True)
+    if args.state_dir:
+        os.makedirs(args.state_dir, exist_ok=True)
     n = len(gpus) * args.procs_per_gpu
     names = [f"paper_tables_{args.tag}_g{w % len(gpus)}p{w // len(gpus)}.json" for w in range(n)]
-    print(f"{len(ordered_variants(args))} rows x {args.steps} steps on {len(gpus)} GPU(s) x {args.procs_per_gpu} "
+    print(f"{len(variants)} rows x seeds of {args.steps} steps on {len(gpus)} GPU(s) x {args.procs_per_gpu} "
           f"processes; partial JSONs {args.out}/paper_tables_{args.tag}_g*p*.json", flush=True)
+    if not dense_aggregation_supported() and "diloco" not in args.rows:
+        print("note: the dense DiLoCo control row (diloco) needs sparseloco.aggregation 'dense' (branch templar); "
+              "this checkout has none, so the default rows leave it out", flush=True)
     claims, deadline = tempfile.mkdtemp(), ["--deadline", str(time.time() + args.budget_s)]
     try:
         return spawn(args, n, gpus, deadline, [os.path.join(args.out, name) for name in names], claims)

@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# One GPU call of the paper-table rows (bench/paper_tables.py) over every visible GPU, PROCS_PER_GPU
-# worker processes on each. Device tool, carry [".whl", ".benchdata/code_bpe8192_seq256.pt"]:
-#   calibrate: CALIBRATE=1 PROCS=1,4,8,12 STEPS=20 TAG=cal bash bench/run_tables.sh
-#   full run:  STEPS=1500 SEEDS=0,1 PROCS_PER_GPU=6 TAG=h200x2 bash bench/run_tables.sh
-# Each worker rewrites $OUT/paper_tables_${TAG}_g<gpu>p<proc>.json after every row it finishes and
-# starts no row that would end after BUDGET seconds (judged by its previous row). Optional: ROWS
-# (default: all 12), MODEL (20M), DEVICE (cuda), DATA (.benchdata/code_bpe8192_seq256.pt, made by
-# bench/make_code_corpus.py; carry it instead of the whole .benchdata to stay under 64 MiB). The summary of this run goes to $OUT/summary.
+# One GPU call of the paper-table rows (bench/paper_tables.py: batched simulator, 20M, M = 8 x S = 4,
+# H = 50, 32 x 2 x 256 tokens per replica step, 5000 steps = 100 outer syncs) over every visible GPU,
+# PROCS_PER_GPU worker processes on each (1: one batched row fills a GPU).
+# Device tool, carry [".whl", ".benchdata/code_bpe8192_seq256.pt"], timeout_s 600:
+#   lr sweep:  LR_SWEEP=3e-4,6e-4,1e-3,2e-3 STEPS=1000 TAG=sweep bash bench/run_tables.sh
+#   the rows:  LR_FROM=bench/results/paper_tables_sweep/paper_tables_summary.json TAG=h100x8 bash bench/run_tables.sh
+#   next call: the same plus SKIP_DONE=bench/results/paper_tables_h100x8 (rows already committed there)
+# Each worker rewrites $OUT/paper_tables_${TAG}_g<gpu>p<proc>.json after every row, starts no row it cannot
+# finish within BUDGET seconds (default 540), and saves a row the budget stops into STATE_DIR (default
+# runs/paper_tables_state, kept by the device while it stays warm) for the next call to resume.
+# Optional: ROWS (priority order, default paper_tables.DEFAULT_ROWS), SEEDS (0,1), MODEL (20M), DEVICE (cuda),
+# COMPILE (1: torch.compile the forward), S_PER_STEP (bench/sim_throughput.py's step seconds, for the
+# first row's budget judgement), AGGREGATION / OUTER_LR (every SparseLoCo row), DATA
+# (.benchdata/code_bpe8192_seq256.pt, made by bench/make_code_corpus.py; about 29 passes in a 5000-step row), or
+# DEVICE_CORPUS=1 (carry .benchdata/tokenizer: bench/make_device_corpus.py builds a larger one on the machine,
+# CORPUS_ROOTS picks its source folders). The summary goes to $OUT/summary.
 source "$(dirname "$0")/_gpu_env.sh" || exit 1   # pipefail, link settings, wheels (shared with run_gpu*.sh)
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}" "${TAG:?TAG must be set}"
@@ -19,14 +27,26 @@ else
   bench_smoke_path
 fi
 nproc | tee -a "$OUT/card_$TAG.txt"
-args=(--data "${DATA:-.benchdata/code_bpe8192_seq256.pt}" --model "${MODEL:-20M}" --seeds "${SEEDS:-0,1}" --steps "${STEPS:-300}"
-      --device "${DEVICE:-cuda}" --procs-per-gpu "${PROCS_PER_GPU:-6}" --budget-s "${BUDGET:-540}" --tag "$TAG" --out "$OUT")
-[ -n "${ROWS:-}" ] && args+=(--rows "$ROWS")
-if [ "${CALIBRATE:-0}" = 1 ]; then
-  python3 bench/paper_tables.py "${args[@]}" --calibrate --procs "${PROCS:-1,4,8}" 2>&1 | grep --line-buffered -v WARNING
-  exit $?
+if [ "${DEVICE_CORPUS:-0}" = 1 ]; then
+  # The paper-regime corpus from the machine's own sources (bench/make_device_corpus.py; carry
+  # .benchdata/tokenizer instead of the corpus), built once and kept under runs/ while the machine is warm.
+  DATA=${DATA:-runs/device_corpus_seq256.pt}
+  [ -f "$DATA" ] || python3 bench/make_device_corpus.py --tokenizer .benchdata/tokenizer --out "$DATA" \
+    ${CORPUS_ROOTS:+--roots $CORPUS_ROOTS} 2>&1 | tail -5 || exit 1
 fi
-python3 bench/paper_tables.py "${args[@]}" 2>&1 | grep --line-buffered -v WARNING
+args=(--data "${DATA:-.benchdata/code_bpe8192_seq256.pt}" --model "${MODEL:-20M}" --seeds "${SEEDS:-0,1}"
+      --steps "${STEPS:-5000}" --device "${DEVICE:-cuda}" --procs-per-gpu "${PROCS_PER_GPU:-1}"
+      --budget-s "${BUDGET:-540}" --state-dir "${STATE_DIR:-runs/paper_tables_state}" --tag "$TAG" --out "$OUT")
+[ -n "${ROWS:-}" ] && args+=(--rows "$ROWS")
+[ -n "${LR_SWEEP:-}" ] && args+=(--lr-sweep "$LR_SWEEP")
+[ -n "${LR_FROM:-}" ] && args+=(--lr-from "$LR_FROM")
+[ -n "${SKIP_DONE:-}" ] && args+=(--skip-done "$SKIP_DONE")
+[ -n "${S_PER_STEP:-}" ] && args+=(--s-per-step "$S_PER_STEP")
+[ -n "${AGGREGATION:-}" ] && args+=(--aggregation "$AGGREGATION")
+[ -n "${OUTER_LR:-}" ] && args+=(--outer-lr "$OUTER_LR")
+[ "${COMPILE:-0}" = 1 ] && args+=(--compile)
+[ -n "${EXTRA_ARGS:-}" ] && read -r -a extra <<< "$EXTRA_ARGS" && args+=("${extra[@]}")
+python3 bench/paper_tables.py "${args[@]}" 2>&1 | grep --line-buffered -v -E "WARNING|performance drop|scaled_dot_product_attention\("
 rc=$?
-python3 bench/summarize_tables.py "$OUT" --out-dir "$OUT/summary" 2>&1 | tail -20
+python3 bench/summarize_tables.py "$OUT" --out-dir "$OUT/summary" 2>&1 | tail -30
 exit $rc

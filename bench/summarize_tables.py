@@ -1,9 +1,14 @@
 """Merge the paper-table runs (partial JSONs of bench/paper_tables.py) into one summary and a plot.
 
-Relative degradation of each row is against the uncompressed row of the same mode
-(SparseLoCo or AdamW) and seed; rows are then averaged over seeds with their spread. The
-paper's numbers (512M, DCLM, 10B tokens; ../shared/METHOD.md) stand beside ours. Every input
-must share one setting (model, steps, M, S, micro-batch, lr); a (row, seed) seen twice is an error.
+Relative degradation of each row is against the uncompressed row of the same mode (SparseLoCo
+or AdamW), seed, inner lr and outer-step settings; rows are then averaged over seeds with their
+spread. Per row: outer steps, tokens per replica step and per parameter, epochs of the corpus,
+the validation loss (each seed's mean over replicas, each replica through its own pipeline), the
+last sync's diagnostics (replicas per sent coordinate, cosine of the applied update with the
+dense average, error-buffer norm), and the paper's numbers (512M, DCLM, 10B tokens;
+../shared/METHOD.md) beside ours. An lr sweep's summary also names the best lr of each mode
+(`best_lr`, read by `paper_tables.py --lr-from`). Every input must share one setting (model,
+steps, M, S, micro-batch, accumulation, lr); a (row, seed) seen twice is an error.
 
     python bench/summarize_tables.py [JSON or folder ...] [--out-dir DIR]
     # default: bench/results/paper_tables_*.json; writes paper_tables_summary.json and .png to DIR
@@ -24,12 +29,24 @@ PAPER = {
     "pp:8": 4.0, "het:8": 3.3, "pp:24": 5.9, "het:24": 5.5, "pp:96": 8.4, "het:96": 7.7,
     "adamw-pp:8": 2.2, "adamw-het:8": 2.9, "het:8:noadapt": 5.9,
 }
+# Paper, 512M, DCLM, 10B tokens: the uncompressed rows' validation loss (METHOD.md).
+PAPER_LOSS = {"sparseloco": 2.73, "adamw": 2.75}
 
 
-# Table order: SparseLoCo rows (Tables 1/2, 5a), then AdamW (Table 4); others after them.
+# Table order: SparseLoCo rows (Tables 1/2, 5a), then AdamW (Table 4), the dense control; others after them.
 ORDER = ("sparseloco", "pp:8", "het:8", "pp:24", "het:24", "pp:96", "het:96", "pp:8:noadapt", "het:8:noadapt",
-         "adamw", "adamw-pp:8", "adamw-het:8")
-SETTING = ("model", "steps", "replicas", "stages", "micro_batch", "lr", "inner_steps", "seq_len")
+         "adamw", "adamw-pp:8", "adamw-het:8", "diloco")
+SETTING = ("model", "steps", "replicas", "stages", "micro_batch", "grad_accum", "lr", "inner_steps", "seq_len")
+
+
+def table_row(name: str) -> str:
+    """A row's name without its KEY=VALUE flags (lr=, aggregation=, ...): the paper's row it stands for."""
+    return ":".join(p for p in name.split(":") if "=" not in p)
+
+
+def base_key(v: dict) -> tuple:
+    """What a row shares with the uncompressed row it is measured against (simulate.Variant.base_key)."""
+    return v["mode"], v["seed"], v.get("lr"), tuple(sorted((v.get("sparseloco") or {}).items()))
 
 
 def input_files(paths: list[str]) -> list[str]:
@@ -41,14 +58,14 @@ def input_files(paths: list[str]) -> list[str]:
     return [f for f in found if not os.path.basename(f).startswith(skip)]
 
 
-def load_rows(paths: list[str]) -> tuple[list[dict], dict]:
-    rows, meta, seen = [], None, {}
+def load_rows(paths: list[str]) -> tuple[list[dict], dict, list[dict]]:
+    rows, meta, seen, unfinished = [], None, {}, []
     for path in input_files(paths):
         with open(path) as f:
             doc = json.load(f)
         setting = {k: doc.get(k) for k in SETTING}
         if meta is None:
-            meta = {k: v for k, v in doc.items() if k not in ("rows", "worker", "cuda_visible_devices")}
+            meta = {k: v for k, v in doc.items() if k not in ("rows", "worker", "cuda_visible_devices", "unfinished")}
         elif setting != {k: meta.get(k) for k in SETTING}:
             raise SystemExit(f"{path}: setting {setting} differs from the first file's; pass one run's files")
         for r in doc["rows"]:
@@ -57,39 +74,76 @@ def load_rows(paths: list[str]) -> tuple[list[dict], dict]:
                 raise SystemExit(f"{key} is in both {seen[key]} and {path}")
             seen[key] = path
             rows.append({**r, "file": os.path.basename(path)})
+        unfinished += doc.get("unfinished", [])
     if meta is None:
         raise SystemExit(f"no paper_tables_*.json in {paths or [RESULTS]}")
-    return rows, meta
+    return rows, meta, [u for u in unfinished if u["row"] not in seen]
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    base = {(r["variant"]["mode"], r["variant"]["seed"]): r["val_loss"] for r in rows if r["variant"]["compressed"] == 0}
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def summarize(rows: list[dict], meta: dict) -> list[dict]:
+    base = {base_key(r["variant"]): r["val_loss"] for r in rows if r["variant"]["compressed"] == 0}
     by_row: dict[str, list[dict]] = {}
     for r in sorted(rows, key=lambda r: r["variant"]["seed"]):
         by_row.setdefault(r["variant"]["name"].split("@")[0], []).append(r)
-    by_row = dict(sorted(by_row.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER)))
+
+    def order(name):
+        t = table_row(name)
+        return (ORDER.index(t) if t in ORDER else len(ORDER), name)
+
     out = []
-    for name, group in by_row.items():
+    for name in sorted(by_row, key=order):
+        group = by_row[name]
         deltas = []
         for r in group:
-            b = base.get((r["variant"]["mode"], r["variant"]["seed"]))
+            b = base.get(base_key(r["variant"]))
             if b is not None:
                 deltas.append(100.0 * (r["val_loss"] - b) / b)
         losses = [r["val_loss"] for r in group]
+        first = group[0]
+        tokens = first["steps"] * first["replicas"] * first.get("tokens_per_replica_step", 0)
+        last = [r["outer"][-1] if r.get("outer") else {} for r in group]
         out.append({
             "row": name,
-            "mode": group[0]["variant"]["mode"],
-            "ratio": group[0]["variant"]["ratio"],
-            "compressed_replicas": group[0]["variant"]["compressed"],
+            "table_row": table_row(name),
+            "mode": first["variant"]["mode"],
+            "ratio": first["variant"]["ratio"],
+            "compressed_replicas": first["variant"]["compressed"],
+            "lr": first["variant"].get("lr") or meta.get("lr"),
+            "sparseloco": first["variant"].get("sparseloco") or {},
             "seeds": [r["variant"]["seed"] for r in group],
+            "outer_steps": first.get("outer_steps"),
+            "tokens_per_replica_step": first.get("tokens_per_replica_step"),
+            "tokens_per_param": tokens / first["n_params"] if first.get("n_params") else None,
+            "epochs": tokens / meta["corpus_train_tokens"] if meta.get("corpus_train_tokens") else None,
             "val_loss_mean": statistics.fmean(losses),
             "val_loss_per_seed": losses,
+            "val_loss_per_replica_per_seed": [r.get("val_losses") for r in group],
             "delta_pct_mean": statistics.fmean(deltas) if deltas else None,
             "delta_pct_per_seed": deltas,
-            "paper_delta_pct": PAPER.get(name),
-            "stage_link_bytes_per_token": group[0]["stage_link_bytes_per_token"],
+            "paper_delta_pct": PAPER.get(table_row(name)),
+            "paper_val_loss_512m": PAPER_LOSS.get(table_row(name)),
+            "last_sync_replicas_per_selected": _mean(x.get("replicas_per_selected") for x in last),
+            "last_sync_update_cosine": _mean(x.get("update_cosine") for x in last),
+            "last_sync_error_norm": _mean(x.get("error_norm") for x in last),
+            "stage_link_bytes_per_token": first["stage_link_bytes_per_token"],
+            "seconds_per_seed": [r.get("seconds") for r in group],
         })
     return out
+
+
+def best_lr(summary: list[dict]) -> dict[str, float]:
+    """An lr sweep's lowest mean validation loss per mode among its uncompressed rows: {mode: lr}."""
+    best: dict[str, tuple[float, float]] = {}
+    for r in summary:
+        if r["compressed_replicas"] == 0 and r["lr"] is not None and not r["sparseloco"]:
+            if r["mode"] not in best or r["val_loss_mean"] < best[r["mode"]][0]:
+                best[r["mode"]] = (r["val_loss_mean"], r["lr"])
+    return {mode: lr for mode, (_, lr) in best.items()}
 
 
 def corpus_label(description: str) -> str:
@@ -106,11 +160,14 @@ def plot(summary: list[dict], meta: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, source, title in ((axes[0], "ours", f"this repo: {meta['model']}, {corpus_label(meta['data'])}, {meta['steps']} steps"),
+    regime = (f"{meta['model']}, {corpus_label(meta['data'])}, {meta['steps']} steps, "
+              f"{meta.get('tokens_per_replica_step', '?')} tok/replica step")
+    for ax, source, title in ((axes[0], "ours", f"this repo: {regime}"),
                               (axes[1], "paper", "paper: 512M, DCLM, 10B tokens (Table 2)")):
         for kind, marker in (("pp", "o-"), ("het", "s--")):
-            pts = sorted((r["ratio"], r) for r in summary
-                         if r["mode"] == "sparseloco" and r["row"].startswith(kind + ":") and r["row"].count(":") == 1)
+            pts = sorted(((r["ratio"], r) for r in summary if r["mode"] == "sparseloco" and not r["sparseloco"]
+                          and r["table_row"].startswith(kind + ":") and r["table_row"].count(":") == 1),
+                         key=lambda x: x[0])
             xs = [1 / ratio for ratio, _ in pts]
             if source == "ours":
                 pts = [(ratio, r) for ratio, r in pts if r["delta_pct_per_seed"]]  # a run cut short may lack a base
@@ -138,20 +195,34 @@ def main() -> int:
     p.add_argument("inputs", nargs="*", help="JSON files or folders (default: bench/results)")
     p.add_argument("--out-dir", default=RESULTS)
     args = p.parse_args()
-    rows, meta = load_rows(args.inputs)
-    summary = summarize(rows)
-    doc = {**meta, "rows": summary, "sources": sorted({r["file"] for r in rows})}
+    rows, meta, unfinished = load_rows(args.inputs)
+    summary = summarize(rows, meta)
+    doc = {**meta, "rows": summary, "unfinished": unfinished, "sources": sorted({r["file"] for r in rows})}
+    if meta.get("lr_sweep"):
+        doc["best_lr"] = best_lr(summary)
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "paper_tables_summary.json"), "w") as f:
+    tmp = os.path.join(args.out_dir, "paper_tables_summary.json.tmp")
+    with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)
+    os.replace(tmp, os.path.join(args.out_dir, "paper_tables_summary.json"))
     plot(summary, meta, os.path.join(args.out_dir, "paper_tables.png"))
-    print(f"| row | val loss (mean of seeds {summary[0]['seeds']}) | Δ% ours (per seed) | Δ% paper |")
-    print("| --- | --- | --- | --- |")
+    print(f"| row | outer steps | tok/param | val loss (mean of seeds) | per seed | Δ% ours (per seed) | Δ% paper "
+          f"| replicas/coord | cos(update, dense) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in summary:
         per = ", ".join(f"{d:.2f}" for d in r["delta_pct_per_seed"])
         mean = "—" if r["delta_pct_mean"] is None else f"{r['delta_pct_mean']:.2f}"
         paper = "—" if r["paper_delta_pct"] is None else f"{r['paper_delta_pct']:.1f}"
-        print(f"| {r['row']} | {r['val_loss_mean']:.4f} | {mean} ({per}) | {paper} |")
+        tpp = "—" if r["tokens_per_param"] is None else f"{r['tokens_per_param']:.1f}"
+        ov = "—" if r["last_sync_replicas_per_selected"] is None else f"{r['last_sync_replicas_per_selected']:.2f}"
+        cos = "—" if r["last_sync_update_cosine"] is None else f"{r['last_sync_update_cosine']:.2f}"
+        seeds = ", ".join(f"{v:.4f}" for v in r["val_loss_per_seed"])
+        print(f"| {r['row']} | {r['outer_steps']} | {tpp} | {r['val_loss_mean']:.4f} | {seeds} | {mean} ({per}) "
+              f"| {paper} | {ov} | {cos} |")
+    if doc.get("best_lr"):
+        print(f"best lr per mode: {doc['best_lr']}")
+    for u in unfinished:
+        print(f"unfinished: {u['row']} {u['status']} at step {u['step']} of {u['steps']}")
     return 0
 
 

@@ -57,6 +57,10 @@ class OuterResult:
     """Replica ids whose pseudo-gradients were averaged."""
     excluded: tuple[str, ...]
     """Replica ids that sent a non-finite pseudo-gradient (left out, reset to the synced theta)."""
+    selected: int | None = None
+    """With `count_selected`: entries the contributors sent (`OuterReport.selected`)."""
+    distinct: int | None = None
+    """With `count_selected`: coordinates at least one contributor sent (`OuterReport.distinct`)."""
 
 
 class StageAlgorithm:
@@ -149,15 +153,16 @@ class StageAlgorithm:
         """Error feedback and compression of this stage's pseudo-gradient: its uint8 payload."""
         return self.outer.prepare(self.params)
 
-    def finish(self, gathered: Gathered, link: StageLink) -> OuterResult:
+    def finish(self, gathered: Gathered, link: StageLink, count_selected: bool = False) -> OuterResult:
         """Aggregate the gathered payloads into the synced theta (eq. 2). A driver then calls
         `sync_embeddings` on every stage (the engine at once; the simulator after every stage's
-        finish, since it runs one stage at a time)."""
+        finish, since it runs one stage at a time). `count_selected` adds the overlap of the
+        replicas' selections (a diagnostic)."""
         keep = self._embedding_index if self._syncs_embedding else []
         theta_old = None
         if self.tied_apart and keep:
             theta_old = self.outer.theta_prev[keep[0]].clone()
-        report = self.outer.finish(self.params, gathered.payloads, keep_average=keep)
+        report = self.outer.finish(self.params, gathered.payloads, keep_average=keep, count_selected=count_selected)
         if self._syncs_embedding:
             own = report.averages[keep[0]] if keep else None
             if own is not None and self.tied_apart:
@@ -169,6 +174,8 @@ class StageAlgorithm:
             payload_bytes=report.bytes_per_replica,
             contributors=tuple(gathered.members[i] for i in report.contributors),
             excluded=tuple(gathered.members[i] for i in report.excluded),
+            selected=report.selected,
+            distinct=report.distinct,
         )
 
     def outer_step(self, transport: ReplicaTransport, link: StageLink) -> OuterResult:
@@ -186,24 +193,33 @@ class StageAlgorithm:
 
     @torch.no_grad()
     def sync_embeddings(self, link: StageLink) -> None:
-        """After `finish`, on every stage of the replica (the sparse shares are collectives).
+        """After `finish`, on every stage of the replica (the shares are collectives).
 
         Tied apart: the embedding (first stage) and the head copy (last stage) each got their own
-        outer step; both share their sparse aggregate, and both copies become
-        theta_prev - outer_lr * (avg_embedding + avg_head), the same operations on the same
-        values on both stages, so they are bitwise equal again. The sum is what exact tying
-        does with the two gradients of one tied weight.
+        outer step; both share their aggregate (the update direction avg with theta = theta_prev -
+        outer_lr * avg), and both copies become theta_prev - outer_lr * (avg_embedding + avg_head),
+        the same operations on the same values on both stages, so they are bitwise equal again.
+        The sum is what exact tying does with the two gradients of one tied weight.
 
-        Then eqs. 3-4 on every stage that holds T_perp, from the (combined) sparse aggregate
-        alone: every stage applies the same operations in the same order, so every T_perp stays
+        Then eqs. 3-4 on every stage that holds T_perp, from the (combined) aggregate alone:
+        every stage applies the same operations in the same order, so every T_perp stays
         bitwise equal."""
         if self._synced is None:
             return
         (own, theta_old), self._synced = self._synced, None
-        avg = link.share_sparse(own if link.is_first else None, self.shape)
+        # The top-k aggregate has at most M*k non-zeros a chunk; a dense or momentum step has no
+        # zeros to skip, and its index list would double the bytes.
+        sparse = not (self.outer.cfg.dense or self.outer.cfg.outer_momentum > 0)
+
+        def share(source: str):
+            mine = own if (link.is_first if source == "first" else link.is_last) else None
+            if sparse:
+                return link.share_sparse(mine, self.shape, source=source)
+            return link.share_dense(mine, self.shape, kind="embedding_sync", source=source)
+
+        avg = share("first")
         if self.tied_apart:
-            head = link.share_sparse(own if link.is_last else None, self.shape, source="last")
-            avg = avg + head
+            avg = avg + share("last")
             for i in self._embedding_index:
                 self.params[i].copy_(theta_old.add(avg, alpha=-self.cfg.sparseloco.outer_lr))
         if self._adapts_embedding:
@@ -232,17 +248,31 @@ class StageAlgorithm:
         self.outer_steps = int(state["outer_steps"])
 
     def global_state_dict(self) -> dict:
-        """What every replica of this stage holds alike after an outer step: what a joining
-        replica needs from a live peer (its own error feedback starts at zero)."""
-        return {"theta": [p.detach() for p in self.params], "perp": self.perp, "outer_steps": self.outer_steps}
+        """What every replica of this stage holds alike at an outer boundary: what a joining
+        replica needs from a live peer (its own error feedback starts at zero). theta is the
+        synced theta_prev, not the parameters: a donor is asked after its own inner steps."""
+        synced = self.outer.theta_prev if self.outer is not None else [p.detach() for p in self.params]
+        momentum = self.outer.momentum if self.outer is not None else None
+        return {"theta": [t.clone() for t in synced], "perp": None if self.perp is None else self.perp.clone(),
+                "momentum": None if momentum is None else [m.clone() for m in momentum],
+                "outer_steps": self.outer_steps}
 
     @torch.no_grad()
     def load_global_state_dict(self, state: dict) -> None:
-        """Adopt a peer's synced stage: parameters, T_perp, theta_prev; error feedback zeroed."""
-        torch._foreach_copy_([p.data for p in self.params], [t.to(self.device) for t in state["theta"]])
+        """Adopt a peer's synced stage: parameters, theta_prev, outer momentum, T_perp; error
+        feedback zeroed. In place and without SparseLoCoState.load_state_dict, which would clear
+        the pending flag: an elastic heal can come between prepare and finish."""
+        theta = [t.to(self.device) for t in state["theta"]]
+        for i, (p, t) in enumerate(zip(self.params, theta)):
+            p.copy_(t)
+            if self.outer is not None:
+                self.outer.rebase(i, t)
+        if self.outer is not None:
+            for e in self.outer.error:
+                e.zero_()
+            if self.outer.momentum is not None:
+                for m, t in zip(self.outer.momentum, state["momentum"]):
+                    m.copy_(t)
         if self.perp is not None:
             self.perp.copy_(state["perp"])
-        if self.outer is not None:
-            self.outer.load_state_dict({"shapes": self.outer.shapes, "theta_prev": state["theta"],
-                                        "error": [torch.zeros_like(e) for e in self.outer.error]})
         self.outer_steps = int(state["outer_steps"])

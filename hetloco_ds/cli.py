@@ -1,27 +1,33 @@
-"""`hetloco-ds`: train, export, simulate, plan."""
+"""`hetloco-ds`: train, export, simulate, plan, lighthouse, plot."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
+DTYPE_CHOICES = ("bfloat16", "float16", "float32")
+
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train (pre-train or fine-tune) a LLaMA with SparseLoCo + compressed pipelines")
-    p.add_argument("--config", help="DeepSpeed JSON with a 'hetloco' section (default: configs/cpu_tiny.json)")
-    p.add_argument("--model", help="Hugging Face save_pretrained directory to fine-tune from")
+    p.add_argument("--config", help="DeepSpeed JSON with a 'hetloco' section (default: configs/cpu_tiny.json; "
+                                    "under `accelerate launch`, its --deepspeed_config_file)")
+    p.add_argument("--model", help="Hugging Face save_pretrained directory or Hub model id to fine-tune from")
+    p.add_argument("--tokenizer", help="tokenizer directory or Hub id (default: --model's, else the stdlib BPE)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype of the exported OUT/hf (default: --model's)")
     p.add_argument("--model-config", help="preset name (tiny, 20M, 178M, 512M, 1B) or a JSON of LlamaConfig fields")
-    p.add_argument("--data", help="text/jsonl/parquet files or a folder, or an offline `datasets` name (default: the Python stdlib)")
-    p.add_argument("--text-field", default="text", help="field of jsonl/parquet rows holding the text")
-    p.add_argument("--out", help="output directory (default: runs/<time>)")
+    p.add_argument("--data", help="text/jsonl/parquet files or a folder, or a Hub dataset name[:config] (default: the Python stdlib)")
+    p.add_argument("--text-field", help="field of jsonl/parquet rows holding the text (default: text)")
+    p.add_argument("--out", help="output directory (default: runs/<time>); one run owns it")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per replica (0: load, convert, save)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest complete checkpoint, with its own config, model "
+                        "and data unless given (they must then match)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run that --out already holds")
     p.add_argument("--nproc", type=int, help="spawn this many local ranks (default: 2 x pipeline stages when not under a launcher)")
     p.add_argument("--link", action="append", metavar="CLASS=RATE",
                    help="rehearse on emulated links (Linux, root): shape stage or replica links, e.g. --link stage=100mbit "
                         "--link replica=1G; ends with measured vs planned step time (hetloco_ds.rehearse)")
-    # The `deepspeed` launcher appends --local_rank=N; the environment's LOCAL_RANK says the same.
-    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
 
 
 def _export_parser(sub) -> None:
@@ -30,56 +36,86 @@ def _export_parser(sub) -> None:
     p.add_argument("out_dir")
     p.add_argument("--tag", help="checkpoint tag (default: the one named by 'latest')")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, help="dtype of the weights (default: the training source's)")
+
+
+def _default_nproc(targs) -> int:
+    """2 x stages for a new run; the run's own world size for --resume."""
+    from . import rundir
+    from .config import default_config_path, parse_config
+    from .train import _read_json, config_path
+
+    if targs.resume:
+        record = rundir.read_record(targs.out)
+        if config_path(targs) is None:
+            return record["world_size"]
+    path = config_path(targs) or default_config_path()
+    return 2 * parse_config(_read_json(path), path).stages
 
 
 def _train(args) -> int:
+    import shutil
+    import uuid
+
     from .config import ConfigError
+    from .rundir import state_dir
     from .launch import spawn, under_launcher
-    from .train import TrainArgs, default_out, main_rank, prepare_inputs
+    from .train import ENV_JOB, ENV_OWNED, ENV_TAG, EXIT_BAD_INPUT, TrainArgs, default_out, main_rank, own_run, plan_run
+
+    def fail(message: str) -> int:
+        print(f"hetloco-ds train: error: {message}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
 
     if args.steps < 0:
-        print(f"hetloco-ds train: error: --steps {args.steps} must be >= 0", file=sys.stderr)
-        return 2
-    out = args.out or default_out()
+        return fail(f"--steps {args.steps} must be >= 0")
     targs = TrainArgs(config=args.config, model=args.model, model_config=args.model_config, data=args.data,
-                      out=out, steps=args.steps, resume=args.resume, text_field=args.text_field)
+                      out=args.out, steps=args.steps, resume=args.resume, overwrite=args.overwrite,
+                      text_field=args.text_field, tokenizer=args.tokenizer, dtype=args.dtype)
     if args.link:  # a rehearsal on shaped links: check it can run before anything else
         from . import rehearse
 
         if (why := rehearse.problem(args.link, under_launcher())) is not None:
-            print(f"hetloco-ds train: error: {why}", file=sys.stderr)
-            return 2
+            return fail(why)
     if under_launcher():
+        if args.nproc is not None:
+            return fail(f"--nproc {args.nproc} is for starting ranks without a launcher; this process is already "
+                        f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} under one")
         return main_rank(targs)
-    from .config import load_config
-
+    if targs.out is None:
+        targs.out = default_out()
     try:
-        stages = load_config(args.config).stages
-        nproc = args.nproc or 2 * stages
-        if nproc < 1:
-            raise ConfigError(f"--nproc {nproc} must be >= 1")
-        # Validate and build caches once, before any rank starts or anything is written.
-        prepare_inputs(targs, nproc)
+        nproc = args.nproc if args.nproc is not None else _default_nproc(targs)
+        # Every check, once, before any rank starts or anything is written.
+        plan = plan_run(targs, nproc)
+        if plan.resume is not None and plan.resume.note:
+            print(f"[hetloco] {plan.resume.note}", flush=True)
+        lock = own_run(plan)
     except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"hetloco-ds train: error: {err}", file=sys.stderr)
-        return 2
-    argv = ["train", "--out", out, "--steps", str(args.steps), "--text-field", args.text_field]
+        return fail(str(err))
+    argv = ["train", "--out", targs.out, "--steps", str(args.steps)]
     for flag, value in (("--config", args.config), ("--model", args.model), ("--model-config", args.model_config),
-                        ("--data", args.data)):
+                        ("--data", args.data), ("--text-field", args.text_field), ("--tokenizer", args.tokenizer),
+                        ("--dtype", args.dtype)):
         if value is not None:
             argv += [flag, value]
-    if args.resume:
-        argv.append("--resume")
-    if args.link:
-        return rehearse.run(nproc, argv, args.link, out, stages)
-    return spawn(nproc, argv)
+    argv += [flag for flag, on in (("--resume", args.resume), ("--overwrite", args.overwrite)) if on]
+    env = dict(os.environ, **{ENV_OWNED: "1", ENV_JOB: uuid.uuid4().hex[:12]})
+    if plan.resume is not None:
+        env[ENV_TAG] = plan.resume.tag
+    try:
+        if args.link:
+            return rehearse.run(nproc, argv, args.link, targs.out, plan.run.stages, env)
+        return spawn(nproc, argv, env=env)
+    finally:
+        shutil.rmtree(state_dir(targs.out, "heartbeat"), ignore_errors=True)  # the job is over
+        lock.release()
 
 
 def _export(args) -> int:
     from . import convert
 
     try:
-        convert.export(args.checkpoint_dir, args.out_dir, tag=args.tag, overwrite=args.overwrite)
+        convert.export(args.checkpoint_dir, args.out_dir, tag=args.tag, overwrite=args.overwrite, dtype=args.dtype)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"hetloco-ds export: error: {err}", file=sys.stderr)
         return 2
@@ -87,8 +123,24 @@ def _export(args) -> int:
     return 0
 
 
+def _take_local_rank(argv: list[str]) -> list[str]:
+    """The `deepspeed` launcher puts --local_rank=N before the subcommand; LOCAL_RANK says the same."""
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return rest
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _take_local_rank(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:
         from .plan.cli import main as plan_main
 
@@ -97,12 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         from .simulate import main as simulate_main
 
         return simulate_main(argv[1:])
+    if argv[:1] == ["lighthouse"]:
+        from .transport.lighthouse import main as lighthouse_main
+
+        return lighthouse_main(argv[1:])
+    if argv[:1] == ["plot"]:
+        from .plot import main as plot_main
+
+        return plot_main(argv[1:])
     parser = argparse.ArgumentParser(prog="hetloco-ds", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _export_parser(sub)
     sub.add_parser("simulate", help="M replicas x S virtual stages in one process (see `hetloco-ds simulate -h`)")
     sub.add_parser("plan", help="predict step time, utilisation and bytes (see `hetloco-ds plan -h`)")
+    sub.add_parser("lighthouse", help="the lighthouse elastic replicas meet through (see `hetloco-ds lighthouse -h`)")
+    sub.add_parser("plot", help="loss and bytes-by-link PNGs of a run (see `hetloco-ds plot -h`)")
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args)

@@ -7,12 +7,16 @@ DeepSpeed settings we depend on, and hands typed objects inward.
 """
 from __future__ import annotations
 
+import collections.abc
+import difflib
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .sparseloco.outer import PRESETS as OUTER_PRESETS
 
 
 class ConfigError(ValueError):
@@ -24,6 +28,10 @@ class _Section(BaseModel):
 
 
 class SparseLoCoConfig(_Section):
+    preset: Literal["templar", "diloco", "paper"] | None = None
+    """Fill the fields below from a named rule set (sparseloco/outer.py PRESETS) when the section is read;
+    fields given next to it win. templar: the SparseLoCo authors' code; diloco: dense, Nesterov outer SGD;
+    paper: eq. (2) as written (divide by M, no clip)."""
     enabled: bool = True
     """False runs plain data parallelism: a gradient all-reduce every step (the AdamW DDP baseline)."""
     inner_steps: int = Field(50, ge=1)
@@ -38,12 +46,48 @@ class SparseLoCoConfig(_Section):
     """Values kept per chunk of `chunk_size` elements (scaled for smaller chunks, at least 1)."""
     quant_bits: Literal[2, 4, 8] | None = None
     """Quantise the selected values to this many bits with a per-tensor lookup table; null sends float32."""
-    aggregation: Literal["mean", "selected_count"] = "mean"
-    """mean: divide the sum by the replicas that contributed (paper eq. 2). selected_count: by how many selected each coordinate."""
+    aggregation: Literal["mean", "selected_count", "dense"] = "selected_count"
+    """selected_count (default, the SparseLoCo authors' rule): divide each coordinate's sum by the replicas that
+    selected it. mean: by the replicas that contributed (paper eq. 2). dense: whole pseudo-gradients, no top-k,
+    no error feedback (DiLoCo control). README, "Aggregation", has the measurement behind the default."""
+    chunking: Literal["tiles", "per_dim"] = "tiles"
+    """tiles: non-2-D tensors in chunks of <= chunk_size. per_dim (templar): every dimension <= sqrt(chunk_size)."""
+    topk_rule: Literal["scaled", "fixed"] = "scaled"
+    """scaled: k = topk * chunk_len / chunk_size, >= 1. fixed (templar): k = topk in every chunk, even, >= 2."""
+    quant_rounding: Literal["floor", "nearest"] = "floor"
+    """Quantisation bin of a value: floor (ours) or round to nearest (templar)."""
+    quant_std: Literal["population", "sample"] = "population"
+    """Std behind the quantisation bin width: population (ours) or sample, n - 1 (templar)."""
+    norm_clip: Literal["none", "median"] = "median"
+    """median (default, templar): scale each replica's decoded tensor down to the replicas' median norm before
+    aggregating (a no-op among honest replicas; bounds what one outlier moves); none: no clip."""
+    outer_momentum: float = Field(0.0, ge=0, lt=1)
+    """Nesterov momentum of the outer SGD; 0 is the paper's plain SGD (DiLoCo: 0.9 with outer_lr 0.7)."""
     tied_embeddings: Literal["outer_step", "every_step"] = "outer_step"
     """A tied model split over stages (tie_word_embeddings, S > 1). outer_step: the embedding and the head copy
     train separately between outer steps and are made equal again at each one from their sparse aggregates;
     every_step: their gradients are all-reduced every step (a dense vocab x d tensor on the first-last stage link)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in OUTER_PRESETS:
+            return {**OUTER_PRESETS[data["preset"]], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _dense_sends_values(self) -> "SparseLoCoConfig":
+        if self.aggregation == "dense" and self.quant_bits is not None:
+            raise ValueError(f"aggregation 'dense' sends whole tensors unquantised; "
+                             f"quant_bits must be null, got {self.quant_bits}")
+        return self
+
+    @model_validator(mode="after")
+    def _topk_fits_chunk(self) -> "SparseLoCoConfig":
+        # The codec would clamp k to the chunk length: a silently denser payload than asked for.
+        if self.topk > self.chunk_size:
+            raise ValueError(f"topk = {self.topk} exceeds chunk_size = {self.chunk_size} (values kept per chunk)")
+        return self
 
 
 class SubspaceConfig(_Section):
@@ -101,6 +145,14 @@ class TrainConfig(_Section):
     """Vocabulary of the BPE tokenizer trained on the embedded default corpus."""
     compile: bool = False
     """torch.compile each decoder layer and the loss (the first steps are slower while it compiles)."""
+    keep_checkpoints: int = Field(2, ge=0)
+    """Complete checkpoints kept in OUT/checkpoints (older ones are deleted after a newer one is committed); 0 keeps all."""
+    watchdog_timeout: float = Field(180.0, ge=0)
+    """Seconds a rank may go without a heartbeat (twice that without progress, or 20x the slowest step
+    if longer) before the job is ended with a line naming it; 0 turns the watchdog off."""
+    max_nonfinite_outer_steps: int = Field(3, ge=0)
+    """Stop (exit 3, keeping the last good checkpoint) after this many consecutive outer steps at which
+    every replica's update was non-finite; 0 never stops."""
 
 
 class PipelineConfig(_Section):
@@ -164,15 +216,100 @@ class RunConfig:
         return ds
 
 
-def _format_pydantic(err: ValidationError, source: str) -> str:
-    lines = []
+def _format_pydantic(err: ValidationError, source: str, prefix: str = "hetloco") -> str:
+    """All of pydantic's errors as one line, each naming the dotted key, the value and the file."""
+    parts = []
     for e in err.errors():
-        where = "hetloco." + ".".join(str(p) for p in e["loc"])
+        loc = [str(p) for p in e["loc"]]
+        where = ".".join([prefix, *loc]) if prefix else ".".join(loc)
         if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key '{where}'")
+            parts.append(f"unknown key '{where}'")
+        elif e["type"] == "value_error":
+            msg = str(e["ctx"]["error"])
+            field = msg.split(" ", 1)[0].split("[", 1)[0]
+            if loc and field == loc[-1]:  # "replica_ratios[1] = 0 ..." under ...replica_ratios
+                where = where.rsplit(".", 1)[0]
+            parts.append(f"{where}.{msg}" if " = " in msg.split(",")[0] else f"{where}: {msg}")
         else:
-            lines.append(f"{source}: {where}: {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
+            parts.append(f"{where} = {e.get('input')!r}: {e['msg']}")
+    return f"{source}: " + "; ".join(parts)
+
+
+class _RecordingDict(dict):
+    """A dict that records every key looked up in it, however DeepSpeed's parser asks."""
+
+    def __init__(self, data, seen: list[str]):
+        super().__init__(data)
+        self.seen = seen
+
+    def _note(self, key):
+        self.seen.append(key)
+
+    def get(self, key, *default):
+        self._note(key)
+        return super().get(key, *default)
+
+    def __getitem__(self, key):
+        self._note(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self._note(key)
+        return super().__contains__(key)
+
+    def keys(self):
+        return _RecordingKeys(self)
+
+    def __copy__(self):
+        return _RecordingDict(self, self.seen)
+
+
+class _RecordingKeys(collections.abc.KeysView):
+    def __contains__(self, key):
+        self._mapping._note(key)
+        return dict.__contains__(self._mapping, key)
+
+    def __iter__(self):
+        return dict.__iter__(self._mapping)
+
+
+def check_deepspeed_section(ds: dict[str, Any], source: str) -> None:
+    """DeepSpeed's own parser (`DeepSpeedConfig`) over the user's DeepSpeed keys, once, here.
+
+    DeepSpeed ignores a top-level key it does not read, so a misspelt one silently changes the
+    run. Its parser is the authority on which keys exist: every top-level key it looks up while
+    parsing this very dict is known (its typed sections, `DeepSpeedConfigModel` with
+    extra="forbid", reject unknown keys inside them by themselves). Any other key is an error.
+    """
+    import logging
+
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger
+
+    seen: list[str] = []
+    # train_batch_size is never used (a replica's batch is micro x accumulation); DeepSpeed would
+    # check it against a world size of 1 here.
+    probe = {k: v for k, v in ds.items() if k != "train_batch_size"}
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        DeepSpeedConfig(_RecordingDict(probe, seen))
+    except ValidationError as err:
+        section = next((k for k in reversed(seen) if k in probe), None)
+        raise ConfigError(_format_pydantic(err, source, prefix=section or "")) from None
+    except Exception as err:  # noqa: BLE001 - DeepSpeed raises asserts, ValueError, its own errors
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{source}: DeepSpeed {deepspeed.__version__} rejects the config: {first}") from None
+    finally:
+        logger.setLevel(level)
+    known = set(seen)
+    for key in ds:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(k for k in known if isinstance(k, str)), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"{source}: unknown DeepSpeed key '{key}' (DeepSpeed {deepspeed.__version__} "
+                              f"does not read it){hint}")
 
 
 def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
@@ -181,6 +318,8 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
         raise ConfigError(f"{source}: top level must be a JSON object")
     ds = json.loads(json.dumps(raw))  # deep copy; we edit DeepSpeed's part below
     section = ds.pop("hetloco", {}) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{source}: hetloco must be a JSON object, got {section!r}")
     try:
         hetloco = HetlocoConfig.model_validate(section)
     except ValidationError as err:
@@ -205,14 +344,16 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         value = ds.get(key, 1)
         if value == "auto":
-            ds[key] = 1
+            value = 1
         elif not isinstance(value, int) or value < 1:
             raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+        ds[key] = value
     if ds.get("train_batch_size") == "auto":
         ds.pop("train_batch_size")
     clip = ds.get("gradient_clipping", 1.0)
     if not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError(f"{source}: gradient_clipping must be a non-negative number, got {clip!r}")
+    check_deepspeed_section(ds, source)
     optimizer = _optimizer_settings(ds.get("optimizer"), source)
     return RunConfig(ds=ds, hetloco=hetloco, source=source, stages=stages,
                      bf16=bool((ds.get("bf16") or {}).get("enabled", False)), clip=float(clip),
@@ -290,3 +431,28 @@ def check_topology(world_size: int, stages: int, source: str, num_layers: int | 
     if num_layers is not None and stages > num_layers:
         raise ConfigError(f"{source}: pipeline.stages = {stages} exceeds the model's {num_layers} decoder layers")
     return world_size // stages
+
+
+def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int) -> int:
+    """Every check that needs the world size or the model: run once where the job is launched.
+
+    Returns the number of replicas M."""
+    M = check_topology(world_size, run.stages, run.source, num_layers)
+    sub = run.hetloco.subspace
+    where = f"{run.source}: hetloco.subspace"
+    if isinstance(sub.compressed_replicas, list):
+        missing = [m for m in sub.compressed_replicas if not 0 <= m < M]
+        if missing:
+            raise ConfigError(f"{where}.compressed_replicas = {sub.compressed_replicas} names replica {missing[0]}, "
+                              f"but {world_size} ranks / pipeline.stages = {run.stages} make replicas 0..{M - 1}")
+    missing = [m for m in sub.replica_ratios if not 0 <= m < M]
+    if missing:
+        raise ConfigError(f"{where}.replica_ratios = {sub.replica_ratios} names replica {missing[0]}, "
+                          f"but {world_size} ranks / pipeline.stages = {run.stages} make replicas 0..{M - 1}")
+    for m in range(M):
+        ratio = sub.ratio_for(m, M)
+        if hidden_size % ratio != 0:
+            key = f"replica_ratios[{m}]" if m in sub.replica_ratios else "ratio"
+            raise ConfigError(f"{where}.{key} = {ratio} does not divide the model's hidden_size = {hidden_size} "
+                              f"(replica {m} is compressed)")
+    return M

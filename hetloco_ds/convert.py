@@ -11,13 +11,20 @@ HF directory) both read it; nothing else in this module knows a key name.
 
 DeepSpeed writes one `CKPT_DIR/<tag>/<patches.layer_checkpoint_name(idx)>` per layer and names
 the newest tag in `CKPT_DIR/latest`; the training run adds `CKPT_DIR/hf_meta/` (config,
-generation config, tokenizer) with `save_hf_meta`, which is all `export` needs besides the
-layer files.
+generation config, tokenizer, model card) with `save_hf_meta`, which is all `export` needs
+besides the layer files. What came from the source model directory (tokenizer files,
+generation_config.json, README.md and licence files) is copied byte for byte at both hops, so
+an export carries the source's side files unchanged.
+
+The exported config.json says which dtype the weights are in (the config's `dtype`: the
+source checkpoint's for a fine-tune) and records where the model came from under one key,
+`hetloco_ds`, that transformers keeps as an unknown attribute and otherwise ignores.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import os
 import re
@@ -28,7 +35,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
-from safetensors import safe_open
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
@@ -43,6 +51,21 @@ HF_META = "hf_meta"
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_SIZE = "2GB"
+PROVENANCE_KEY = "hetloco_ds"
+"""config.json key of our provenance record; transformers keeps unknown keys as plain attributes."""
+
+TOKENIZER_FILES = (
+    "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt",
+    "chat_template.jinja", "chat_template.json",
+)
+"""File names transformers' tokenizers read from a model directory (any one makes a tokenizer dir)."""
+TOKENIZER_DIRS = ("additional_chat_templates",)
+MODEL_CARD_FILES = ("README.md", "LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "USE_POLICY.md")
+"""The model card and the licence terms a redistributed fine-tune must keep."""
+GENERATION_CONFIG = "generation_config.json"
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
 
 
 class ConversionError(ValueError):
@@ -195,6 +218,42 @@ def hf_keys_for_layer(config: LlamaConfig, layer_idx: int) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
+HUB_MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.md", "LICENSE*", "NOTICE*",
+                   "additional_chat_templates/*")
+"""What `resolve_hf_dir` fetches of a model repo: weights, configs, tokenizer, card (no .bin/.pth)."""
+HUB_TOKENIZER_FILES = ("config.json", *TOKENIZER_FILES, "additional_chat_templates/*")
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
+
+
+def resolve_hf_dir(name: str | os.PathLike, what: str = "--model", patterns: Iterable[str] = HUB_MODEL_FILES) -> Path:
+    """A local directory for `name`: `name` itself when it is a directory, else the snapshot of
+    the Hub repo `name` in the Hugging Face cache (downloaded into it first, `patterns` only,
+    unless HF_HUB_OFFLINE=1). `what` names the option in errors."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(str(name))
+    except HFValidationError:
+        raise ConversionError(f"{what} {name}: not a directory (expected a save_pretrained directory or a Hub id)") from None
+    offline = bool(constants.HF_HUB_OFFLINE)
+    try:
+        return Path(snapshot_download(str(name), allow_patterns=list(patterns), local_files_only=offline))
+    except LocalEntryNotFoundError:
+        how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else "and the Hub could not be reached"
+        raise ConversionError(
+            f"{what} {name}: not a directory, and not in the Hugging Face cache {constants.HF_HUB_CACHE} ({how})") from None
+    except Exception as err:  # not found, gated, unauthorised, network: the hub's own words
+        raise ConversionError(f"{what} {name}: not a directory, and not loadable from the Hub ({_one_line(err)})") from None
+
+
 def read_hf_config(hf_dir: str | os.PathLike) -> LlamaConfig:
     """The LlamaConfig of a local `save_pretrained` directory."""
     path = Path(hf_dir) / "config.json"
@@ -206,30 +265,65 @@ def read_hf_config(hf_dir: str | os.PathLike) -> LlamaConfig:
     return LlamaConfig.from_pretrained(str(Path(hf_dir)))
 
 
-def _safetensors_header(path: Path) -> dict[str, dict]:
-    """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors header, without mapping the file."""
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    header.pop("__metadata__", None)
-    return header
+@contextmanager
+def _open_safetensors(path: Path):
+    """`safe_open` on `path`; a corrupt or truncated file is a ConversionError naming it.
+
+    safetensors' own message ("Error while deserializing header: ...") names no file, which
+    leaves a user of a sharded checkpoint guessing which of its shards is broken.
+    """
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as err:
+        raise ConversionError(f"{path}: not a readable safetensors file ({err})") from None
+    with handle as f:
+        yield f
 
 
-def _safetensors_keys(path: Path) -> list[str]:
-    """Tensor names from a safetensors header, without mapping the file."""
-    return list(_safetensors_header(path))
+def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, from the header only (no tensor data is read)."""
+    with _open_safetensors(path) as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def _hf_weight_map(hf_dir: Path) -> dict[str, str]:
     """HF key -> file name (relative to hf_dir), from the index or the single file."""
     index = hf_dir / SAFE_INDEX
     if index.is_file():
-        return json.loads(index.read_text())["weight_map"]
+        try:
+            return json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ConversionError(f"{index}: not a safetensors index with a weight_map ({err!r})") from None
     single = hf_dir / SAFE_WEIGHTS
     if single.is_file():
-        return {k: SAFE_WEIGHTS for k in _safetensors_keys(single)}
+        return {k: SAFE_WEIGHTS for k in _safetensors_shapes(single)}
     hint = " (found pytorch_model.bin weights; re-save with safe_serialization)" if any(
         hf_dir.glob("pytorch_model*.bin")) else ""
     raise ConversionError(f"no {SAFE_WEIGHTS} or {SAFE_INDEX} in {hf_dir}{hint}")
+
+
+def weights_dtype(hf_dir: str | os.PathLike) -> torch.dtype | None:
+    """The one floating-point dtype of a checkpoint's tensors, from the headers; None if mixed."""
+    hf_dir = Path(hf_dir)
+    found = set()
+    for file_name in sorted(set(_hf_weight_map(hf_dir).values())):
+        with _open_safetensors(hf_dir / file_name) as f:
+            found |= {f.get_slice(k).get_dtype() for k in f.keys()}
+    floats = {_SAFETENSORS_DTYPES[d] for d in found if d in _SAFETENSORS_DTYPES}
+    return floats.pop() if len(floats) == 1 else None
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """torch dtype from "bfloat16"/"bf16", "float16"/"fp16", "float32"/"fp32" (or a torch dtype)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    try:
+        return DTYPES[str(value).lower()]
+    except KeyError:
+        raise ConversionError(f"dtype {value!r} is not one of {', '.join(DTYPES)}") from None
 
 
 def check_hf_dir(hf_dir: str | os.PathLike, config: LlamaConfig) -> None:
@@ -240,7 +334,7 @@ def check_hf_dir(hf_dir: str | os.PathLike, config: LlamaConfig) -> None:
     """
     hf_dir = Path(hf_dir)
     weight_map = _hf_weight_map(hf_dir)
-    headers: dict[str, dict[str, dict]] = {}
+    headers: dict[str, dict[str, tuple[int, ...]]] = {}
     for idx in range(num_pipe_layers(config)):
         for pipe_key, shape in _expected_shapes(config, idx).items():
             hf_key, is_addend = _pipe_to_hf(config, idx, pipe_key, exporting=False)
@@ -254,26 +348,17 @@ def check_hf_dir(hf_dir: str | os.PathLike, config: LlamaConfig) -> None:
                 path = hf_dir / file_name
                 if not path.is_file():
                     raise ConversionError(f"{path} is named by {hf_dir / SAFE_INDEX} but does not exist")
-                headers[file_name] = _safetensors_header(path)
-            entry = headers[file_name].get(hf_key)
-            if entry is None:
+                headers[file_name] = _safetensors_shapes(path)
+            found = headers[file_name].get(hf_key)
+            if found is None:
                 raise ConversionError(f"{hf_key} is mapped to {hf_dir / file_name} but is not in it")
-            found = tuple(entry["shape"])
             if found != tuple(shape):
                 raise ConversionError(
                     f"{hf_key}: expected shape {tuple(shape)} ({label}), found {found} in {hf_dir / file_name}")
 
 
-def load_hf_into_layers(
-    hf_dir: str | os.PathLike, config: LlamaConfig, layers: Mapping[int, nn.Module]
-) -> None:
-    """Copy HF weights into already materialised pipe layers {pipe index: module}.
-
-    Reads only the tensors these layers need, opening only the shards that hold them. Every
-    shape is checked before its tensor is read. A TokenEmbedding's `perp` is zeroed: HF's
-    embedding goes whole into `weight` (the subspace split happens later, elsewhere).
-    """
-    hf_dir = Path(hf_dir)
+def _load_targets(config: LlamaConfig, layers: Mapping[int, nn.Module]):
+    """HF key -> [(label, pipe tensor)] of every tensor `layers` load, and the addends to zero."""
     targets: dict[str, list[tuple[str, torch.Tensor]]] = {}
     addends: list[torch.Tensor] = []
     for idx, module in sorted(layers.items()):
@@ -286,7 +371,39 @@ def load_hf_into_layers(
                 addends.append(tensor)
             else:
                 targets.setdefault(hf_key, []).append((f"pipe layer {idx} {pipe_key!r}", tensor))
+    return targets, addends
 
+
+def load_state_into_layers(state: Mapping[str, torch.Tensor], config: LlamaConfig,
+                           layers: Mapping[int, nn.Module]) -> None:
+    """As `load_hf_into_layers`, from an in-memory `LlamaForCausalLM` state dict (HF key names)."""
+    targets, addends = _load_targets(config, layers)
+    missing = [k for k in targets if k not in state]
+    if missing:
+        raise ConversionError(f"the model's state dict lacks {len(missing)} needed tensor(s): {missing[:4]}")
+    with torch.no_grad():
+        for tensor in addends:
+            tensor.zero_()
+        for hf_key, wanted in targets.items():
+            value = state[hf_key]
+            for label, target in wanted:
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ConversionError(f"{hf_key}: expected shape {tuple(target.shape)} ({label}), "
+                                          f"found {tuple(value.shape)} in the model")
+                target.copy_(value.detach())
+
+
+def load_hf_into_layers(
+    hf_dir: str | os.PathLike, config: LlamaConfig, layers: Mapping[int, nn.Module]
+) -> None:
+    """Copy HF weights into already materialised pipe layers {pipe index: module}.
+
+    Reads only the tensors these layers need, opening only the shards that hold them. Every
+    shape is checked before its tensor is read. A TokenEmbedding's `perp` is zeroed: HF's
+    embedding goes whole into `weight` (the subspace split happens later, elsewhere).
+    """
+    hf_dir = Path(hf_dir)
+    targets, addends = _load_targets(config, layers)
     weight_map = _hf_weight_map(hf_dir)
     missing = [k for k in targets if k not in weight_map]
     if missing:
@@ -304,8 +421,11 @@ def load_hf_into_layers(
             path = hf_dir / file_name
             if not path.is_file():
                 raise ConversionError(f"{path} is named by {hf_dir / SAFE_INDEX} but does not exist")
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with _open_safetensors(path) as f:
+                present = set(f.keys())
                 for hf_key in by_file[file_name]:
+                    if hf_key not in present:
+                        raise ConversionError(f"{hf_key} is mapped to {path} but is not in it")
                     found = tuple(f.get_slice(hf_key).get_shape())
                     for label, target in targets[hf_key]:
                         if tuple(target.shape) != found:
@@ -396,23 +516,49 @@ class HFMeta:
     """The tokenizer saved there (AutoTokenizer), or None when none was saved."""
 
 
+def tokenizer_files(directory: str | os.PathLike) -> list[str]:
+    """Names of the tokenizer files (and chat-template folder) present in `directory`."""
+    directory = Path(directory)
+    return [n for n in TOKENIZER_FILES + TOKENIZER_DIRS if (directory / n).exists()]
+
+
+def _copy_side_files(src: Path, dst: Path, names: Iterable[str]) -> None:
+    """Copy those of `names` that exist in `src` into `dst`, byte for byte."""
+    for name in names:
+        path = Path(src) / name
+        if path.is_dir():
+            shutil.copytree(path, dst / name, dirs_exist_ok=True)
+        elif path.is_file():
+            shutil.copy2(path, dst / name)
+
+
 def save_hf_meta(
     ckpt_dir: str | os.PathLike,
     config: LlamaConfig,
     tokenizer=None,
     generation_config: GenerationConfig | None = None,
+    *,
+    model_dir: str | os.PathLike | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
 ) -> Path:
-    """Write CKPT_DIR/hf_meta (config.json, generation_config.json, tokenizer files) atomically.
+    """Write CKPT_DIR/hf_meta (config.json, generation config, model card, tokenizer) atomically.
 
-    Call it from one process only (global rank 0). Replaces an earlier hf_meta.
+    `model_dir` (the source checkpoint) gives generation_config.json, README.md and licence
+    files, `tokenizer_dir` the tokenizer files, all copied unchanged; `generation_config` /
+    `tokenizer` objects are saved only where no such file was copied (a generation config from
+    `config` when there is neither). Call it from one process only (global rank 0). Replaces an
+    earlier hf_meta.
     """
     final = Path(ckpt_dir) / HF_META
     with _staged_dir(final, overwrite=True) as tmp:
         config.save_pretrained(tmp)
-        if generation_config is None:
-            generation_config = GenerationConfig.from_model_config(config)
-        generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
+        if model_dir is not None:
+            _copy_side_files(Path(model_dir), tmp, (GENERATION_CONFIG, *MODEL_CARD_FILES))
+        if not (tmp / GENERATION_CONFIG).exists():
+            (generation_config or GenerationConfig.from_model_config(config)).save_pretrained(tmp)
+        if tokenizer_dir is not None:
+            _copy_side_files(Path(tokenizer_dir), tmp, TOKENIZER_FILES + TOKENIZER_DIRS)
+        if tokenizer is not None and not tokenizer_files(tmp):
             tokenizer.save_pretrained(tmp)
     return final
 
@@ -422,12 +568,12 @@ def load_hf_meta(ckpt_dir: str | os.PathLike) -> HFMeta:
     if not path.is_dir():
         raise ConversionError(f"{path} not found: the training run writes it with save_hf_meta()")
     config = read_hf_config(path)
-    if (path / "generation_config.json").is_file():
+    if (path / GENERATION_CONFIG).is_file():
         generation_config = GenerationConfig.from_pretrained(str(path))
     else:
         generation_config = GenerationConfig.from_model_config(config)
     tokenizer = None
-    if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file():
+    if tokenizer_files(path):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -466,64 +612,60 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 class _ShardWriter:
-    """Streams tensors into safetensors shards, split as `save_pretrained` splits them.
+    """Writes safetensors shards as `save_pretrained` splits them, while tensors stream in.
 
-    In order, a tensor joins the current shard unless that would pass `max_shard_size`
-    (then the current shard is written first); a tensor larger than the limit gets a shard
-    of its own. Shards are numbered in the order they are written, which is the order
-    huggingface_hub's `split_torch_state_dict_into_shards` gives them; names are final only
-    in `finish`, once the count is known.
+    The split is planned up front by huggingface_hub's `split_torch_state_dict_into_shards`
+    (which `save_pretrained` uses) over meta tensors of the final keys, shapes and dtype, so
+    no data is needed to plan. A shard is written as soon as its last tensor arrives; only
+    the tensors of shards still incomplete are held, which is at most one shard plus one
+    oversize tensor, since the plan follows the order in which tensors arrive.
     """
 
-    def __init__(self, directory: Path, max_shard_size: int):
-        self.directory, self.max_shard_size = directory, max_shard_size
-        self.current: dict[str, torch.Tensor] = {}
-        self.current_size = 0
-        self.written: list[tuple[Path, list[str]]] = []
-        self.total_size = 0
-        self.total_parameters = 0
-        self.dtypes: set[torch.dtype] = set()
+    def __init__(self, directory: Path, plan: Mapping[str, torch.Tensor], max_shard_size: int):
+        self.directory = directory
+        self.split = split_torch_state_dict_into_shards(dict(plan), max_shard_size=max_shard_size)
+        self.total_parameters = sum(t.numel() for t in plan.values())
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, key: str, tensor: torch.Tensor) -> None:
-        tensor = _own_storage(tensor)
-        size = tensor.numel() * tensor.element_size()
-        self.total_size += size
-        self.total_parameters += tensor.numel()
-        self.dtypes.add(tensor.dtype)
-        if size > self.max_shard_size:
-            self._write({key: tensor})
-            return
-        if self.current_size + size > self.max_shard_size:
-            self._write(self.current)
-            self.current, self.current_size = {}, 0
-        self.current[key] = tensor
-        self.current_size += size
-
-    def _write(self, tensors: dict[str, torch.Tensor]) -> None:
-        path = self.directory / f"model-{len(self.written) + 1:05d}.partial.safetensors"
-        _save_shard(tensors, path)
-        self.written.append((path, list(tensors)))
+        name = self.split.tensor_to_filename.get(key)
+        if name is None:
+            raise ConversionError(f"tensor {key!r} is not in the export plan")
+        shard = self.pending.setdefault(name, {})
+        shard[key] = _own_storage(tensor)
+        if len(shard) == len(self.split.filename_to_tensors[name]):
+            _save_shard(self.pending.pop(name), self.directory / name)
 
     def finish(self) -> None:
-        if self.current:
-            self._write(self.current)
-            self.current = {}
-        if not self.written:
-            raise ConversionError("no tensors to write")
-        if len(self.written) == 1:
-            os.rename(self.written[0][0], self.directory / SAFE_WEIGHTS)
-            return
-        n = len(self.written)
-        weight_map = {}
-        for i, (path, keys) in enumerate(self.written, start=1):
-            name = f"model-{i:05d}-of-{n:05d}.safetensors"
-            os.rename(path, self.directory / name)
-            weight_map.update({k: name for k in keys})
-        index = {
-            "metadata": {"total_parameters": self.total_parameters, "total_size": self.total_size},
-            "weight_map": weight_map,
-        }
-        (self.directory / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        missing = sorted(k for name, keys in self.split.filename_to_tensors.items()
+                         if not (self.directory / name).exists() for k in keys if k not in self.pending.get(name, {}))
+        if missing:  # only a broken layer stream gets here: _layer_to_hf checks every layer's keys
+            raise ConversionError(f"export got no tensor for {missing}")
+        if self.split.is_sharded:
+            index = {
+                "metadata": {"total_parameters": self.total_parameters, **self.split.metadata},
+                "weight_map": self.split.tensor_to_filename,
+            }
+            (self.directory / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _export_plan(config: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF key -> meta tensor of its final shape and dtype, in the order `_layer_to_hf` yields them."""
+    plan = {}
+    for idx in export_layers(config):
+        for key, shape in _expected_shapes(config, idx).items():
+            hf_key, _ = _pipe_to_hf(config, idx, key, exporting=True)
+            plan[hf_key] = torch.empty(shape, dtype=dtype, device="meta")
+    return plan
+
+
+def _provenance(config: LlamaConfig, **fields) -> dict:
+    """What goes under config.json's PROVENANCE_KEY: ours, on top of what training recorded."""
+    from . import __version__
+
+    recorded = getattr(config, PROVENANCE_KEY, None)
+    return {**(recorded if isinstance(recorded, dict) else {}), "version": __version__,
+            **{k: v for k, v in fields.items() if v is not None}}
 
 
 def _layer_to_hf(
@@ -562,6 +704,20 @@ def _layer_to_hf(
         raise ConversionError(f"{source}: addend(s) {sorted(k for k, _ in addends.values())} without their base key")
 
 
+def _export_dtype(dtype, config: LlamaConfig, first_state: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """`dtype` if given, else the config's (a fine-tune's source dtype), else the first stored tensor's."""
+    chosen = parse_dtype(dtype)
+    if chosen is None:
+        declared = getattr(config, "dtype", None)
+        if isinstance(declared, str):
+            declared = DTYPES.get(declared.lower())
+        if isinstance(declared, torch.dtype) and declared.is_floating_point:
+            chosen = declared
+    if chosen is None:
+        chosen = next((t.dtype for t in first_state.values() if t.is_floating_point()), torch.float32)
+    return chosen
+
+
 def _write_hf_dir(
     out_dir: str | os.PathLike,
     config: LlamaConfig,
@@ -571,23 +727,33 @@ def _write_hf_dir(
     overwrite: bool,
     max_shard_size: int | str,
     progress: bool,
-    dtype: torch.dtype | None,
+    dtype: torch.dtype | str | None,
+    provenance: dict,
 ) -> Path:
-    """The one writer: weights, config.json, then side files, staged and renamed into place."""
+    """The one writer: weights, config.json, then side files, staged and renamed into place.
+
+    Every tensor is written in one dtype (`_export_dtype`), which config.json then declares.
+    """
     limit = _parse_size(max_shard_size)
     config = copy.deepcopy(config)
+    layer_states = iter(layer_states)
+    first = next(layer_states, None)
+    if first is None:
+        raise ConversionError("no layer states to export")
+    dtype = _export_dtype(dtype, config, first[1])
     final = Path(out_dir)
     with _staged_dir(final, overwrite=overwrite) as tmp:
-        writer = _ShardWriter(tmp, limit)
-        bar = tqdm(layer_states, total=len(export_layers(config)), desc="export", unit="layer",
-                   disable=not progress)
+        writer = _ShardWriter(tmp, _export_plan(config, dtype), limit)
+        bar = tqdm(itertools.chain([first], layer_states), total=len(export_layers(config)), desc="export",
+                   unit="layer", disable=not progress)
+        first = None  # the chain holds it now; let it go once written
         for idx, state, source in bar:
             for hf_key, tensor in _layer_to_hf(config, idx, state, source, dtype):
                 writer.add(hf_key, tensor)
             del state
         writer.finish()
-        if len(writer.dtypes) == 1:
-            config.dtype = next(iter(writer.dtypes))
+        config.dtype = dtype
+        setattr(config, PROVENANCE_KEY, provenance)
         if not config.architectures:
             config.architectures = ["LlamaForCausalLM"]
         config.save_pretrained(tmp)
@@ -620,6 +786,17 @@ def _layer_file(tag_dir: Path, idx: int) -> Path:
     raise ConversionError(f"missing layer file {path}")
 
 
+def _check_export_target(source: Path, target: Path) -> None:
+    """The export never writes into, or (with overwrite) deletes, what it reads from: the
+    checkpoint directory, anything inside it, or a directory containing it (the run directory)."""
+    src, dst = os.path.realpath(source), os.path.realpath(target)
+    if dst == src or dst.startswith(src.rstrip(os.sep) + os.sep):
+        raise ConversionError(f"export target {target} is inside the checkpoint directory {source} it reads from")
+    if src.startswith(dst.rstrip(os.sep) + os.sep):
+        raise ConversionError(f"export target {target} contains the checkpoint directory {source} it reads from; "
+                              "choose a directory outside it")
+
+
 def export(
     ckpt_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -628,18 +805,21 @@ def export(
     *,
     overwrite: bool = False,
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> Path:
     """DeepSpeed pipeline checkpoint -> HF `save_pretrained`-style directory; returns out_dir.
 
     Reads `ckpt_dir/<tag>/layer_XX-model_states.pt` (tag defaults to `latest`) one layer at a
-    time and `ckpt_dir/hf_meta`. Everything is written under `.<out_dir>.tmp-<pid>` and
-    renamed to `out_dir` last, so a directory named out_dir is always complete. `dtype`
-    casts the weights (default: as stored).
+    time and `ckpt_dir/hf_meta`, whose side files (tokenizer, generation config, model card)
+    are copied unchanged. Everything is written under `.<out_dir>.tmp-<pid>` and renamed to
+    `out_dir` last, so a directory named out_dir is always complete. `dtype` ("bfloat16",
+    "float16", "float32" or a torch dtype) casts the weights; by default they are written in
+    hf_meta's config dtype (a fine-tune's source dtype), else as stored.
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise ConversionError(f"checkpoint directory {ckpt_dir} does not exist")
+    _check_export_target(ckpt_dir, Path(out_dir))
     tag = tag if tag is not None else _read_latest(ckpt_dir)
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():
@@ -659,11 +839,12 @@ def export(
             if src.name == "config.json":
                 continue
             (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / src.name)
-        if not (tmp / "generation_config.json").exists():
+        if not (tmp / GENERATION_CONFIG).exists():
             GenerationConfig.from_model_config(written_config).save_pretrained(tmp)
 
     return _write_hf_dir(out_dir, config, states(), side_files, overwrite=overwrite,
-                         max_shard_size=max_shard_size, progress=progress, dtype=dtype)
+                         max_shard_size=max_shard_size, progress=progress, dtype=dtype,
+                         provenance=_provenance(config, tag=tag))
 
 
 def export_from_state(
@@ -676,12 +857,16 @@ def export_from_state(
     overwrite: bool = False,
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     progress: bool = False,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
+    side_files_from: str | os.PathLike | None = None,
 ) -> Path:
     """In-memory layer states {pipe index: state dict} -> HF directory, as `export` writes it.
 
     The tied head replica's state, if given, is ignored (layer 0 holds the embedding).
-    `tokenizer` may be None (then the directory has no tokenizer files).
+    `side_files_from` (a run's hf_meta or the source model directory) gives tokenizer files,
+    generation_config.json and model card, copied unchanged; a `tokenizer` or
+    `generation_config` passed here replaces the copied one. Without either there are no
+    tokenizer files, and the generation config is derived from `config`. `dtype` as `export`.
     """
     wanted = export_layers(config)
     missing = [i for i in wanted if i not in layer_states]
@@ -696,9 +881,16 @@ def export_from_state(
             yield idx, layer_states[idx], f"layer_states[{idx}]"
 
     def side_files(tmp: Path, written_config: LlamaConfig) -> None:
-        (generation_config or GenerationConfig.from_model_config(written_config)).save_pretrained(tmp)
+        if side_files_from is not None:
+            own_tokenizer = () if tokenizer is not None else TOKENIZER_FILES + TOKENIZER_DIRS
+            _copy_side_files(Path(side_files_from), tmp, (GENERATION_CONFIG, *MODEL_CARD_FILES, *own_tokenizer))
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        elif not (tmp / GENERATION_CONFIG).exists():
+            GenerationConfig.from_model_config(written_config).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
     return _write_hf_dir(out_dir, config, states(), side_files, overwrite=overwrite,
-                         max_shard_size=max_shard_size, progress=progress, dtype=dtype)
+                         max_shard_size=max_shard_size, progress=progress, dtype=dtype,
+                         provenance=_provenance(config))

@@ -4,7 +4,8 @@ Three layers, each usable on its own:
 
 * Sources. `--data` names local plain text (any UTF-8 file: .txt, .py, .md, ...), .json/.jsonl,
   .parquet, a folder of such files (recursive, mixed), or a dataset that `datasets.load_dataset`
-  can load from its offline cache. `None` means the embedded default: the `.py` sources of the
+  can load (from its cache, from the Hub unless HF_HUB_OFFLINE=1, or from a dataset snapshot in
+  the Hugging Face hub cache). `None` means the embedded default: the `.py` sources of the
   running Python's standard library. `datasets` does all reading. A text file is one document;
   a json/parquet row is one document (column `text_field`).
 * `load_corpus`. Tokenise every document, follow each with the tokenizer's EOS, concatenate, and
@@ -38,6 +39,7 @@ import platform
 import shutil
 import sysconfig
 import tempfile
+from typing import TYPE_CHECKING
 import uuid
 from bisect import bisect_right
 from pathlib import Path
@@ -48,6 +50,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # annotations only: datasets is imported where it is used (the simulator runs without it)
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -274,21 +279,53 @@ def _local_source(path: Path, data: str) -> _Source:
 
 
 @contextlib.contextmanager
-def _hub_offline():
-    """Force `datasets`/`huggingface_hub` offline: a named dataset must come from the local cache.
+def _local_files_only():
+    """Around `datasets` reads of local files: no Hub lookups and no progress bars of its own.
 
-    Both libraries read their offline flag from module constants at call time, so flipping them
-    here turns a would-be network retry loop (~25 s without internet) into an immediate error.
+    Local files need no network, so the offline flags (module constants both libraries read at
+    call time) are set here to keep any lookup from turning into a retry loop (~25 s without
+    internet). `datasets`' "Generating train split" / "Downloading data" bars describe copying
+    files it already has; our own tokenising bar is the one a user needs. The user's
+    HF_DATASETS_DISABLE_PROGRESS_BARS, if set, is left in charge.
     """
     import datasets  # lazily: the simulator and benches run where it is absent
     from huggingface_hub import constants
 
     saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    quiet = "HF_DATASETS_DISABLE_PROGRESS_BARS" not in os.environ and not datasets.are_progress_bars_disabled()
+    if quiet:
+        datasets.disable_progress_bars()
     try:
         yield
     finally:
         constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+        if quiet:
+            datasets.enable_progress_bars()
+
+
+def hub_offline() -> bool:
+    """Whether the user or the environment put Hugging Face libraries offline (HF_HUB_OFFLINE=1)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _load_named_dataset(name: str, config: str | None, split: str):
+    """A dataset by Hub name: through `datasets` (its cache, or the Hub unless offline), else
+    from a snapshot in the Hugging Face hub cache (`hf download --repo-type dataset NAME`)."""
+    import datasets
+    from huggingface_hub import snapshot_download
+
+    try:
+        return datasets.load_dataset(name, config, split=split)
+    except Exception as first:  # datasets raises a zoo of types for "not cached / not found"
+        try:
+            snapshot = snapshot_download(name, repo_type="dataset", local_files_only=True)
+        except Exception:
+            raise first from None
+    with _local_files_only():  # the snapshot is local files now
+        return datasets.load_dataset(snapshot, config, split=split)
 
 
 def _looks_like_path(data: str) -> bool:
@@ -303,7 +340,6 @@ def _looks_like_path(data: str) -> bool:
 
 
 def _resolve(data: str | None, split: str) -> _Source:
-    import datasets
     if data is None:
         root = stdlib_root()
         text = [root / f for f in _stdlib_sources()]
@@ -320,13 +356,14 @@ def _resolve(data: str | None, split: str) -> _Source:
         raise DataError(f"data path {data!r} does not exist")
     name, _, config = data.partition(":")
     try:
-        with _hub_offline():
-            ds = datasets.load_dataset(name, config or None, split=split)
-    except Exception as e:  # datasets raises a zoo of types for "not cached / not found"
+        ds = _load_named_dataset(name, config or None, split)
+    except Exception as e:
+        where = "from the local Hugging Face caches (HF_HUB_OFFLINE is set)" if hub_offline() else \
+            "from the Hugging Face caches or the Hub"
         raise DataError(
             f"data {data!r} is neither an existing path nor a dataset that datasets.load_dataset"
-            f"({name!r}, {config or None!r}, split={split!r}) can load offline from its cache "
-            f"({type(e).__name__}: {e})"
+            f"({name!r}, {config or None!r}, split={split!r}) can load {where} "
+            f"({type(e).__name__}: {' '.join(str(e).split())})"
         ) from e
     return _Source(
         description=f"dataset {data} [{split}]",
@@ -384,7 +421,7 @@ def _read(src: _Source, text_field: str, tmp: str) -> _Documents:
             if len(src.text) == 1 and not (src.json or src.parquet):
                 raise DataError(f"data file {str(f)!r} is not UTF-8 text ({e})") from e
             log.warning("skipping %s: not UTF-8 text", f)
-    with _hub_offline():
+    with _local_files_only():
         return _read_local(src, text, text_field, tmp)
 
 
@@ -549,11 +586,12 @@ def load_corpus(
 ) -> Corpus:
     """Tokenise, split and pack `data` (see the module docstring), or load it from the cache.
 
-    `data`: a path, `name[:config]` of a dataset in the offline `datasets` cache (split `split`),
-    or None for the stdlib default. `max_train_tokens` keeps only the first that many training
-    tokens (whole blocks, corpus order) and stops tokenising there. Raises `DataError` for a
-    missing path, a folder without supported files, an unknown dataset, a missing `text_field`,
-    or a corpus smaller than one training plus one validation block.
+    `data`: a path, `name[:config]` of a Hub dataset (split `split`; the module docstring says
+    where it is looked up), or None for the stdlib default. `max_train_tokens` keeps only the
+    first that many training tokens (whole blocks, corpus order) and stops tokenising there.
+    Raises `DataError` for a missing path, a folder without supported files, an unknown
+    dataset, a missing `text_field`, or a corpus smaller than one training plus one validation
+    block.
     """
     if seq_len < 1:
         raise DataError(f"seq_len={seq_len} must be positive")

@@ -263,9 +263,9 @@ class HetlocoEngine(PipelineEngineAdapter):
         due = self.local_steps % self.hetloco.sparseloco.inner_steps == 0
         if self.algorithm.sparseloco and (due or force_outer):
             outer = self.outer_step()
-        return self._record(local_loss, time.perf_counter() - start, outer)
+        return self._record(local_loss, start, outer)
 
-    def _record(self, local_loss: torch.Tensor, seconds: float, outer: dict | None) -> StepRecord:
+    def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()
         compute = [0.0] * self.num_stages
         compute[self.stage_id], self.compute_seconds = self.compute_seconds, 0.0
@@ -278,6 +278,8 @@ class HetlocoEngine(PipelineEngineAdapter):
             self.meter.add("recv", nbytes(vec), "control")
             dist.all_reduce(vec, group=self.pipe_group)
         values = vec.tolist()
+        # Timed after the host has the loss: on a GPU the step's kernels are done only then.
+        seconds = time.perf_counter() - start
         tokens = self.micro_batch_size * self.micro_batches * self.seq_len
         return StepRecord(
             step=self.local_steps,

@@ -1,8 +1,9 @@
 """`--nproc N`: run N local ranks of a command, for single-machine use without a launcher.
 
 Each rank is a fresh `python -m hetloco_ds.cli ...` process with the environment the
-`deepspeed` launcher and `torchrun` would give it. If any rank fails, the others are
-stopped, so a crash never leaves peers waiting in a collective forever.
+`deepspeed` launcher and `torchrun` would give it. When a rank fails, the others are stopped
+at once (a stopped, SIGSTOPped one included), so a crash never leaves peers waiting in a
+collective; a rank that died by a signal is named in one line, since it could not say so itself.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+
+STOP_GRACE_S = 5.0
 
 
 def free_port() -> int:
@@ -24,8 +27,24 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def spawn(nproc: int, argv: list[str], env: dict | None = None) -> int:
-    """Run `python -m hetloco_ds.cli *argv` as `nproc` ranks; returns the first failing exit code."""
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM (with SIGCONT, so a stopped process receives it), then SIGKILL after a grace period."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "hetloco-ds train") -> int:
+    """Run `python -m hetloco_ds.cli *argv` as `nproc` ranks; returns the first failing rank's exit
+    code (128 + N for a rank killed by signal N), or 0."""
     port = free_port()
     procs = []
     base = dict(os.environ if env is None else env)
@@ -40,27 +59,29 @@ def spawn(nproc: int, argv: list[str], env: dict | None = None) -> int:
         if rank != 0:
             rank_env["HETLOCO_QUIET"] = "1"
         procs.append(subprocess.Popen([sys.executable, "-m", "hetloco_ds.cli", *argv], env=rank_env))
-    code = 0
+    first: tuple[int, int] | None = None
     try:
-        while procs:
-            for p in list(procs):
-                rc = p.poll()
+        running = set(range(nproc))
+        while running and first is None:
+            for rank in sorted(running):
+                rc = procs[rank].poll()
                 if rc is None:
                     continue
-                procs.remove(p)
-                if rc != 0 and code == 0:
-                    code = rc
-                    for other in procs:
-                        other.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
+                running.discard(rank)
+                if rc != 0:
+                    first = (rank, rc)
+                    break
+            time.sleep(0.05)
     except KeyboardInterrupt:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        code = 130
-    finally:
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    return code
+        _stop(procs)
+        return 130
+    _stop(procs)
+    if first is None:
+        return 0
+    rank, rc = first
+    if rc < 0:
+        sig = signal.Signals(-rc).name
+        print(f"{name}: error: rank {rank} (pid {procs[rank].pid}) died with {sig}; stopped the other ranks",
+              file=sys.stderr, flush=True)
+        return 128 - rc
+    return rc

@@ -74,11 +74,12 @@ def problem(specs: list[str], launched: bool = False) -> str | None:
     return None if ok else f"--link needs shaped network namespaces: {why}"
 
 
-def run(nproc: int, argv: list[str], specs: list[str], out: str, stages: int) -> int:
-    """Run `python -m hetloco_ds.cli *argv` as `nproc` ranks on shaped links, then print the summary line."""
+def run(nproc: int, argv: list[str], specs: list[str], out: str, stages: int, env: dict | None = None) -> int:
+    """Run `python -m hetloco_ds.cli *argv` as `nproc` ranks on shaped links (environment `env`,
+    default ours), then print the summary line."""
     rates = parse_links(specs)
     replicas = nproc // stages
-    env = dict(os.environ, NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")  # NCCL through the shaped sockets
+    env = dict(os.environ if env is None else env, NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")  # NCCL via the shaped sockets
     start = time.time()
     with netlab.ShapedNetwork(nproc, netlab.deepspeed_coords(replicas), rates.get("stage"),
                               rates.get("replica")) as net, tempfile.TemporaryDirectory(prefix="hl-rehearse-") as tmp:

@@ -7,12 +7,16 @@ these; none restates them. `plan` runs without torch, so nothing here imports it
 Chunking (METHOD.md, "Outer step")
     2-D [R, C]: tiles of tr x tc, tr = largest divisor of R that is <= side, tc = largest divisor
     of C that is <= side, side = isqrt(chunk_size) (64 for 4096). Anything else is flattened and
-    cut into chunks of the largest divisor of numel that is <= chunk_size.
-Top-k: k = min(chunk_len, max(1, round(topk * chunk_len / chunk_size))) (Python's round).
+    cut into chunks of the largest divisor of numel that is <= chunk_size ("tiles", ours) or
+    <= side ("per_dim", templar's ChunkingTransformer: every dimension cut to <= 64).
+Top-k: "scaled" (ours): k = min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
+    (Python's round). "fixed" (templar's _clamp_topk): k = min(topk, chunk_len), raised to 2,
+    lowered to even, at most chunk_len, in every chunk whatever its length (32 of a 64-element
+    1-D chunk; templar itself would fail on a 1-element chunk).
 Indices: 12 bits up to 4096 elements a chunk (two in three bytes), then 16, then 32.
 Quantised values: codes packed at `bits` bits plus a float32 lookup table of 2**bits entries.
 Every tensor's section is padded to a multiple of 4 bytes; a stage payload is a 16-byte header
-plus its tensors' sections.
+plus its tensors' sections. The dense control sends each tensor whole: numel x value bytes, padded.
 Token ids cross a compressed boundary as the narrowest *signed* integer holding every id (gloo
 and NCCL have no uint16): int8 up to a vocabulary of 128, int16 up to 32768, else int32.
 """
@@ -33,6 +37,10 @@ MAX_CHUNK = 4096
 """Largest chunk: its in-chunk indices fit 12 bits."""
 BYTE_KINDS = ("activation", "activation_grad", "outer_sync", "embedding_sync", "control")
 """What the engine's ByteMeter counts, by link class (meter.py); the step record's length follows."""
+CHUNKINGS = ("tiles", "per_dim")
+"""How tensors that are not 2-D are chunked: <= chunk_size (ours) or <= isqrt(chunk_size) (templar)."""
+TOPK_RULES = ("scaled", "fixed")
+"""k per chunk: topk per chunk_size elements (ours) or topk in every chunk (templar)."""
 
 
 # --------------------------------------------------------------------------- chunks and top-k
@@ -60,22 +68,30 @@ class Chunking:
         return self.n_chunks * self.chunk_len
 
 
-def chunking(shape: Sequence[int], chunk_size: int = MAX_CHUNK) -> Chunking:
+def chunking(shape: Sequence[int], chunk_size: int = MAX_CHUNK, rule: str = "tiles") -> Chunking:
+    if rule not in CHUNKINGS:
+        raise ValueError(f"chunking must be one of {CHUNKINGS}, got {rule!r}")
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
     if numel == 0:
         raise ValueError(f"cannot chunk an empty tensor of shape {shape}")
+    side = math.isqrt(chunk_size)
     if len(shape) == 2:
-        side = math.isqrt(chunk_size)
         tr, tc = largest_divisor(shape[0], side), largest_divisor(shape[1], side)
         return Chunking(shape, numel // (tr * tc), tr * tc, (tr, tc))
-    length = largest_divisor(numel, chunk_size)
+    length = largest_divisor(numel, chunk_size if rule == "tiles" else side)
     return Chunking(shape, numel // length, length, None)
 
 
-def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = MAX_CHUNK) -> int:
-    """k for a chunk of `chunk_len`: `topk` per `chunk_size`, scaled, at least 1, at most chunk_len."""
-    return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
+def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = MAX_CHUNK, rule: str = "scaled") -> int:
+    """k for a chunk of `chunk_len`. scaled: `topk` per `chunk_size`, at least 1, at most chunk_len.
+    fixed (templar): `topk` whatever the length, at least 2, even, at most chunk_len."""
+    if rule == "scaled":
+        return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
+    if rule == "fixed":
+        k = max(min(topk, chunk_len), 2)
+        return min(chunk_len, k - k % 2)
+    raise ValueError(f"topk_rule must be one of {TOPK_RULES}, got {rule!r}")
 
 
 # --------------------------------------------------------------------------- wire format
@@ -101,8 +117,13 @@ def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def check_codec(chunk_size: int, topk: int, quant_bits: int | None, value_bytes: int) -> None:
+def check_codec(chunk_size: int, topk: int, quant_bits: int | None, value_bytes: int,
+                chunk_rule: str = "tiles", topk_rule: str = "scaled") -> None:
     """One error naming the bad value, for every place codec settings enter (config, codec, plan)."""
+    if chunk_rule not in CHUNKINGS:
+        raise ValueError(f"chunking must be one of {CHUNKINGS}, got {chunk_rule!r}")
+    if topk_rule not in TOPK_RULES:
+        raise ValueError(f"topk_rule must be one of {TOPK_RULES}, got {topk_rule!r}")
     if not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be an integer in [1, {MAX_CHUNK}], got {chunk_size!r}")
     if not isinstance(topk, int) or not 1 <= topk <= chunk_size:
@@ -130,10 +151,11 @@ class TensorWire:
 
 
 def tensor_wire(shape: Sequence[int], chunk_size: int = MAX_CHUNK, topk: int = 32,
-                quant_bits: int | None = None, value_bytes: int = 4) -> TensorWire:
-    check_codec(chunk_size, topk, quant_bits, value_bytes)
-    chunks = chunking(shape, chunk_size)
-    k = topk_per_chunk(chunks.chunk_len, topk, chunk_size)
+                quant_bits: int | None = None, value_bytes: int = 4,
+                chunk_rule: str = "tiles", topk_rule: str = "scaled") -> TensorWire:
+    check_codec(chunk_size, topk, quant_bits, value_bytes, chunk_rule, topk_rule)
+    chunks = chunking(shape, chunk_size, chunk_rule)
+    k = topk_per_chunk(chunks.chunk_len, topk, chunk_size, topk_rule)
     n_sel = chunks.n_chunks * k
     bits = index_bits(chunks.chunk_len)
     idx = packed_index_nbytes(n_sel, bits)
@@ -144,11 +166,21 @@ def tensor_wire(shape: Sequence[int], chunk_size: int = MAX_CHUNK, topk: int = 3
     return TensorWire(chunks, k, n_sel, bits, head, idx, codes, round_up(head + idx + codes, PAYLOAD_ALIGN))
 
 
+def dense_wire_nbytes(shape: Sequence[int], value_bytes: int = 4) -> int:
+    """One tensor's section in the dense control: every value, padded to PAYLOAD_ALIGN."""
+    if value_bytes not in VALUE_BYTES.values():
+        raise ValueError(f"value bytes must be one of {sorted(VALUE_BYTES.values())}, got {value_bytes!r}")
+    return round_up(math.prod(int(s) for s in shape) * value_bytes, PAYLOAD_ALIGN)
+
+
 def stage_payload_nbytes(shapes: Iterable[Sequence[int]], chunk_size: int = MAX_CHUNK, topk: int = 32,
-                         quant_bits: int | None = None, value_bytes: int = 4) -> int:
+                         quant_bits: int | None = None, value_bytes: int = 4,
+                         chunk_rule: str = "tiles", topk_rule: str = "scaled", dense: bool = False) -> int:
     """One replica's payload for a stage whose parameters have `shapes`: header + sections."""
-    return PAYLOAD_HEADER_BYTES + sum(tensor_wire(s, chunk_size, topk, quant_bits, value_bytes).nbytes
-                                      for s in shapes)
+    if dense:
+        return PAYLOAD_HEADER_BYTES + sum(dense_wire_nbytes(s, value_bytes) for s in shapes)
+    return PAYLOAD_HEADER_BYTES + sum(tensor_wire(s, chunk_size, topk, quant_bits, value_bytes,
+                                                  chunk_rule, topk_rule).nbytes for s in shapes)
 
 
 # --------------------------------------------------------------------------- stage boundaries

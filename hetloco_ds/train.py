@@ -1,20 +1,43 @@
-"""`hetloco-ds train`, one rank's part: validate, build, loop, checkpoint, export.
+"""`hetloco-ds train`: check everything, own the run directory, then each rank's loop.
 
-Everything that can be wrong with the user's input is checked before the output directory
-is created, so a bad invocation exits non-zero having written nothing.
+`plan_run` makes every check (config, topology, model, data, `--resume` compatibility and the
+checkpoint it would load) by reading only. The launching process runs it before any rank
+starts; each rank runs it again (cheap, and the same answers) to get its inputs. `own_run` then
+takes the run directory: the lock, and for a new run its record (`run_config.json`, `hf_meta`),
+for a resumed one the metrics rows past the checkpoint dropped. Nothing is written before both
+have passed, so a bad invocation exits 2 having written nothing.
+
+Exit codes: 0 done, 1 a failure while running (a full disk, a lost rank), 2 bad input, 3 every
+replica went non-finite (the last good checkpoint stays `latest`), 4 a rank stalled (watchdog).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import shutil
 import sys
 import time
+import uuid
 
 import torch
 
-from .config import ConfigError, RunConfig, check_topology, load_config
+from . import checkpoint, rundir
+from .config import ConfigError, RunConfig, check_run, check_topology, default_config_path, parse_config
 from .presets import model_config_for
+from .watchdog import EXIT_STALLED, Watchdog
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NONFINITE = 1, 2, 3
+PEER_GRACE_S = 5.0
+"""How long a rank that lost a peer waits to be stopped by its launcher before saying so itself:
+the launcher reports the rank that failed first, and this one's echo would only be noise."""
+QUIET_EXIT_DELAY_S = 2.0
+"""When all ranks fail together and one of them prints the line, the others exit this much later,
+so the launcher (which stops every rank at the first failure) sees the printing rank go first."""
+
+# Set by our launcher (`--nproc`) in the ranks' environment.
+ENV_OWNED, ENV_JOB, ENV_TAG = "HETLOCO_OWNED", "HETLOCO_JOB", "HETLOCO_RESUME_TAG"
 
 
 @dataclasses.dataclass
@@ -26,45 +49,263 @@ class TrainArgs:
     out: str | None = None
     steps: int = 200
     resume: bool = False
-    text_field: str = "text"
+    overwrite: bool = False
+    text_field: str | None = None
+    tokenizer: str | None = None
+    dtype: str | None = None
+
+
+@dataclasses.dataclass
+class RunPlan:
+    """Everything checked, ready to build from."""
+
+    args: TrainArgs
+    """With `--resume`, completed from the run's record (model, data, text field)."""
+    run: RunConfig
+    raw_config: dict
+    llama_config: object
+    tokenizer: object
+    corpus: object
+    world: int
+    replicas: int
+    hf_dir: str | None
+    """Weights to load while building; None when a checkpoint brings them (resume) or none (fresh model)."""
+    resume: checkpoint.Pick | None
+
+    @property
+    def ckpt_dir(self) -> str:
+        return os.path.join(self.args.out, rundir.CHECKPOINTS)
+
+
+class Diverged(RuntimeError):
+    """Every replica's update was non-finite for too many outer steps in a row."""
 
 
 def default_out() -> str:
     return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
 
 
-def prepare_inputs(args: TrainArgs, world_size: int):
-    """Config, tokenizer, model config and corpus: everything checked before any rank starts."""
+# ------------------------------------------------------------------------------------ checks
+
+
+def _norm_path(value: str | None) -> str | None:
+    """Paths compared across a resume by their absolute form; dataset names as written."""
+    if value is None:
+        return None
+    return os.path.abspath(value) if os.path.exists(value) else value
+
+
+def config_path(args: TrainArgs) -> str | None:
+    """--config, or the DeepSpeed JSON given to `accelerate launch --deepspeed_config_file`."""
+    via_accelerate = None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        via_accelerate = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    if args.config and via_accelerate and _norm_path(args.config) != _norm_path(via_accelerate):
+        raise ConfigError(f"--config {args.config} differs from accelerate's deepspeed_config_file {via_accelerate}; "
+                          "give one DeepSpeed JSON")
+    return args.config or via_accelerate
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON: {err}") from None
+
+
+def _resume_args(args: TrainArgs, record: dict) -> TrainArgs:
+    """Fill what --resume leaves out from the run's record; refuse what differs from it."""
+    from . import convert
+
+    saved = record["args"]
+    filled = {}
+    for field, flag in (("model", "--model"), ("tokenizer", "--tokenizer"), ("dtype", "--dtype"),
+                        ("model_config", "--model-config"), ("data", "--data"), ("text_field", "--text-field")):
+        given, then = getattr(args, field), saved.get(field)
+        if given is not None and field in ("model", "tokenizer"):  # a Hub id: its local snapshot, as recorded
+            given = str(convert.resolve_hf_dir(given, flag))
+        if given is None:
+            filled[field] = then
+        elif (_norm_path(given) if field in ("model", "tokenizer", "data") else given) != then:
+            raise ConfigError(f"--resume: {flag} {given} is not the run's ({then if then is not None else 'none given'}; "
+                              f"{os.path.join(args.out, rundir.RUN_CONFIG)})")
+    return dataclasses.replace(args, **filled)
+
+
+def _model_and_tokenizer(args: TrainArgs, run: RunConfig):
+    """(LlamaConfig, tokenizer, args) of a new run. Hub ids in --model / --tokenizer become their
+    local snapshot directories in the returned args (every later reader needs a directory). The
+    model config's `dtype` is the export dtype: --dtype, else the source checkpoint's, else none."""
     from . import convert, data
 
-    run = load_config(args.config)
-    check_topology(world_size, run.stages, run.source)
-    seq_len = run.hetloco.train.seq_len
+    dtype = convert.parse_dtype(args.dtype)
+    if args.tokenizer is not None:
+        given = args.tokenizer
+        args = dataclasses.replace(args, tokenizer=str(convert.resolve_hf_dir(given, "--tokenizer",
+                                                                              convert.HUB_TOKENIZER_FILES)))
+        if not convert.tokenizer_files(args.tokenizer):
+            raise ConfigError(f"--tokenizer {given}: no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, ...)")
     if args.model is not None:
-        if not os.path.isdir(args.model):
-            raise ConfigError(f"--model {args.model}: not a directory (expected a save_pretrained directory)")
+        given = args.model
+        args = dataclasses.replace(args, model=str(convert.resolve_hf_dir(given, "--model")))
         llama_config = convert.read_hf_config(args.model)
         convert.check_hf_dir(args.model, llama_config)  # shapes from headers, before any rank loads
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        provenance = {"source_model": given}
+        if not os.path.isdir(os.path.expanduser(given)):  # a Hub id: its snapshot folder is named by the commit
+            provenance["source_revision"] = os.path.basename(args.model)
+        setattr(llama_config, convert.PROVENANCE_KEY, provenance)
+        llama_config.dtype = dtype or convert.weights_dtype(args.model) or llama_config.dtype
+        if args.tokenizer is None:
+            if not convert.tokenizer_files(args.model):
+                raise ConfigError(f"--model {given} has no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, "
+                                  "...); pass --tokenizer DIR_OR_HUB_ID")
+            args = dataclasses.replace(args, tokenizer=args.model)
+        tokenizer = _load_tokenizer(args.tokenizer)
         if args.model_config is not None:
             wanted = model_config_for(args.model_config, llama_config.vocab_size)
             for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                         "intermediate_size", "vocab_size"):
                 if getattr(wanted, key) != getattr(llama_config, key):
                     raise ConfigError(
-                        f"--model {args.model} has {key} = {getattr(llama_config, key)} but --model-config "
+                        f"--model {given} has {key} = {getattr(llama_config, key)} but --model-config "
                         f"{args.model_config} asks for {getattr(wanted, key)}"
                     )
     else:
-        tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
+        if args.tokenizer is not None:
+            tokenizer = _load_tokenizer(args.tokenizer)
+        else:
+            tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
         llama_config = model_config_for(args.model_config or "tiny", len(tokenizer))
-    check_topology(world_size, run.stages, run.source, llama_config.num_hidden_layers)
+        llama_config.dtype = dtype
+    return llama_config, tokenizer, args
+
+
+def _load_tokenizer(directory: str):
+    """AutoTokenizer of a local directory; any failure is one ConfigError naming it."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as err:  # transformers raises ValueError, OSError, ImportError, ... for a bad directory
+        detail = " ".join(str(err).split())
+        raise ConfigError(f"cannot load a tokenizer from {directory}: {type(err).__name__}: {detail}") from None
+
+
+def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
+    """Every check, reading only; raises ConfigError (or another ValueError) with one line.
+
+    `owned`: our launcher already took the run directory, so it is not judged as someone else's."""
+    from . import convert, data
+
+    if world < 1:
+        raise ConfigError(f"--nproc {world} must be >= 1")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume continues the run in --out and --overwrite replaces it; pass one")
+    out = args.out
+    record = None
+    if args.resume:
+        record = rundir.read_record(out)
+        args = _resume_args(args, record)
+    elif not owned:
+        used = rundir.used_entries(out)
+        if used and not args.overwrite:
+            raise ConfigError(f"--out {out} already holds a run ({', '.join(used)}); pass --resume to continue it "
+                              "or --overwrite to replace it")
+    args = dataclasses.replace(args, text_field=args.text_field or "text")
+
+    path = config_path(args)
+    if path is None and record is not None:
+        raw, source = record["config"], os.path.join(out, rundir.RUN_CONFIG)
+    else:
+        source = path or default_config_path()
+        raw = _read_json(source)
+    run = parse_config(raw, source)
+    if record is not None:
+        then = parse_config(record["config"], os.path.join(out, rundir.RUN_CONFIG))
+        diffs = rundir.config_differences(run, then)
+        if diffs:
+            more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+            raise ConfigError(f"--resume: {source} differs from the run's config: {diffs[0]}{more}")
+        if record["world_size"] != world:
+            raise ConfigError(f"--resume: the run has {record['world_size']} ranks ({record['replicas']} replicas x "
+                              f"pipeline.stages = {record['stages']}); this launch has {world}")
+    check_topology(world, run.stages, run.source)
+
+    seq_len = run.hetloco.train.seq_len
+    hf_dir = None
+    if record is not None:
+        # The run's own metadata rebuilds the model; the checkpoint brings the weights.
+        meta = convert.load_hf_meta(os.path.join(out, rundir.CHECKPOINTS))
+        llama_config, tokenizer = meta.config, meta.tokenizer
+        if tokenizer is None:
+            raise ConfigError(f"--resume: {meta.path} holds no tokenizer")
+    else:
+        llama_config, tokenizer, args = _model_and_tokenizer(args, run)
+        hf_dir = args.model
+    M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers)
     if len(tokenizer) > llama_config.vocab_size:
         raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {llama_config.vocab_size}")
     corpus = data.load_corpus(args.data, tokenizer, seq_len, text_field=args.text_field)
-    return run, llama_config, tokenizer, corpus
+    try:  # the replicas' data streams, built as the ranks will build them
+        data.ReplicaBatches(corpus.train, M - 1, M, run.micro_batch)
+    except ValueError as err:
+        raise ConfigError(f"--data {args.data or '(default: the Python stdlib)'}: {err}") from None
+
+    resume = None
+    if record is not None:
+        try:
+            resume = checkpoint.pick(os.path.join(out, rundir.CHECKPOINTS), world)
+        except checkpoint.CheckpointError as err:
+            raise ConfigError(f"--resume: {err}") from None
+    return RunPlan(args, run, raw, llama_config, tokenizer, corpus, world, M, hf_dir, resume)
+
+
+def prepare_inputs(args: TrainArgs, world_size: int):
+    """(run, llama_config, tokenizer, corpus) of a new run, through `plan_run`'s checks, for
+    callers that want only the inputs (no run directory is judged). Hub ids in `args.model` /
+    `args.tokenizer` are replaced in place by their local snapshot directories."""
+    plan = plan_run(args, world_size, owned=True)
+    args.model, args.tokenizer = plan.args.model, plan.args.tokenizer
+    return plan.run, plan.llama_config, plan.tokenizer, plan.corpus
+
+
+def own_run(plan: RunPlan) -> rundir.RunLock:
+    """Take the run directory (call once per job, after `plan_run`): the lock, then either the
+    record of a new run or, on resume, the metrics rows past the checkpoint dropped."""
+    from . import convert
+    from .metrics import keep_rows_up_to
+
+    out = plan.args.out
+    os.makedirs(out, exist_ok=True)
+    lock = rundir.RunLock(out)
+    try:
+        if plan.args.overwrite:
+            rundir.clear_previous_run(out)
+        shutil.rmtree(rundir.state_dir(out, "heartbeat"), ignore_errors=True)  # of jobs before this one
+        if plan.resume is not None:
+            keep_rows_up_to(os.path.join(out, rundir.METRICS), plan.resume.step)
+        else:
+            a = plan.args
+            convert.save_hf_meta(plan.ckpt_dir, plan.llama_config, plan.tokenizer, model_dir=a.model,
+                                 tokenizer_dir=a.tokenizer)
+            rundir.write_record(out, {
+                "config": plan.raw_config, "config_file": plan.run.source,
+                "args": {"model": _norm_path(a.model), "tokenizer": _norm_path(a.tokenizer), "dtype": a.dtype,
+                         "model_config": a.model_config, "data": _norm_path(a.data), "text_field": a.text_field},
+                "world_size": plan.world, "stages": plan.run.stages, "replicas": plan.replicas,
+                "model": plan.llama_config.to_dict(), "data_description": plan.corpus.description,
+                "ds": plan.run.ds, "hetloco": plan.run.hetloco.model_dump(),
+            })
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+# ------------------------------------------------------------------------------------ ranks
 
 
 def validation_batches(blocks: torch.Tensor, micro: int):
@@ -78,102 +319,259 @@ def validation_batches(blocks: torch.Tensor, micro: int):
         start = (start + micro) % n
 
 
-def run_rank(args: TrainArgs) -> int:
-    """Body of one rank (launched by deepspeed, torchrun or our --nproc)."""
+def _all_replicas_nonfinite(engine, rec) -> bool:
+    """Whether no replica's update was usable at this sync point; the same answer on every rank.
+
+    SparseLoCo: some stage excluded every replica's pseudo-gradient as non-finite. Plain data
+    parallelism (no outer step): every replica's loss was non-finite."""
     from deepspeed import comm as dist
 
-    from . import checkpoint, convert, data
-    from .initialize import build_engine, build_module, init_distributed
-    from .metrics import MetricsWriter, Progress
+    if rec.outer is not None:
+        bad, op = len(rec.outer["excluded"]) == engine.num_replicas, dist.ReduceOp.MAX
+    else:
+        bad, op = not math.isfinite(rec.loss), dist.ReduceOp.MIN
+    flag = torch.tensor([1.0 if bad else 0.0], device=engine.device)
+    dist.all_reduce(flag, op=op)
+    return bool(flag.item())
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    os.environ.setdefault("LOCAL_RANK", "0")
-    init_distributed()
-    rank = dist.get_rank()
-    # Local rank 0 builds tokenizer and token caches first; the others then read them.
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _peer_lost(err: BaseException) -> bool:
+    import torch.distributed as tdist
+
+    kinds = tuple(k for k in (getattr(tdist, "DistNetworkError", None), getattr(tdist, "DistBackendError", None)) if k)
+    text = str(err)
+    return isinstance(err, kinds) or any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                                                             "Broken pipe", "Socket Timeout"))
+
+
+def _plan_on_every_rank(args: TrainArgs, world: int, rank: int, local_rank: int, owned: bool) -> RunPlan | None:
+    """plan_run on every rank; local rank 0 first (it may build token caches the others then read).
+    Any rank's failure fails all: the lowest failing rank prints its line."""
+    from deepspeed import comm as dist
+
+    def attempt():
+        try:
+            return plan_run(args, world, owned=owned), None
+        except (ConfigError, ValueError, FileNotFoundError) as err:
+            return None, str(err)
+
     if local_rank != 0:
         dist.barrier()
-    run, llama_config, tokenizer, corpus = prepare_inputs(args, world)
+    plan, error = attempt()
     if local_rank == 0:
         dist.barrier()
-    out = args.out
-    ckpt_dir = os.path.join(out, "checkpoints")
-    torch.manual_seed(run.hetloco.train.seed)
-    module = build_module(run, llama_config, hf_dir=args.model)
-    engine = build_engine(run, module, seq_len=run.hetloco.train.seq_len)
-    M, S = engine.num_replicas, engine.num_stages
-    if rank == 0:
-        os.makedirs(out, exist_ok=True)
-        convert.save_hf_meta(ckpt_dir, llama_config, tokenizer)
-        with open(os.path.join(out, "run_config.json"), "w") as f:
-            json.dump({"ds": run.ds, "hetloco": run.hetloco.model_dump(), "stages": S, "replicas": M,
-                       "model": llama_config.to_dict(), "data": corpus.description}, f, indent=2, default=str)
-    dist.barrier()
+    errors: list = [None] * world
+    dist.all_gather_object(errors, error)
+    failed = [r for r, e in enumerate(errors) if e is not None]
+    if failed:
+        if rank == failed[0]:
+            print(f"hetloco-ds train: error: {errors[rank]}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(QUIET_EXIT_DELAY_S)
+        return None
+    return plan
 
-    position = 0
-    if args.resume and checkpoint.latest_tag(ckpt_dir) is not None:
-        position = checkpoint.load(engine, ckpt_dir)
-    micro = engine.micro_batch_size
-    batches = data.ReplicaBatches(corpus.train, engine.replica, M, micro, seed=run.hetloco.train.seed, position=position)
-    needs_data = engine.is_first_stage() or engine.is_last_stage()
 
-    H = run.hetloco.sparseloco.inner_steps if run.hetloco.sparseloco.enabled else 1
-    writes = engine.is_last_stage()
-    writer = MetricsWriter(os.path.join(out, "metrics.jsonl") if writes else None)
-    progress = Progress(total=args.steps, initial=engine.local_steps, enabled=(rank == 0), monitor=engine.monitor)
-    eval_every = run.hetloco.train.eval_interval
-    next_eval = (engine.local_steps // eval_every + 1) * eval_every if eval_every else None
-    ckpt_every = run.hetloco.train.checkpoint_interval * H
+def run_rank(args: TrainArgs) -> int:
+    """Body of one rank (launched by deepspeed, torchrun, accelerate or our --nproc)."""
+    from deepspeed import comm as dist
 
-    validated_at = None
+    from .initialize import init_distributed
 
-    def validate(step: int) -> None:
-        nonlocal validated_at
-        validated_at = step
-        # The synced model is the same on every replica, so replica 0 alone evaluates it.
-        if engine.replica != 0:
-            return
-        loss = engine.evaluate(validation_batches(corpus.val, micro) if needs_data else None,
-                               run.hetloco.train.eval_batches)
-        if engine.is_last_stage():
-            writer.write({"kind": "validation", "step": step, "replica": 0, "loss": loss, "time": time.time()})
-        loss_t = torch.tensor([loss or 0.0], dtype=torch.float64, device=engine.device)
-        if S > 1:
-            dist.broadcast(loss_t, src=engine.grid.stage_to_global(S - 1), group=engine.pipe_group)
-        progress.validation(step, float(loss_t))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    owned = os.environ.get(ENV_OWNED) == "1"
+    if args.out is None:  # one default for all ranks, whatever their clocks say
+        box = [default_out()]
+        dist.broadcast_object_list(box, src=0)
+        args = dataclasses.replace(args, out=box[0])
 
+    plan = _plan_on_every_rank(args, world, rank, local_rank, owned)
+    if plan is None:
+        return EXIT_BAD_INPUT
+    # Without our launcher, global rank 0 owns the run directory for the job's lifetime.
+    lock = None
+    shared = [None, os.environ.get(ENV_JOB), os.environ.get(ENV_TAG)]
+    if rank == 0 and not owned:
+        try:
+            if plan.resume is not None and plan.resume.note:
+                print(f"[hetloco] {plan.resume.note}", flush=True)
+            lock = own_run(plan)
+            shared[1] = uuid.uuid4().hex[:12]
+        except (ConfigError, ValueError, OSError) as err:
+            shared[0] = checkpoint.describe_os_error(err, plan.args.out) if isinstance(err, OSError) else str(err)
+    dist.broadcast_object_list(shared, src=0)
+    error, job, tag = shared
+    if error is not None:
+        if rank == 0:
+            print(f"hetloco-ds train: error: {error}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(QUIET_EXIT_DELAY_S)
+        return EXIT_BAD_INPUT
     try:
+        return _train(plan, job, tag or (plan.resume.tag if plan.resume else None), rank, world)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> int:
+    from deepspeed import comm as dist
+
+    from . import convert, data
+    from .initialize import build_engine, build_module
+    from .metrics import MetricsWriter, Progress, RunFacts, validated_steps
+
+    args, run, corpus = plan.args, plan.run, plan.corpus
+    out, ckpt_dir = args.out, plan.ckpt_dir
+    train_cfg = run.hetloco.train
+    watchdog = Watchdog(rundir.state_dir(out, "heartbeat", job), rank, world, train_cfg.watchdog_timeout).start()
+    writer = progress = None
+    try:
+        torch.manual_seed(train_cfg.seed)
+        module = build_module(run, plan.llama_config, hf_dir=plan.hf_dir)
+        engine = build_engine(run, module, seq_len=train_cfg.seq_len)
+        M, S = engine.num_replicas, engine.num_stages
+
+        position, resumed_at = 0, None
+        if tag is not None:
+            with watchdog.busy(f"loading {tag}"):
+                position = checkpoint.load(engine, ckpt_dir, tag)
+            resumed_at = engine.local_steps
+        micro = engine.micro_batch_size
+        batches = data.ReplicaBatches(corpus.train, engine.replica, M, micro, seed=train_cfg.seed, position=position)
+        needs_data = engine.is_first_stage() or engine.is_last_stage()
+
+        H = run.hetloco.sparseloco.inner_steps if run.hetloco.sparseloco.enabled else 1
+        metrics_path = os.path.join(out, rundir.METRICS)
+        facts = RunFacts.from_engine(engine)
+        writer = MetricsWriter(metrics_path if engine.is_last_stage() else None, facts)
+        progress = Progress(total=args.steps, initial=engine.local_steps, enabled=(rank == 0), monitor=engine.monitor,
+                            facts=facts)
+        eval_every = train_cfg.eval_interval
+        next_eval = (engine.local_steps // eval_every + 1) * eval_every if eval_every else None
+        ckpt_every = train_cfg.checkpoint_interval * H
+        validated_at = resumed_at if resumed_at is not None and resumed_at in validated_steps(metrics_path) else None
+        last_good = tag
+        bad_steps: list[int] = []
+
+        def validate(step: int) -> None:
+            nonlocal validated_at
+            validated_at = step
+            with watchdog.busy(f"validation at step {step}"):
+                # The synced model is the same on every replica, so replica 0 alone evaluates it.
+                if engine.replica != 0:
+                    return
+                loss = engine.evaluate(validation_batches(corpus.val, micro) if needs_data else None,
+                                       train_cfg.eval_batches)
+                if engine.is_last_stage():
+                    writer.write({"kind": "validation", "step": step, "replica": 0, "loss": loss, "time": time.time()})
+                loss_t = torch.tensor([loss or 0.0], dtype=torch.float64, device=engine.device)
+                if S > 1:
+                    dist.broadcast(loss_t, src=engine.grid.stage_to_global(S - 1), group=engine.pipe_group)
+                progress.validation(step, float(loss_t))
+
+        def save(step: int) -> None:
+            nonlocal last_good
+            with watchdog.busy(f"checkpoint at step {step}"):
+                last_good = checkpoint.save(engine, ckpt_dir, step, batches.position, keep=train_cfg.keep_checkpoints)
+
         while engine.local_steps < args.steps:
             # The last step always ends with an outer sync, so the export and the final
             # validation see the synced model even when steps is not a multiple of H.
             last = engine.local_steps + 1 == args.steps
             rec = engine.train_batch(batches if needs_data else None, force_outer=last)
+            watchdog.progress(f"step {rec.step}", rec.seconds)
             at_boundary = rec.outer is not None or not engine.algorithm.sparseloco
             writer.step(rec)
             progress.update(rec)
+            if at_boundary and train_cfg.max_nonfinite_outer_steps:
+                if _all_replicas_nonfinite(engine, rec):
+                    bad_steps.append(rec.step)
+                    if len(bad_steps) >= train_cfg.max_nonfinite_outer_steps:
+                        raise Diverged(_diverged_line(bad_steps, ckpt_dir, last_good))
+                    continue  # no validation of, and no checkpoint over, a model that did not move
+                bad_steps.clear()
             if next_eval is not None and at_boundary and rec.step >= next_eval:
                 validate(rec.step)
                 next_eval = (rec.step // eval_every + 1) * eval_every
             if ckpt_every and at_boundary and rec.step % ckpt_every == 0 and rec.step < args.steps:
-                checkpoint.save(engine, ckpt_dir, rec.step, batches.position)
+                save(rec.step)
+        if bad_steps:  # the run ended inside a non-finite streak: keep the last good checkpoint
+            raise Diverged(_diverged_line(bad_steps, ckpt_dir, last_good))
         if validated_at != engine.local_steps:  # also at --steps 0
             validate(engine.local_steps)
-        checkpoint.save(engine, ckpt_dir, engine.local_steps, batches.position)
-    finally:
+        if engine.local_steps != resumed_at:  # a resume with nothing left to train already has it
+            save(engine.local_steps)
         progress.close()
         writer.close()
-    dist.barrier()
-    if rank == 0:
-        convert.export(ckpt_dir, os.path.join(out, "hf"), overwrite=True)
-        print(f"[hetloco] exported Hugging Face model to {os.path.join(out, 'hf')}", flush=True)
-    dist.barrier()
-    return 0
+        with watchdog.busy("export"):
+            dist.barrier()
+            if rank == 0:
+                convert.export(ckpt_dir, os.path.join(out, rundir.EXPORT), overwrite=True)
+                print(f"[hetloco] exported Hugging Face model to {os.path.join(out, rundir.EXPORT)}", flush=True)
+            dist.barrier()
+        return 0
+    finally:
+        watchdog.stop()
+        if progress is not None:
+            progress.close()
+        if writer is not None:
+            writer.close()
+
+
+def _diverged_line(bad_steps: list[int], ckpt_dir: str, last_good: str | None) -> str:
+    kept = (f"{os.path.join(ckpt_dir, checkpoint.LATEST)} still names {last_good}, the last good checkpoint"
+            if last_good else "no checkpoint had been written")
+    return (f"every replica's update was non-finite at {len(bad_steps)} consecutive outer steps "
+            f"(steps {', '.join(map(str, bad_steps))}); stopped without exporting; {kept}")
 
 
 def main_rank(args: TrainArgs) -> int:
+    """One rank: its exit code, and at most one line on stderr for the job."""
+    from deepspeed import comm as dist
+
+    rank = int(os.environ.get("RANK", "0"))
     try:
         return run_rank(args)
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"hetloco-ds train: error: {err}", file=sys.stderr, flush=True)
-        return 2
+    except Diverged as err:
+        if rank == 0:
+            print(f"hetloco-ds train: error: {err}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(QUIET_EXIT_DELAY_S)
+        return EXIT_NONFINITE
+    except checkpoint.CheckpointError as err:
+        if err.report:
+            print(f"hetloco-ds train: error: {err}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(QUIET_EXIT_DELAY_S)
+        return EXIT_FAILED
+    except (OSError, RuntimeError) as err:
+        line = checkpoint.describe_os_error(err, getattr(err, "filename", None) or args.out or ".")
+        if line.startswith("no space left"):  # outside a checkpoint: metrics, the export
+            print(f"hetloco-ds train: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        if not _peer_lost(err):
+            raise
+        # Another rank died or stopped; our launcher is about to stop this one and name that rank.
+        time.sleep(PEER_GRACE_S)
+        print(f"hetloco-ds train: error: rank {rank} lost contact with another rank ({_first_line(err)})",
+              file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly
+            pass
+
+
+__all__ = ["TrainArgs", "RunPlan", "plan_run", "own_run", "run_rank", "main_rank", "validation_batches",
+           "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_STALLED"]

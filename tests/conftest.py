@@ -50,3 +50,33 @@ def hf_tied(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_tied")
     save_tiny_llama(path, tied=True)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_jobs(tmp_path_factory):
+    """tests/runs.py's job: `.inputs(layout)` (model, data, config, token cache) and
+    `.reference(layout)` -> (inputs, directory of one uninterrupted `--nproc 2` run: what faulted,
+    resumed and otherwise launched runs must reproduce), run on first use of each layout."""
+    import runs
+    from test_cli import save_tiny_hf_with_tokenizer, write_config, write_text_folder
+
+    root = tmp_path_factory.mktemp("tiny_jobs")
+    hf, data = save_tiny_hf_with_tokenizer(root / "hf"), write_text_folder(root / "data")
+    done: dict = {}
+
+    class Jobs:
+        @staticmethod
+        def inputs(layout: str) -> dict:
+            return {"hf": hf, "data": data, "config": write_config(root / f"{layout}.json", runs.LAYOUTS[layout]),
+                    "cache": root / "cache", "layout": layout}
+
+        @staticmethod
+        def reference(layout: str):
+            if layout not in done:
+                inputs, out = Jobs.inputs(layout), root / f"reference_{layout}"
+                proc = runs.cli(*runs.train_args(inputs, out, "--nproc", 2), cache=inputs["cache"])
+                assert proc.returncode == 0, runs.explain(proc)
+                done[layout] = (inputs, out)
+            return done[layout]
+
+    return Jobs

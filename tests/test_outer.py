@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
 
 from hetloco_ds.sparseloco.compress import TensorCodec
-from hetloco_ds.sparseloco.outer import HEADER, OuterConfig, SparseLoCoState, payload_nbytes
+from hetloco_ds.sparseloco.outer import HEADER, PRESETS, OuterConfig, SparseLoCoState, payload_nbytes
 
 SHAPES = [(65, 130), (10000,), (65, 130), (7,), (3, 5), (128, 96)]  # a repeated shape exercises grouping
 DENSE = dict(topk=4096, error_decay=0.0, quant_bits=None, outer_lr=1.0)  # k = whole chunk: no compression
@@ -41,7 +42,11 @@ def outer_step(params, states, **kw):
     OuterConfig(chunk_size=64, topk=8, quant_bits=2),
     OuterConfig(chunk_size=64, topk=8, value_dtype=torch.bfloat16, outer_lr=0.7),
     OuterConfig(chunk_size=64, topk=8, aggregation="selected_count"),
-], ids=["paper", "quant2", "bf16", "selected_count"])
+    OuterConfig(**PRESETS["templar"]),
+    OuterConfig(**{**PRESETS["templar"], "chunk_size": 64, "topk": 8, "quant_bits": 2}),
+    OuterConfig(**PRESETS["diloco"]),
+    OuterConfig(aggregation="dense", norm_clip="median", value_dtype=torch.bfloat16),
+], ids=["paper", "quant2", "bf16", "selected_count", "templar", "templar_quant2", "diloco", "dense_clip_bf16"])
 def test_replicas_end_each_outer_step_bitwise_identical(cfg):
     """Guards the synchronisation invariant: differing sums or orders would let replicas drift apart."""
     _, params, states = make_replicas(3, cfg)
@@ -218,3 +223,185 @@ def test_mismatched_replicas_are_rejected_with_a_readable_error():
         states[0].finish(params[0], [mine, mine[:-4]])
     with pytest.raises(RuntimeError, match="twice"):
         other.prepare(params[0])
+
+
+# ------------------------------------------------------------------ templar's rules, the dense control
+def sent_by(states, deltas):
+    """float64 tensors each replica sent, recovered as delta - e (valid for error_decay = 0)."""
+    return [[(d - e).double() for d, e in zip(ds, st.error)] for ds, st in zip(deltas, states)]
+
+
+@pytest.mark.parametrize("aggregation, want", [
+    ("selected_count", [3.0, 3.5, 3.5, 4.0]),
+    ("mean", [1.5, 1.75, 1.75, 2.0]),
+])
+def test_median_clip_scales_each_replica_to_the_lower_median_norm_before_dividing(aggregation, want):
+    """Guards templar's clip, worked by hand. One chunk of 4, k = 2, beta = 0, four replicas send
+    A = [3, 4, 0, 0] (norm 5), B = [0, 0, 6, 8] (10), C = [0, 3, 4, 0] (5), D = 1000 * [.6, 0, 0, .8].
+    Lower median of (5, 5, 10, 1000) = 5: B is halved to [0, 0, 3, 4], D becomes [3, 0, 0, 4].
+    selected_count: coordinate 0 = (3 + 3) / 2, 1 = (4 + 3) / 2, 2 = (3 + 4) / 2, 3 = (4 + 4) / 2;
+    mean: the column sums (6, 7, 7, 8) / 4. Without the clip coordinate 3 would be 404; with the
+    upper median (10) or the mean of the middle two (7.5) B would not be halved; clipping the
+    aggregate instead of each sender gives other numbers."""
+    deltas = [[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 6.0, 8.0], [0.0, 3.0, 4.0, 0.0], [600.0, 0.0, 0.0, 800.0]]
+    cfg = OuterConfig(chunk_size=4, topk=2, error_decay=0.0, aggregation=aggregation, norm_clip="median")
+    _, params, states = make_replicas(4, cfg, shapes=[(4,)])
+    for replica, d in zip(params, deltas):
+        replica[0].sub_(torch.tensor(d))
+    theta0 = states[0].theta_prev[0].clone()
+    _, reports = outer_step(params, states, keep_average=True)
+    torch.testing.assert_close(theta0 - params[0][0], torch.tensor(want), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(reports[0].averages[0], torch.tensor(want), rtol=1e-6, atol=1e-6)
+    for state in states:  # every sender still drops all it sent from its error buffer
+        assert torch.equal(state.error[0], torch.zeros(4))
+
+
+@pytest.mark.parametrize("aggregation", ["selected_count", "mean"])
+def test_median_clip_bounds_the_step_when_one_replica_is_scaled_by_1000(aggregation):
+    """Guards the clip end to end against a float64 reference: replica 2's pseudo-gradient is 1000x the
+    others'. Each sender's decoded tensor is clipped to the median norm, so the synced model moves
+    no further than lr * sqrt(sum_r min(|s_r|, med)^2) (and lr * med under 1/M); without the clip the
+    outlier drags every tensor ~100x further (checked below, so the bound is not vacuous)."""
+    m, lr = 4, 1.0
+    moved = {}
+    for clip in ("median", "none"):
+        cfg = OuterConfig(**{**PRESETS["templar"], "chunk_size": 64, "topk": 8, "error_decay": 0.0,
+                             "aggregation": aggregation, "norm_clip": clip, "outer_lr": lr})
+        _, params, states = make_replicas(m, cfg)
+        inner_steps(params, seed=3)
+        theta0 = [t.clone() for t in states[0].theta_prev]
+        for p, t in zip(params[2], theta0):
+            p.copy_(t - 1000 * (t - p))
+        deltas = [[t - p for t, p in zip(theta0, replica)] for replica in params]
+        payloads = [s.prepare(p) for s, p in zip(states, params)]
+        sent = sent_by(states, deltas)
+        for s, p in zip(states, params):
+            s.finish(p, payloads)
+        moved[clip] = [torch.linalg.vector_norm((t - p).double()) for t, p in zip(theta0, params[0])]
+        if clip == "none":
+            continue
+        for i, (t, p) in enumerate(zip(theta0, params[0])):
+            s_i = [sent[r][i] for r in range(m)]
+            norms = torch.stack([torch.linalg.vector_norm(x) for x in s_i])
+            med = norms.sort().values[(m - 1) // 2]
+            clipped = [x * min(1.0, float(med / (n + 1e-8))) for x, n in zip(s_i, norms)]
+            total = torch.stack(clipped).sum(0)
+            if aggregation == "selected_count":
+                agg = total / torch.stack([x != 0 for x in s_i]).sum(0).clamp(min=1)
+                bound = lr * torch.sqrt(sum(torch.minimum(n, med) ** 2 for n in norms))
+            else:
+                agg = total / m
+                bound = lr * med
+            torch.testing.assert_close(p.double(), t.double() - lr * agg, rtol=1e-5, atol=1e-6)
+            assert moved["median"][i] <= bound * (1 + 1e-5), (i, moved["median"][i], bound)
+    assert all(b > 50 * a for a, b in zip(moved["median"], moved["none"])), (moved["median"], moved["none"])
+
+
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])
+def test_dense_outer_step_averages_whole_pseudo_gradients_without_error_feedback(value_dtype):
+    """Guards the DiLoCo control: at lr 1 the synced model is the replicas' average (the value_dtype-
+    rounded deltas), the error buffers stay zero whatever beta is, and the payload carries every
+    parameter (numel x value_dtype, padded to 4 bytes) behind the header."""
+    cfg = OuterConfig(aggregation="dense", error_decay=0.95, value_dtype=value_dtype)
+    theta0, params, states = make_replicas(3, cfg)
+    size = 4 if value_dtype == torch.float32 else 2
+    assert payload_nbytes(SHAPES, cfg) == HEADER.size + sum(-(-math.prod(s) * size // 4) * 4 for s in SHAPES)
+    for step in range(2):
+        theta = [t.clone() for t in states[0].theta_prev]
+        inner_steps(params, seed=20 + step)
+        deltas = [[(t - p).to(value_dtype).double() for t, p in zip(theta, replica)] for replica in params]
+        want = [t.double() - sum(ds) / 3 for t, ds in zip(theta, zip(*deltas))]
+        payloads, _ = outer_step(params, states)
+        assert {p.numel() for p in payloads} == {payload_nbytes(SHAPES, cfg)}
+        for replica, state in zip(params, states):
+            for p, w, e in zip(replica, want, state.error):
+                torch.testing.assert_close(p.double(), w, rtol=1e-6, atol=1e-6)
+                assert torch.equal(e, torch.zeros_like(e))
+
+
+def test_outer_momentum_is_torch_nesterov_sgd_on_the_average():
+    """Guards outer_momentum against torch.optim.SGD(nesterov=True) applied to the averaged pseudo-
+    gradient (DiLoCo's outer optimizer), over three syncs; and that the report's average is the
+    applied step, so the embedding resync (theta_prev - outer_lr * avg) stays right."""
+    cfg = OuterConfig(**PRESETS["diloco"])
+    theta0, params, states = make_replicas(2, cfg)
+    ref = [torch.nn.Parameter(t.double().clone()) for t in theta0]
+    opt = torch.optim.SGD(ref, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+    for step in range(3):
+        theta = [t.clone() for t in states[0].theta_prev]
+        inner_steps(params, seed=30 + step)
+        for r, t, ps in zip(ref, theta, zip(*params)):  # grad = the replicas' mean pseudo-gradient
+            r.grad = torch.stack([(t - p).double() for p in ps]).mean(0)
+        opt.step()
+        _, reports = outer_step(params, states, keep_average=True)
+        for i, (p, r) in enumerate(zip(params[0], ref)):
+            torch.testing.assert_close(p.double(), r.detach(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(theta[i] - cfg.outer_lr * reports[0].averages[i], p, rtol=1e-5, atol=1e-5)
+    state = states[0].state_dict()
+    assert len(state["momentum"]) == len(SHAPES)
+    fresh = SparseLoCoState([p.clone() for p in params[0]], cfg)
+    with pytest.raises(ValueError, match="momentum"):
+        fresh.load_state_dict({k: v for k, v in state.items() if k != "momentum"})
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.momentum, states[0].momentum))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("chunking", "per_dim"), ("topk_rule", "fixed"), ("quant_rounding", "nearest"), ("quant_std", "sample"),
+    ("norm_clip", "median"),
+    ("aggregation", "selected_count"), ("outer_momentum", 0.5),
+])
+def test_replicas_with_different_rule_options_refuse_each_others_payloads(field, value):
+    """Guards the header fingerprint over every rule option: on one 64 x 64 tile these options leave
+    the payload length unchanged, so only the fingerprint stops a replica from averaging payloads
+    built under another rule (e.g. one clipping, one not). A dense replica differs in length."""
+    shapes = [(64, 64)]  # one full tile: k = 32 under either top-k rule, the same tiles under either chunking
+    base = OuterConfig(quant_bits=2)
+    other = OuterConfig(**{"quant_bits": 2, field: value})
+    _, params, states = make_replicas(1, base, shapes=shapes)
+    theirs = SparseLoCoState([p.clone() for p in params[0]], other)
+    mine, their_payload = states[0].prepare(params[0]), theirs.prepare(params[0])
+    assert mine.numel() == their_payload.numel()
+    with pytest.raises(ValueError, match="fingerprint"):
+        states[0].finish(params[0], [mine, their_payload])
+    dense = SparseLoCoState([p.clone() for p in params[0]], OuterConfig(aggregation="dense"))
+    with pytest.raises(ValueError, match="disagree"):
+        states[0].finish(params[0], [mine, dense.prepare(params[0])])
+
+
+def test_presets_set_every_rule_and_explicit_fields_win():
+    """Guards the config edge: 'templar' selects all of templar's rules at once, a field written next
+    to it overrides it, and a dense run asking for quantisation fails with one line naming quant_bits."""
+    from hetloco_ds.config import ConfigError, parse_config
+
+    def outer(section):
+        return OuterConfig.from_any(parse_config({"hetloco": {"sparseloco": section}}).hetloco.sparseloco)
+
+    assert outer({"preset": "templar"}) == OuterConfig(**PRESETS["templar"])
+    assert outer({"preset": "templar"}) == OuterConfig(chunking="per_dim", topk_rule="fixed", quant_rounding="nearest",
+                                                       quant_std="sample", aggregation="selected_count",
+                                                       norm_clip="median")
+    assert outer({"preset": "templar", "aggregation": "mean"}).aggregation == "mean"
+    assert outer({"preset": "diloco"}) == OuterConfig(aggregation="dense", outer_lr=0.7, outer_momentum=0.9)
+    assert outer({}) == OuterConfig()  # the paper's rules stay the default
+    with pytest.raises(ConfigError, match="quant_bits"):
+        outer({"aggregation": "dense", "quant_bits": 2})
+
+
+@pytest.mark.parametrize("preset", [None, "templar", "diloco"])
+@pytest.mark.parametrize("quant_bits", [None, 2])
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])
+def test_size_rule_payload_equals_the_codecs_under_every_rule(preset, quant_bits, value_dtype):
+    """Guards the one size rule: the cost model's `sizes.stage_payload_nbytes`, given the rule options,
+    must equal what the outer step actually sends, or plan and simulator report other bytes."""
+    from hetloco_ds import sizes
+
+    if preset == "diloco" and quant_bits is not None:
+        pytest.skip("the dense control sends unquantised values")
+    cfg = OuterConfig(**{**PRESETS.get(preset, {}), "quant_bits": quant_bits, "chunk_size": 64, "topk": 8,
+                         "value_dtype": value_dtype})
+    _, params, states = make_replicas(1, cfg)
+    value_bytes = 4 if value_dtype == torch.float32 else 2
+    want = sizes.stage_payload_nbytes(SHAPES, cfg.chunk_size, cfg.topk, cfg.quant_bits, value_bytes,
+                                      cfg.chunking, cfg.topk_rule, dense=cfg.aggregation == "dense")
+    assert states[0].prepare(params[0]).numel() == payload_nbytes(SHAPES, cfg) == want

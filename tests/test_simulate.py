@@ -122,3 +122,152 @@ def test_per_replica_ratios_share_the_smallest_subspace():
     for r in sim.replicas:
         assert subspace.off_subspace_norm(r.algorithms[0].embeddings[0].weight.detach(), r.algorithms[0].split_basis) < 1e-5
     assert torch.equal(sim.replicas[0].algorithms[0].embeddings[0].weight, sim.replicas[1].algorithms[0].embeddings[0].weight)
+
+
+def _sim_classes():
+    from hetloco_ds.simulate import Simulation
+    from hetloco_ds.simulate_batched import BatchedSimulation
+
+    return {"per_replica": Simulation, "batched": BatchedSimulation}
+
+
+def _random_step(g, replicas, gas=1, micro=2, seq=16, vocab=96):
+    return [[(ids, ids) for ids in torch.randint(0, vocab, (gas, micro, seq), generator=g)] for _ in range(replicas)]
+
+
+@pytest.mark.parametrize("driver", ["per_replica", "batched"])
+def test_adamw_het_replicas_stay_bitwise_identical_in_the_simulator(driver):
+    """Plain data parallelism (the AdamW rows), M = 4 x S = 2, replica 3 compressed at ratio 8:
+    after every step every replica's parameters and every stage's T_perp are bitwise those of
+    replica 0, in the per-replica and in the batched simulator. Breaks if only the compressed
+    replica projects T_S (the issue-16 drift) or if the batched simulator's AdamW, clipping or
+    gradient averaging treats replicas differently."""
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.presets import model_config_for
+
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                        "hetloco": {"sparseloco": {"enabled": False},
+                                    "subspace": {"ratio": 8, "compressed_replicas": [3]}, "train": {"seq_len": 16}}})
+    sim = _sim_classes()[driver](cfg, cfg.hetloco, model_config_for("tiny", 96), 4, 2, torch.device("cpu"))
+    assert [a.basis is not None for a in (r.algorithms[0] for r in sim.replicas)] == [False, False, False, True]
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, 5):
+        sim.train_step(_random_step(g, 4))
+        first = sim.replicas[0]
+        for r in sim.replicas[1:]:
+            for p, q in zip(first.params, r.params):
+                assert torch.equal(p, q), f"replica {r.replica} differs from replica 0 after step {step}"
+            for a, b in zip(first.algorithms, r.algorithms):
+                assert torch.equal(a.perp, b.perp), f"replica {r.replica}'s T_perp differs after step {step}"
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_batched_simulator_matches_per_replica(tied):
+    """The batched simulator against the per-replica reference, M = 3 x S = 2 with replica 0
+    uncompressed, 1 at ratio 4 and 2 at ratio 8 (bases zero-padded to the larger k), 2
+    micro-batches a step, H = 2: every replica's loss at every step, the parameters and T_perp
+    after two outer steps, the per-sync diagnostics and each replica's validation loss agree to
+    float tolerance. Breaks if a replica's codec, clipping norm, gradient scale, the views the
+    StageAlgorithms write through, or the tied head's T_perp differ between the two."""
+    from transformers import LlamaConfig
+
+    from hetloco_ds.config import parse_config
+
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                        "hetloco": {"sparseloco": {"inner_steps": 2},
+                                    "subspace": {"ratio": 4, "compressed_replicas": [1, 2], "replica_ratios": {"2": 8}},
+                                    "train": {"seq_len": 16}}})
+    llama = LlamaConfig(vocab_size=96, tie_word_embeddings=tied, rms_norm_eps=1e-5, **MODEL)
+    sims = {name: cls(cfg, cfg.hetloco, llama, 3, 2, torch.device("cpu")) for name, cls in _sim_classes().items()}
+    assert [r.width for r in sims["batched"].replicas] == [32, 8, 4]
+    g = torch.Generator().manual_seed(0)
+    diagnostics = {name: [] for name in sims}
+    for step in range(1, 5):
+        batches = _random_step(g, 3, gas=2)
+        losses = {name: sim.train_step(batches) for name, sim in sims.items()}
+        torch.testing.assert_close(losses["batched"], losses["per_replica"], rtol=1e-5, atol=0)
+        if step % 2 == 0:
+            for name, sim in sims.items():
+                diagnostics[name].append(sim.outer_step())
+    for ref, got in zip(*(sims[n].replicas for n in ("per_replica", "batched"))):
+        for p, q in zip(ref.params, got.params):
+            torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+        for a, b in zip(ref.algorithms, got.algorithms):
+            torch.testing.assert_close(b.perp, a.perp, rtol=1e-4, atol=1e-6)
+    for ref, got in zip(diagnostics["per_replica"], diagnostics["batched"]):
+        assert got.keys() == ref.keys()
+        for key in ref:
+            assert got[key] == pytest.approx(ref[key], rel=1e-5), key
+    val = [tuple([torch.randint(0, 96, (2, 16), generator=g)] * 2) for _ in range(2)]
+    assert sims["batched"].validation_losses(val) == pytest.approx(sims["per_replica"].validation_losses(val), rel=1e-5)
+
+
+def test_outer_step_diagnostics_on_a_dense_sync():
+    """With every coordinate sent (top-k = the whole chunk) and no error feedback, eq. (2) is
+    dense averaging: every coordinate comes from all M replicas, the applied update is the dense
+    mean of the pseudo-gradients (cosine 1, equal norms, T_perp's share of the embedding
+    included) and the error buffers stay zero. With the default top-32 of 4096 the overlap and
+    the cosine drop. Breaks if a diagnostic is computed from the wrong tensors."""
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.presets import model_config_for
+    from hetloco_ds.simulate import Simulation
+
+    llama = model_config_for("tiny", 96)
+    out = {}
+    for topk, decay in ((4096, 0.0), (32, 0.95)):
+        cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                            "hetloco": {"sparseloco": {"inner_steps": 2, "topk": topk, "error_decay": decay},
+                                        "subspace": {"ratio": 4, "compressed_replicas": [2]}, "train": {"seq_len": 16}}})
+        sim = Simulation(cfg, cfg.hetloco, llama, 3, 2, torch.device("cpu"))
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            sim.train_step(_random_step(g, 3))
+        out[topk] = sim.outer_step()
+    dense = out[4096]
+    assert dense["replicas_per_selected"] == 3.0
+    assert dense["update_cosine"] == pytest.approx(1.0, abs=1e-6)
+    assert dense["update_norm"] == pytest.approx(dense["dense_norm"], rel=1e-5)
+    assert dense["error_norm"] == 0.0
+    sparse = out[32]
+    assert 1.0 <= sparse["replicas_per_selected"] < 1.5
+    assert 0.0 < sparse["update_cosine"] < 0.9
+    assert sparse["error_norm"] > 0
+
+
+def test_a_saved_row_resumes_where_it_stopped(tmp_path):
+    """A row stopped by its deadline at the first outer-step boundary saves its state; a second
+    call continues from it and ends with the same per-step losses, outer-step diagnostics and
+    validation losses as an uninterrupted run, bit for bit (AdamW moments, LR schedule, error
+    buffers, theta at the last sync, T_perp and the data positions all come back). Breaks if any
+    of them is lost or the data feed restarts."""
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.data import Corpus
+    from hetloco_ds.presets import model_config_for
+    from hetloco_ds.simulate import parse_variants, simulate_variant
+
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2}},
+                        "hetloco": {"sparseloco": {"inner_steps": 2}, "train": {"seq_len": 16, "eval_batches": 2}}})
+    g = torch.Generator().manual_seed(0)
+    corpus = Corpus(torch.randint(0, 96, (64, 16), generator=g, dtype=torch.int32),
+                    torch.randint(0, 96, (8, 16), generator=g, dtype=torch.int32), "random", tmp_path)
+    variant = parse_variants(["het:4"], 2, [0])[0]
+    llama = model_config_for("tiny", 96)
+    cpu = torch.device("cpu")
+
+    def row(**kw):
+        return simulate_variant(cfg, variant, llama, corpus, 2, 2, 6, cpu, progress=False, **kw)
+
+    full = row()
+    state = str(tmp_path / "row.pt")
+    first = row(deadline=0.0, state_path=state)
+    assert first["status"] == "saved" and first["step"] == 2
+    second = row(state_path=state)
+    assert second["status"] == "done" and not os.path.exists(state)
+    assert second["replica_losses"] == full["replica_losses"]
+    assert second["outer"] == full["outer"] and second["outer_steps"] == 3
+    assert second["val_losses"] == full["val_losses"]
+    assert row(deadline=0.0)["status"] == "abandoned"

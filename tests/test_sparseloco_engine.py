@@ -226,3 +226,32 @@ def test_kill_and_resume_continues_with_identical_losses(hf_untied, tmp_path):
     for r in range(4):
         assert first[r] == full[r][:H]
         assert second[r] == full[r][H:], f"rank {r}: resumed {second[r]} vs uninterrupted {full[r][H:]}"
+
+
+def _adamw_het_body(rank, hf_dir, ds_cfg, steps):
+    engine, module, _ = build_from_hf(hf_dir, ds_cfg, SEQ)
+    hashes = []
+    for step in range(1, steps + 1):
+        engine.train_batch(iter(_batches(engine.replica, step)))
+        perp = engine.algorithm.perp
+        hashes.append((_params_hash(module), hashlib.sha256(perp.detach().cpu().numpy().tobytes()).hexdigest()))
+    return {"replica": engine.replica, "stage": engine.stage_id, "compressed": engine.module.codec.compressed,
+            "hashes": hashes}
+
+
+def test_adamw_het_replicas_stay_bitwise_identical(hf_untied):
+    """Plain data parallelism (sparseloco.enabled false, the AdamW baselines) with replica 1 of 2
+    compressed at ratio 8, 2 stages: after every step each stage's parameters and T_perp are
+    bitwise identical on both replicas, as DDP promises whatever the boundaries carry. Breaks if
+    only the compressed replica keeps T_S in Col(U) (the replicas then drift apart) or if the
+    re-split of T_S's off-subspace part into T_perp differs between stages or replicas."""
+    cfg = _config(2, 1)
+    cfg["hetloco"]["sparseloco"]["enabled"] = False
+    cfg["hetloco"]["subspace"] = {"ratio": 8, "compressed_replicas": [1]}
+    steps = 3
+    results = run_ranks(_adamw_het_body, 4, hf_untied, cfg, steps)
+    assert sorted((r["replica"], r["compressed"]) for r in results) == [(0, False), (0, False), (1, True), (1, True)]
+    for stage in (0, 1):
+        a, b = sorted((r for r in results if r["stage"] == stage), key=lambda r: r["replica"])
+        for step in range(steps):
+            assert a["hashes"][step] == b["hashes"][step], f"stage {stage}: replicas differ after step {step + 1}"

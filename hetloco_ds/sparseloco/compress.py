@@ -6,10 +6,12 @@ tensors), so the outer step can compress all same-shape parameters of a stage in
 
 Chunking, k per chunk, index widths and section sizes are size rules: they live in
 `hetloco_ds.sizes` (shared with the cost model) and are only applied here. Tiles are numbered
-row-major over the tile grid; each tile is flattened row-major into one chunk.
+row-major over the tile grid; each tile is flattened row-major into one chunk. `chunking`
+"tiles" (ours) or "per_dim" (templar: 1-D tensors in chunks of <= 64) and `topk_rule` "scaled"
+(ours) or "fixed" (templar: k = topk in every chunk) select the rule (see sizes.py).
 
 Top-k
-    k = sizes.topk_per_chunk(chunk_len). Selection is `torch.topk(|x|, k, sorted=False)` per
+    k = sizes.topk_per_chunk(chunk_len, rule=topk_rule). Selection is `torch.topk(|x|, k, sorted=False)` per
     chunk; the *signed* values are sent. Ties in magnitude are broken however torch.topk
     breaks them on that device (PyTorch leaves it unspecified). Either choice is valid under
     error feedback (the entry not sent stays in the error buffer), and only the sender ever
@@ -19,13 +21,19 @@ Top-k
     is what lets the outer step detect a non-finite replica from the k selected values alone.
 
 Quantisation (optional, bits in {2, 4, 8}; levels = 2**bits), per tensor over its selected values
-    centre = mean, std = *population* std (correction=0: defined for a single value),
-    width = 6 * std / levels, code = clamp(floor((v - centre) / width + levels/2), 0, levels-1).
+    centre = mean, std = population std ("population", ours: defined for a single value) or
+    sample std ("sample", templar's ||v - mean|| / sqrt(n - 1); population for n = 1), width =
+    6 * std / levels, code = clamp(R((v - centre) / width + levels/2), 0, levels-1),
+    R = floor ("floor", ours: `levels` bins of equal width covering centre +- 3 std) or
+    round-half-to-even ("nearest", templar's _quantize_values: bin b is centred on
+    centre + (b - levels/2) * width, so the range is skewed by half a bin to the negative side).
     The lookup table (float32, `levels` entries) holds each bin's mean of the values that fell
-    into it (accumulated in float64); an empty bin holds its centre,
-    centre + (code - levels/2 + 1/2) * width. std == 0 (all values equal): width is replaced by
-    1 for the division, so codes stay finite and the table holds the values' mean - no NaN.
-    Decoding is lut[code].
+    into it (accumulated in float64); an empty bin (never decoded) holds its centre,
+    centre + (code - levels/2 + 1/2) * width for floor, centre + (code - levels/2) * width
+    for nearest. The two stds differ by a factor sqrt(n / (n - 1)) ~ 1 + 1/(2n), enough to move
+    a value lying near a bin edge to the next bin. std == 0 (all values equal): width is
+    replaced by 1 for the division, so codes stay finite and the table holds the values'
+    mean - no NaN. Decoding is lut[code].
 
 Payload of one tensor (`TensorCodec.nbytes` bytes; a batch is `[B, nbytes]`, one row per tensor)
     unquantised:  values  n_sel x value_dtype (float32 or bfloat16, little-endian)
@@ -41,6 +49,11 @@ Payload of one tensor (`TensorCodec.nbytes` bytes; a batch is `[B, nbytes]`, one
     b >> 4, an odd count padded with a zero index. Larger chunks use 16 or 32 bits. Float
     sections come first and every payload is a multiple of 4 bytes, so in a concatenation of
     payloads every float section stays 4-byte aligned and is read as a view, without a copy.
+    Small chunks (per_dim 1-D chunks of 64) keep 12-bit indices, as templar does: 6 bits
+    would fit, but 1-D tensors are a few thousandths of a LLaMA's parameters.
+
+Dense payload (`DenseCodec`, the uncompressed DiLoCo control): the whole tensor, row-major,
+as value_dtype, zero padding to a multiple of 4 bytes (`sizes.dense_wire_nbytes`).
 """
 from __future__ import annotations
 
@@ -55,6 +68,8 @@ from .. import sizes
 from ..sizes import QUANT_BITS
 
 VALUE_DTYPES = (torch.float32, torch.bfloat16)
+QUANT_ROUNDINGS = ("floor", "nearest")
+QUANT_STDS = ("population", "sample")
 
 
 # --------------------------------------------------------------------------- chunking
@@ -72,8 +87,8 @@ class ChunkLayout:
     tile: tuple[int, int] | None
 
     @classmethod
-    def for_shape(cls, shape, chunk_size: int = 4096) -> "ChunkLayout":
-        c = sizes.chunking(shape, chunk_size)  # the rule lives in sizes
+    def for_shape(cls, shape, chunk_size: int = 4096, chunking: str = "tiles") -> "ChunkLayout":
+        c = sizes.chunking(shape, chunk_size, chunking)  # the rule lives in sizes
         return cls(c.shape, c.n_chunks, c.chunk_len, c.tile)
 
     @property
@@ -144,19 +159,22 @@ def topk_abs(chunks: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 # --------------------------------------------------------------------------- quantisation
-def quantise(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+def quantise(values: Tensor, bits: int, rounding: str = "floor", std: str = "population") -> tuple[Tensor, Tensor]:
     """Quantise along the last axis (one tensor per row): (uint8 codes, float32 lut [..., 2**bits]).
 
     See the module docstring for the rule. `values` must be finite.
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"quant_bits must be one of {QUANT_BITS}, got {bits}")
+    check_quant_rules(rounding, std)
     levels = 1 << bits
     v = values.float()
     centre = v.mean(-1, keepdim=True)
-    width = v.std(-1, correction=0, keepdim=True) * (6.0 / levels)
+    correction = 1 if std == "sample" and v.shape[-1] > 1 else 0
+    width = v.std(-1, correction=correction, keepdim=True) * (6.0 / levels)
     safe = torch.where(width > 0, width, torch.ones_like(width))
-    codes = torch.floor((v - centre) / safe + levels / 2).clamp_(0, levels - 1).to(torch.int64)
+    bin_of = torch.floor if rounding == "floor" else torch.round
+    codes = bin_of((v - centre) / safe + levels / 2).clamp_(0, levels - 1).to(torch.int64)
     # Per-row histograms as one bincount over row-offset codes (a shared-memory histogram on
     # CUDA; a scatter_add into 4 bins would serialise on atomics).
     shape = (*v.shape[:-1], levels)
@@ -164,7 +182,8 @@ def quantise(values: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     flat = (codes.reshape(rows, -1) + torch.arange(rows, device=v.device).unsqueeze(1) * levels).reshape(-1)
     sums = torch.bincount(flat, weights=v.double().reshape(-1), minlength=rows * levels).view(shape)
     counts = torch.bincount(flat, minlength=rows * levels).view(shape)
-    offsets = torch.arange(levels, device=v.device, dtype=torch.float64) - (levels / 2 - 0.5)
+    bin_centre = levels / 2 - (0.5 if rounding == "floor" else 0.0)
+    offsets = torch.arange(levels, device=v.device, dtype=torch.float64) - bin_centre
     empty = centre.double() + offsets * width.double()
     lut = torch.where(counts > 0, sums / counts.clamp(min=1), empty).float()
     return codes.to(torch.uint8), lut
@@ -264,9 +283,19 @@ def value_nbytes(value_dtype: torch.dtype) -> int:
     return torch.empty((), dtype=value_dtype).element_size()
 
 
-def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype) -> None:
+def check_quant_rules(rounding: str, std: str) -> None:
+    if rounding not in QUANT_ROUNDINGS:
+        raise ValueError(f"quant_rounding must be one of {QUANT_ROUNDINGS}, got {rounding!r}")
+    if std not in QUANT_STDS:
+        raise ValueError(f"quant_std must be one of {QUANT_STDS}, got {std!r}")
+
+
+def check_codec_settings(chunk_size: int, topk: int, quant_bits: int | None, value_dtype: torch.dtype,
+                         chunking: str = "tiles", topk_rule: str = "scaled", quant_rounding: str = "floor",
+                         quant_std: str = "population") -> None:
     """One error naming the bad value, for every place these settings enter (`sizes.check_codec`)."""
-    sizes.check_codec(chunk_size, topk, quant_bits, value_nbytes(value_dtype))
+    sizes.check_codec(chunk_size, topk, quant_bits, value_nbytes(value_dtype), chunking, topk_rule)
+    check_quant_rules(quant_rounding, quant_std)
 
 
 @dataclass(frozen=True)
@@ -282,6 +311,10 @@ class TensorCodec:
     topk: int = 32
     quant_bits: int | None = None
     value_dtype: torch.dtype = torch.float32
+    chunking: str = "tiles"
+    topk_rule: str = "scaled"
+    quant_rounding: str = "floor"
+    quant_std: str = "population"
     layout: ChunkLayout = field(init=False, repr=False)
     k: int = field(init=False)
     n_selected: int = field(init=False)
@@ -293,8 +326,10 @@ class TensorCodec:
     _tables: dict = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
+        check_quant_rules(self.quant_rounding, self.quant_std)
         shape = tuple(int(s) for s in self.shape)
-        wire = sizes.tensor_wire(shape, self.chunk_size, self.topk, self.quant_bits, value_nbytes(self.value_dtype))
+        wire = sizes.tensor_wire(shape, self.chunk_size, self.topk, self.quant_bits, value_nbytes(self.value_dtype),
+                                 self.chunking, self.topk_rule)
         set_ = object.__setattr__
         set_(self, "shape", shape)
         set_(self, "layout", ChunkLayout(shape, wire.chunks.n_chunks, wire.chunks.chunk_len, wire.chunks.tile))
@@ -351,7 +386,7 @@ class TensorCodec:
             out[:, :head] = wire.view(torch.uint8)
             sent = wire.float()
         else:
-            codes, lut = quantise(sel.values, self.quant_bits)
+            codes, lut = quantise(sel.values, self.quant_bits, self.quant_rounding, self.quant_std)
             out[:, :head] = lut.view(torch.uint8)
             out[:, head + ib: head + ib + self._code_nbytes] = pack_codes(codes, self.quant_bits)
             sent = dequantise(codes, lut)
@@ -402,3 +437,35 @@ class TensorCodec:
         flat = target.view(target.shape[0], -1)  # raises for a non-contiguous `out`
         flat.scatter_(1, pos, flat.gather(1, pos) + values.to(flat.dtype))
         return out
+
+
+@dataclass(frozen=True)
+class DenseCodec:
+    """Wire format of a whole tensor (the uncompressed control): value_dtype, row-major, padded.
+
+    Methods take a batch `[B, *shape]`; payload rows are `[B, nbytes]` uint8.
+    """
+
+    shape: tuple[int, ...]
+    value_dtype: torch.dtype = torch.float32
+    numel: int = field(init=False)
+    nbytes: int = field(init=False)
+
+    def __post_init__(self):
+        shape = tuple(int(s) for s in self.shape)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "numel", math.prod(shape))
+        object.__setattr__(self, "nbytes", sizes.dense_wire_nbytes(shape, value_nbytes(self.value_dtype)))
+
+    def pack_(self, out: Tensor, e: Tensor) -> Tensor:
+        """Write `e` [B, *shape] into `out` [B, nbytes]; return what a receiver decodes, float32 [B, numel]."""
+        wire = e.reshape(e.shape[0], self.numel).to(self.value_dtype)
+        out[:, : wire.shape[1] * wire.element_size()] = wire.view(torch.uint8)
+        return wire.float()
+
+    def unpack(self, payload: Tensor) -> Tensor:
+        """Payload rows [B, nbytes] -> float32 values [B, numel]."""
+        if payload.dim() != 2 or payload.shape[1] != self.nbytes or payload.dtype != torch.uint8:
+            raise ValueError(f"expected uint8 payload rows of {self.nbytes} bytes, "
+                             f"got {payload.dtype} {tuple(payload.shape)}")
+        return bytes_as(payload[:, : self.numel * value_nbytes(self.value_dtype)], self.value_dtype).float()

@@ -5,6 +5,56 @@
     avg   = (1 / contributors) * sum_m dequant(c_m)
     theta = theta_prev - outer_lr * avg      (written into the parameters; theta_prev = theta)
 
+Aggregation rules (`OuterConfig`; every rule a named option, the defaults are the paper's)
+    aggregation "mean"            eq. (2): sum / contributing replicas (M when all are finite).
+                "selected_count"  per coordinate: sum / replicas that selected it (0 where none did).
+                "dense"           the uncompressed control: every replica sends its whole delta
+                                  (no top-k, no quantisation, no error feedback), / contributors.
+    norm_clip   "median"          before the sum, replica r's decoded tensor d_r of each parameter
+                                  is scaled by min(1, med / (||d_r|| + 1e-8)), med = the lower
+                                  median over the contributors of ||d_r|| (L2, per tensor).
+    outer_momentum mu > 0         Nesterov outer SGD: b = mu*b + avg; theta -= outer_lr*(avg + mu*b).
+    The sender's error feedback never sees any of this: it subtracts what it sent, and the
+    division, the clip and the momentum act on the receivers' aggregate only.
+    Presets (`PRESETS`): "templar" (below), "diloco" (dense, outer_lr 0.7, Nesterov 0.9).
+
+What the SparseLoCo authors' code does (github.com/tplr-ai/templar, v2.1.3, Sept 2025:
+src/tplr/compress.py, src/tplr/neurons.py, src/tplr/distributed.py, hparams/hparams.json)
+    pseudo-gradient  DistributedHelper.restore_offloaded_params: p.grad = theta_prev - theta, theta
+                     restored to theta_prev.
+    error feedback   neurons.prepare_gradient_dict: e = momentum_decay * e + outer_learning_rate * delta
+                     (0.95 and 1.0 in hparams.json), then e -= decode(what was sent, after
+                     quantisation). The outer lr multiplies delta here *and* the aggregate below,
+                     so it acts twice; at the configured 1.0 this is moot. We apply it once.
+    chunking         ChunkingTransformer(target_chunk=64): every dimension of a parameter is cut
+                     to its largest divisor <= 64 (_get_smaller_split). 2-D: 64 x 64 tiles,
+                     flattened row-major, tiles row-major (the same as our "tiles"); 1-D: chunks
+                     of <= 64 elements (our "per_dim"; ours put <= 4096 in a 1-D chunk). No DCT
+                     (use_dct false).
+    top-k            TopKCompressor.compress: torch.topk(|x|, k, sorted=False) per chunk, signed
+                     values sent, k = _clamp_topk(topk_compression): min(topk, chunk), >= 2, even,
+                     the same k for every chunk (our "fixed"): a 64-element 1-D chunk sends 32.
+                     topk_compression is 32 in hparams.py's defaults (and in hparams.json until
+                     2025-09-01, 64 since). Indices packed 12 bits, two in three bytes (as ours).
+    quantisation     always on (quantization_bins 4 = 2 bits, range 6 std): per tensor, centred on
+                     the mean, scale = 6 * std / bins with std = ||v - mean|| / sqrt(n - 1) (our
+                     "sample"), code = clamp(round(centred / scale + bins/2), 0, bins - 1) (our
+                     "nearest"), decoded to the mean of the bin's values (_quantize_values /
+                     _dequantize_values).
+    aggregation      neurons.outer_step -> TopKCompressor.batch_decompress(clip_norm=True): per
+                     parameter, the norms of the peers' (dequantised) value vectors, their
+                     torch.median, each peer's values scaled by clamp(median / (norm + 1e-8),
+                     max=1) *before* the division; then scatter_reduce_(reduce="mean",
+                     include_self=False): each coordinate divided by the peers that selected it.
+                     So the clip is per tensor, per sender, on what it sent, not on the aggregate.
+    outer step       p.grad = that aggregate; torch.optim.SGD(lr=outer_learning_rate), no
+                     momentum, no weight decay (neurons/trainer.py).
+    Our "templar" preset is this rule set without the doubled outer lr (it is 1.0 in both);
+    quantisation stays off unless quant_bits is set (2 for templar's), as in the paper's runs.
+    Checked against templar's compress.py itself (one outer step, M = 4, one replica 1000x,
+    LLaMA-like 1-D and 2-D shapes): the synced theta agrees to float32 rounding (<= 2e-6 on
+    steps of ~6), with and without 2-bit quantisation.
+
 Pure logic, no process group: the collective is injected by the caller, in two phases,
 
     payload = state.prepare(params)          # this replica's compact uint8 buffer
@@ -42,6 +92,9 @@ O(selected). finish makes three dense passes (zero the sum, update theta_prev, c
 the parameters) plus one O(selected) scatter-add per replica. Memory: prepare holds the old and
 new error buffers until it knows the replica is finite (+4 B/parameter, transient); finish
 allocates a transient fp32 sum the size of one same-shape parameter group at a time.
+Under "dense" the payload is the whole stage (numel x value_dtype) and finish adds M whole
+tensors; norm_clip adds one O(selected) pass; outer_momentum one fp32 buffer per parameter
+(in state_dict as "momentum") and two dense passes.
 """
 from __future__ import annotations
 
@@ -54,14 +107,29 @@ import torch
 from torch import Tensor
 
 from .. import sizes
-from .compress import TensorCodec, check_codec_settings
+from .compress import DenseCodec, TensorCodec, check_codec_settings
 
 HEADER = struct.Struct("<4sBBHII")
 assert HEADER.size == sizes.PAYLOAD_HEADER_BYTES
 MAGIC = b"SLC1"
 VERSION = 1
 FLAG_FINITE = 1
-AGGREGATIONS = ("mean", "selected_count")
+AGGREGATIONS = ("mean", "selected_count", "dense")
+NORM_CLIPS = ("none", "median")
+CLIP_EPS = 1e-8  # templar's: factor = min(1, median / (norm + 1e-8))
+
+# Named combinations (config.SparseLoCoConfig `preset`); fields given explicitly next to a preset win.
+PRESETS: dict[str, dict] = {
+    # The SparseLoCo authors' code (tplr-ai/templar v2.1.3, see the module docstring).
+    "templar": dict(chunking="per_dim", topk_rule="fixed", quant_rounding="nearest", quant_std="sample",
+                    aggregation="selected_count", norm_clip="median", topk=32, chunk_size=4096,
+                    error_decay=0.95, outer_lr=1.0),
+    # DiLoCo (Douillard et al. 2023): dense pseudo-gradients, outer Nesterov SGD lr 0.7, momentum 0.9.
+    "diloco": dict(aggregation="dense", outer_lr=0.7, outer_momentum=0.9),
+    # The paper's eq. (2) as written: the sum of the sparse pseudo-gradients over M, no clip.
+    "paper": dict(aggregation="mean", norm_clip="none", chunking="tiles", topk_rule="scaled", quant_rounding="floor",
+                  quant_std="population", outer_momentum=0.0),
+}
 
 
 @dataclass(frozen=True)
@@ -81,16 +149,38 @@ class OuterConfig:
     value_dtype: torch.dtype = torch.float32
     """Wire type of unquantised values: float32 or bfloat16."""
     aggregation: str = "mean"
-    """mean: sum / contributing replicas (paper). selected_count: per coordinate, sum / replicas that selected it."""
+    """mean: sum / contributing replicas (paper). selected_count: per coordinate, sum / replicas that
+    selected it (templar). dense: whole pseudo-gradients, no top-k, no error feedback, / contributors."""
+    chunking: str = "tiles"
+    """tiles: tensors that are not 2-D in chunks of <= chunk_size. per_dim (templar): <= isqrt(chunk_size)."""
+    topk_rule: str = "scaled"
+    """scaled: k = topk * chunk_len / chunk_size (>= 1). fixed (templar): k = topk in every chunk (even, >= 2)."""
+    quant_rounding: str = "floor"
+    """Quantisation bins: floor (ours) or nearest (templar)."""
+    quant_std: str = "population"
+    """Std behind the quantisation bin width: population (ours) or sample, n - 1 (templar)."""
+    norm_clip: str = "none"
+    """median (templar): before aggregating, scale each replica's decoded tensor down to the median of
+    the replicas' norms of that tensor (factor min(1, median / (norm + 1e-8)))."""
+    outer_momentum: float = 0.0
+    """Nesterov momentum of the outer SGD (0: plain SGD, the paper's; DiLoCo uses 0.9 at outer_lr 0.7)."""
 
     def __post_init__(self):
         if not 0.0 <= self.error_decay <= 1.0:
             raise ValueError(f"error_decay must be in [0, 1], got {self.error_decay}")
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
-        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype)
+        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype,
+                             self.chunking, self.topk_rule, self.quant_rounding, self.quant_std)
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+        if self.aggregation == "dense" and self.quant_bits is not None:
+            raise ValueError(f"aggregation 'dense' sends whole value_dtype tensors; quant_bits must be None, "
+                             f"got {self.quant_bits}")
+        if self.norm_clip not in NORM_CLIPS:
+            raise ValueError(f"norm_clip must be one of {NORM_CLIPS}, got {self.norm_clip!r}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
 
     @classmethod
     def from_any(cls, cfg=None) -> "OuterConfig":
@@ -102,8 +192,16 @@ class OuterConfig:
             return cfg
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
 
-    def codec(self, shape) -> TensorCodec:
-        return TensorCodec(tuple(shape), self.chunk_size, self.topk, self.quant_bits, self.value_dtype)
+    @property
+    def dense(self) -> bool:
+        return self.aggregation == "dense"
+
+    def codec(self, shape) -> TensorCodec | DenseCodec:
+        if self.dense:
+            return DenseCodec(tuple(shape), self.value_dtype)
+        return TensorCodec(tuple(shape), self.chunk_size, self.topk, self.quant_bits, self.value_dtype,
+                           chunking=self.chunking, topk_rule=self.topk_rule, quant_rounding=self.quant_rounding,
+                           quant_std=self.quant_std)
 
 
 def payload_nbytes(shapes: Iterable[Sequence[int]], cfg=None) -> int:
@@ -128,7 +226,13 @@ class OuterReport:
     excluded: tuple[int, ...]
     """Replica indices excluded for a non-finite pseudo-gradient."""
     averages: dict[int, Tensor] = field(default_factory=dict)
-    """Parameter index -> dense fp32 average `avg`, only for the indices asked via `keep_average`."""
+    """Parameter index -> dense fp32 update direction `avg` with theta = theta_prev - outer_lr * avg (the
+    aggregate; with outer momentum the Nesterov step), only for the indices asked via `keep_average`."""
+    selected: int | None = None
+    """With `count_selected`: entries the contributors sent, summed over them (n * k per chunk)."""
+    distinct: int | None = None
+    """With `count_selected`: coordinates at least one contributor sent; selected / distinct is the
+    mean number of replicas behind each coordinate of the aggregate (n when dense)."""
 
 
 @dataclass
@@ -137,10 +241,11 @@ class _Group:
 
     shape: tuple[int, ...]
     members: list[int]
-    codec: TensorCodec
+    codec: TensorCodec | DenseCodec
     offset: int
     theta_prev: Tensor
     error: Tensor
+    momentum: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -184,7 +289,8 @@ class SparseLoCoState:
         with torch.no_grad():
             for shape, members in by_shape.items():
                 tp = torch.stack([params[i].detach().to(torch.float32) for i in members])
-                group = _Group(shape, members, self.cfg.codec(shape), offset, tp, torch.zeros_like(tp))
+                momentum = torch.zeros_like(tp) if self.cfg.outer_momentum > 0 else None
+                group = _Group(shape, members, self.cfg.codec(shape), offset, tp, torch.zeros_like(tp), momentum)
                 for j, i in enumerate(members):
                     self._where[i] = (len(self._groups), j)
                 self._groups.append(group)
@@ -211,8 +317,15 @@ class SparseLoCoState:
 
     @property
     def error(self) -> list[Tensor]:
-        """fp32 error-feedback buffers, per parameter (views into the state)."""
+        """fp32 error-feedback buffers, per parameter (views into the state; zero under 'dense')."""
         return [self._view("error", i) for i in range(len(self.shapes))]
+
+    @property
+    def momentum(self) -> list[Tensor] | None:
+        """fp32 outer-momentum buffers, per parameter (views), or None without outer momentum."""
+        if self.cfg.outer_momentum == 0:
+            return None
+        return [self._view("momentum", i) for i in range(len(self.shapes))]
 
     @torch.no_grad()
     def rebase(self, i: int, value: Tensor) -> None:
@@ -235,13 +348,17 @@ class SparseLoCoState:
         params = self._check(params)
         if self._pending:
             raise RuntimeError("prepare() called twice without finish(): the error buffer would absorb delta twice")
-        beta = self.cfg.error_decay
+        beta, dense = self.cfg.error_decay, self.cfg.dense
         staged = []
         finite = []
         for g in self._groups:
             e_new = torch.empty_like(g.theta_prev)
             for j, i in enumerate(g.members):
                 torch.sub(g.theta_prev[j], params[i], out=e_new[j])  # delta
+            if dense:  # no error feedback: delta itself is sent
+                finite.append(torch.isfinite(e_new).all())
+                staged.append((e_new, None))
+                continue
             if beta != 0:
                 e_new.add_(g.error, alpha=beta)
             sel = g.codec.select(e_new)
@@ -254,6 +371,9 @@ class SparseLoCoState:
         payload[: HEADER.size] = self._headers[ok]
         if ok:
             for g, (e_new, sel) in zip(self._groups, staged):
+                if sel is None:  # dense: the error buffer stays zero, a bf16 cast's residual is dropped
+                    g.codec.pack_(g.rows(payload), e_new)
+                    continue
                 sent = g.codec.pack_(g.rows(payload), sel)
                 # e = e - dequant(c): only the selected coordinates change.
                 e_new.view(len(g.members), -1).scatter_(1, sel.pos, sel.values - sent)
@@ -285,12 +405,14 @@ class SparseLoCoState:
 
     @torch.no_grad()
     def finish(self, params: Sequence[Tensor], payloads: Sequence[Tensor],
-               keep_average: bool | Iterable[int] = False) -> OuterReport:
+               keep_average: bool | Iterable[int] = False, count_selected: bool = False) -> OuterReport:
         """Aggregate the gathered payloads (in list order), apply the outer step, write the
         synced theta into `params` in place.
 
         `keep_average`: True, or the parameter indices, for which the report carries the dense
-        fp32 `avg` (the embedding resync needs the averaged T_S pseudo-gradient).
+        fp32 `avg` with theta = theta_prev - outer_lr * avg (the embedding resync needs it for T_S).
+        `count_selected`: the report carries `selected` and `distinct` (one boolean pass over
+        each group's state and one host sync; a diagnostic, off in training).
         """
         params = self._check(params)
         if not self._pending:
@@ -301,33 +423,21 @@ class SparseLoCoState:
         excluded = tuple(m for m, f in enumerate(flags) if not f)
         keep = set(range(len(params))) if keep_average is True else set(keep_average or ())
         lr, n = self.cfg.outer_lr, len(contributors)
-        by_count = self.cfg.aggregation == "selected_count"
         averages: dict[int, Tensor] = {}
+        counts = [0, torch.zeros((), dtype=torch.int64, device=self.device)] if count_selected else None
         for g in self._groups:
-            size, numel = len(g.members), g.theta_prev[0].numel()
+            numel = g.theta_prev[0].numel()
             if n == 0:
                 averages.update({i: torch.zeros(g.shape, device=self.device) for i in g.members if i in keep})
                 continue
-            # Decode all contributors at once: [n * size, nbytes] rows -> [n, size * n_selected]
-            # positions in the group's flattened [size * numel] state.
-            rows = torch.stack([g.rows(payloads[m]) for m in contributors])
-            pos, values = g.codec.unpack(rows.view(n * size, g.codec.nbytes))
-            pos = (pos.view(n, size, -1) + g.row_offsets.view(1, size, 1)).view(n, -1)
-            values = values.reshape(n, -1)
-            # Sum in contributor order. Positions inside one payload are distinct, so each
-            # scatter_add_ adds exactly one value per address: the same bits on every replica and
-            # every run, atomics or not.
-            acc = torch.zeros(size * numel, device=self.device)
-            for r in range(n):
-                acc.scatter_add_(0, pos[r], values[r])
-            if by_count:
-                cnt = torch.zeros(size * numel, device=self.device)
-                for r in range(n):
-                    cnt.scatter_add_(0, pos[r], torch.ones_like(values[r]))
-                acc.div_(cnt.clamp_(min=1))  # unselected coordinates: 0 / 1
-                scale = 1.0
-            else:
-                scale = 1.0 / n  # paper eq. (2): divide by the contributors (M when all are finite)
+            acc, scale = self._aggregate(g, [g.rows(payloads[m]) for m in contributors], counts)
+            if self.cfg.outer_momentum > 0:
+                # Nesterov (torch.optim.SGD's form, dampening 0): b = mu*b + avg; step = avg + mu*b
+                mu = self.cfg.outer_momentum
+                avg = acc.mul_(scale)
+                buf = g.momentum.view(-1)
+                buf.mul_(mu).add_(avg)
+                acc, scale = avg.add_(buf, alpha=mu), 1.0
             # theta = theta_prev - lr * (scale * sum), fused into one pass over the group
             g.theta_prev.view(-1).add_(acc, alpha=-lr * scale)
             for j, i in enumerate(g.members):
@@ -336,14 +446,67 @@ class SparseLoCoState:
         # every replica, the excluded ones too, leaves with the synced theta
         torch._foreach_copy_(params, self.theta_prev)
         self._pending = False
-        return OuterReport(self.nbytes, contributors, excluded, averages)
+        selected, distinct = (counts[0], int(counts[1])) if counts is not None else (None, None)
+        return OuterReport(self.nbytes, contributors, excluded, averages, selected, distinct)
+
+    def _aggregate(self, g: _Group, rows: list[Tensor], counts: list | None = None) -> tuple[Tensor, float]:
+        """(acc, scale) over the contributors' payload rows (each [G, nbytes]), in list order: the
+        aggregate of the group's flattened [G * numel] state is scale * acc. `counts`, when given,
+        [selected, distinct] to add this group's entries sent and coordinates sent by anyone to."""
+        n, size, numel = len(rows), len(g.members), g.theta_prev[0].numel()
+        flat = torch.stack(rows).view(n * size, g.codec.nbytes)
+        # Decode all contributors at once into [n, G, per] values (per = numel when dense, else
+        # n_selected) and, for sparse payloads, their positions in the group's flattened state.
+        if self.cfg.dense:
+            pos, values = None, g.codec.unpack(flat).view(n, size, -1)
+        else:
+            pos, values = g.codec.unpack(flat)
+            pos = (pos.view(n, size, -1) + g.row_offsets.view(1, size, 1)).view(n, -1)
+            values = values.view(n, size, -1)
+        if self.cfg.norm_clip == "median":
+            # Per tensor, over the contributors' decoded tensors (positions inside one payload are
+            # distinct, so the norm of the values is the norm of the decoded sparse tensor). Every
+            # replica computes this from the same bytes in the same order: identical factors.
+            norms = torch.linalg.vector_norm(values, dim=-1)  # [n, G]
+            median = norms.median(dim=0).values  # the lower middle value for even n, as torch.median
+            values = values * (median / (norms + CLIP_EPS)).clamp(max=1.0).unsqueeze(-1)
+        values = values.reshape(n, -1)
+        if counts is not None:
+            if pos is None:  # dense: every coordinate from every contributor
+                counts[0] += n * size * numel
+                counts[1] += size * numel
+            else:
+                hit = torch.zeros(size * numel, dtype=torch.bool, device=self.device)
+                hit[pos.reshape(-1)] = True
+                counts[0] += pos.numel()
+                counts[1] += hit.sum()
+        if pos is None:
+            acc = values[0].clone()
+            for r in range(1, n):
+                acc.add_(values[r])
+            return acc, 1.0 / n
+        # Sum in contributor order. Positions inside one payload are distinct, so each
+        # scatter_add_ adds exactly one value per address: the same bits on every replica and
+        # every run, atomics or not.
+        acc = torch.zeros(size * numel, device=self.device)
+        for r in range(n):
+            acc.scatter_add_(0, pos[r], values[r])
+        if self.cfg.aggregation == "selected_count":
+            cnt = torch.zeros(size * numel, device=self.device)
+            for r in range(n):
+                cnt.scatter_add_(0, pos[r], torch.ones_like(values[r]))
+            return acc.div_(cnt.clamp_(min=1)), 1.0  # unselected coordinates: 0 / 1
+        return acc, 1.0 / n  # paper eq. (2): divide by the contributors (M when all are finite)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """theta_prev and error buffers per parameter (views: serialise before the next prepare)."""
         if self._pending:
             raise RuntimeError("state_dict() between prepare() and finish(): checkpoint at an outer-step boundary")
-        return {"shapes": list(self.shapes), "theta_prev": self.theta_prev, "error": self.error}
+        state = {"shapes": list(self.shapes), "theta_prev": self.theta_prev, "error": self.error}
+        if self.momentum is not None:
+            state["momentum"] = self.momentum
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -351,7 +514,12 @@ class SparseLoCoState:
         if shapes != self.shapes:
             raise ValueError(f"checkpointed SparseLoCo state has {len(shapes)} parameters {shapes[:4]}..., "
                              f"this stage has {len(self.shapes)} {self.shapes[:4]}...")
+        if self.momentum is not None and "momentum" not in state:
+            raise ValueError(f"checkpointed SparseLoCo state has no outer-momentum buffers; this config has "
+                             f"outer_momentum = {self.cfg.outer_momentum}")
         for i in range(len(self.shapes)):
             self._view("theta_prev", i).copy_(state["theta_prev"][i])
             self._view("error", i).copy_(state["error"][i])
+            if self.momentum is not None:
+                self._view("momentum", i).copy_(state["momentum"][i])
         self._pending = False

@@ -46,12 +46,14 @@ class StageLink(Protocol):
     is_last: bool
     """Whether this stage is the replica's last (the one that holds a tied head)."""
 
-    def share_dense(self, tensor: torch.Tensor | None, shape: tuple[int, ...], kind: str = "control") -> torch.Tensor:
-        """The first stage's `tensor` (others pass None) on every stage of the replica; its
-        bytes are counted as `kind`."""
+    def share_dense(self, tensor: torch.Tensor | None, shape: tuple[int, ...], kind: str = "control",
+                    source: str = "first") -> torch.Tensor:
+        """The `source` stage's `tensor` ("first" or "last"; the others pass None) on every stage
+        of the replica; its bytes are counted as `kind`."""
 
     def offer(self, tensor: torch.Tensor, source: str) -> None:
-        """An owner's sparse tensor, before any stage of the replica calls `share_sparse` for it."""
+        """An owner's tensor, before any stage of the replica calls `share_sparse` or
+        `share_dense` for it."""
 
     def share_sparse(self, tensor: torch.Tensor | None, shape: tuple[int, ...],
                      kind: str = "embedding_sync", source: str = "first") -> torch.Tensor:
@@ -88,15 +90,17 @@ class LocalStageLink:
             raise RuntimeError(f"a stage asked for a tensor ({key}) its owner has not shared yet")
         return self._shared[key]
 
-    def share_dense(self, tensor, shape, kind="control"):
-        return self._share(tensor, "dense", self.is_first)
+    def _owns(self, source: str) -> bool:
+        return self.is_first if source == "first" else self.is_last
+
+    def share_dense(self, tensor, shape, kind="control", source="first"):
+        return self._share(tensor, ("dense", source), self._owns(source))
 
     def offer(self, tensor, source):
-        self._shared[("sparse", source)] = tensor
+        self._shared[("sparse", source)] = self._shared[("dense", source)] = tensor
 
     def share_sparse(self, tensor, shape, kind="embedding_sync", source="first"):
-        owner = self.is_first if source == "first" else self.is_last
-        return self._share(tensor, ("sparse", source), owner)
+        return self._share(tensor, ("sparse", source), self._owns(source))
 
     @staticmethod
     def for_replica(stages: int) -> list["LocalStageLink"]:

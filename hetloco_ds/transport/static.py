@@ -99,11 +99,13 @@ class PipeStageLink:
     def offer(self, tensor: torch.Tensor, source: str) -> None:
         """Nothing to do: the owner passes its tensor to `share_sparse` itself."""
 
-    def share_dense(self, tensor: torch.Tensor | None, shape: tuple[int, ...], kind: str = "control") -> torch.Tensor:
-        out = tensor.detach().clone() if self.is_first else torch.empty(shape, device=self.device)
+    def share_dense(self, tensor: torch.Tensor | None, shape: tuple[int, ...], kind: str = "control",
+                    source: str = "first") -> torch.Tensor:
+        owner = self.is_first if source == "first" else self.is_last
+        out = tensor.detach().clone() if owner else torch.empty(shape, device=self.device)
         if self.num_stages > 1:
-            tdist.broadcast(out, src=self.src, group=self.group)
-            self._count(nbytes(out), kind)
+            tdist.broadcast(out, src=self.src if source == "first" else self.last_src, group=self.group)
+            self._count(nbytes(out), kind, owner)
         return out
 
     def share_sparse(self, tensor: torch.Tensor | None, shape: tuple[int, ...],

@@ -1,0 +1,259 @@
+"""The simulator with the M replicas of a row run as one batched computation on one device.
+
+`simulate.Simulation` gives each replica its own modules, so a step launches every kernel M
+times at a size one replica fills; on a GPU a 20M-parameter model is then bound by kernel
+launches, not by arithmetic. Here every parameter is stored once, stacked along a leading replica
+dimension ([M, *shape]); each virtual stage's layers (the same `model.py` modules the engine
+runs) are called once for all replicas through `torch.func.functional_call` under
+`torch.func.vmap`, so a linear layer is one batched GEMM over the M replicas' weights and
+attention folds the replicas into its batch. One AdamW steps the stacked tensors (AdamW is
+elementwise, so it is M AdamWs); clipping scales each replica by its own norm.
+
+The method is not re-implemented: each (replica, stage) keeps its own `StageAlgorithm` and
+`LocalStageLink`, built on per-replica modules whose parameters are views of row m of the stacked
+tensors and whose T_perp is a view of a stacked buffer. The embedding split, the T_S projection
+after inner steps, the AdamW-het re-split and the outer step (`simulate.outer_step_all`, shared
+with the per-replica simulator) write through those views into the tensors the batched forward
+reads.
+
+Stage boundaries: a compressed replica's message is ((X - T_perp[x]) U, ids) and the next stage
+rebuilds X~ U^T + T_perp[x] (`subspace.encode` / `decode` under vmap); bases are zero-padded to the
+largest k, whose extra columns carry zeros both ways, so replicas of different ratios share one
+batched codec. An uncompressed replica's boundary is the cast to the wire dtype, as its codec's.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from . import optim, sizes, subspace
+from .config import HetlocoConfig, RunConfig
+from .model import TokenEmbedding, causal_lm_loss, layer_list, residual_dtype
+from .simulate import build_layers, link_bytes, outer_step_all, stage_algorithms, tied_apart
+
+
+class _Stage(nn.Module):
+    """One virtual stage's template layers in order (a tied head through its forward_fn)."""
+
+    def __init__(self, layers, fns):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.fns = fns
+
+    def forward(self, x):
+        for layer, fn in zip(self.layers, self.fns):
+            x = layer(x) if fn is None else fn(layer, x)
+        return x
+
+
+class ReplicaView:
+    """Replica m's modules, parameters and per-stage method state, its parameters being views of
+    row m of the stacked tensors (what StageAlgorithm reads and writes)."""
+
+    def __init__(self, template, stacked: dict[int, nn.Parameter], m: int, parts, hetloco, num_replicas, device):
+        self.replica = m
+        memo = {pid: nn.Parameter(t.detach()[m], requires_grad=False) for pid, t in stacked.items()}
+        self.layers = copy.deepcopy(template, memo)
+        self.parts = parts
+        self.stage_params, self.algorithms, self.links = stage_algorithms(
+            self.layers, parts, hetloco, m, num_replicas, device)
+        self.params = [p for ps in self.stage_params for p in ps]
+
+    @property
+    def width(self) -> int:
+        """Elements per token on this replica's stage links: k when compressed, d otherwise."""
+        basis = self.algorithms[0].basis
+        return self.layers[1].layer.self_attn.config.hidden_size if basis is None else basis.shape[1]
+
+
+class BatchedSimulation:
+    """M replicas x S virtual stages as one batched computation; the interface of
+    `simulate.Simulation` (train_step, outer_step, validation_losses, link_bytes_per_step)."""
+
+    def __init__(self, run: RunConfig, hetloco: HetlocoConfig, llama_config, replicas: int, stages: int, device,
+                 compile: bool = False):
+        self.run, self.hetloco, self.M, self.S, self.device = run, hetloco, replicas, stages, device
+        self.micro, self.gas = run.micro_batch, run.grad_accum
+        self.step = 0
+        self.outer_steps = 0
+        self.members = tuple(str(m) for m in range(replicas))
+        M = replicas
+        template = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed,
+                                                       tied_apart(llama_config, hetloco, stages))]
+        stacked: dict[int, nn.Parameter] = {}
+        for layer in template:
+            for p in layer.parameters():
+                if id(p) not in stacked:
+                    stacked[id(p)] = nn.Parameter(p.detach().unsqueeze(0).repeat(M, *([1] * p.dim())))
+        self.params = list(stacked.values())
+        parts = sizes.stage_parts(llama_config.num_hidden_layers, stages)
+        self.replicas = [ReplicaView(template, stacked, m, parts, hetloco, M, device) for m in range(M)]
+
+        # T_perp of every (replica, stage) becomes a view of one stacked buffer per stage; every
+        # later change of it (eqs. 3-4, the AdamW-het re-split, a checkpoint load) is in place.
+        self.perp: list[torch.Tensor | None] = [None] * stages
+        if self.replicas[0].algorithms[0].perp is not None:
+            for s in range(stages):
+                self.perp[s] = torch.stack([r.algorithms[s].perp for r in self.replicas])
+                for m, r in enumerate(self.replicas):
+                    alg = r.algorithms[s]
+                    alg.perp = self.perp[s][m]
+                    for emb in alg.embeddings:
+                        emb.perp = alg.perp
+            for layer in template:
+                if isinstance(layer, TokenEmbedding):
+                    layer.perp = self.perp[0][0]  # a real buffer, so functional_call can swap it
+
+        # Per stage: the template layers and what functional_call substitutes for their tensors.
+        fns = [e.forward_fn for e in layer_list(llama_config)]
+        self.stages, self.stage_tensors = [], []
+        for s in range(stages):
+            stage = _Stage(template[parts[s]:parts[s + 1]], fns[parts[s]:parts[s + 1]])
+            tensors = {name: stacked[id(p)] for name, p in stage.named_parameters()}
+            if self.perp[0] is not None:
+                # every TokenEmbedding (the first stage's, a tied head) reads the owner's T_perp
+                tensors.update({f"{name}.perp": self.perp[0] for name, mod in stage.named_modules()
+                                if isinstance(mod, TokenEmbedding)})
+            self.stages.append(stage)
+            self.stage_tensors.append(tensors)
+        self._stage_fns = [vmap(self._stage_call(stage)) for stage in self.stages]
+        self._loss = vmap(causal_lm_loss)
+
+        d = llama_config.hidden_size
+        self.wire = torch.bfloat16 if run.bf16 else torch.float32
+        self.bf16 = run.bf16
+        bases = [r.algorithms[0].basis for r in self.replicas]
+        self.widths = [r.width for r in self.replicas]
+        self.compressed = torch.tensor([b is not None for b in bases], device=device)
+        self.any_compressed = bool(self.compressed.any())
+        self.all_compressed = bool(self.compressed.all())
+        self.basis = None
+        if self.any_compressed:
+            kmax = max(b.shape[1] for b in bases if b is not None)
+            self.basis = torch.zeros(M, d, kmax, device=device)
+            for m, b in enumerate(bases):
+                if b is not None:
+                    self.basis[m, :, :b.shape[1]] = b
+        self._encode, self._decode = vmap(subspace.encode), vmap(subspace.decode)
+        # One compiled graph for the whole forward and loss: compiling the vmapped pieces one
+        # by one would put them all in the cache of functorch's one `wrapped` code object.
+        if torch.device(device).type == "cuda":
+            # cuDNN attention under vmap is off: compiled, inductor's output of it fails its own
+            # stride check (torch 2.11, H100: "expected Tensor() for op
+            # _scaled_dot_product_cudnn_attention"), and eager the batched run's outer steps saw
+            # non-finite pseudo-gradients on every replica where the per-replica run saw none.
+            # SDPA then picks flash attention.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        self._forward = torch.compile(self._forward_eager) if compile else self._forward_eager
+
+        self.optimizer = optim.build_optimizer(self.params, run.optimizer)
+        self.scheduler = optim.build_scheduler(run.scheduler, self.optimizer)
+
+    @staticmethod
+    def _stage_call(stage: _Stage):
+        def call(tensors, x):
+            return functional_call(stage, tensors, (x,))
+        return call
+
+    # ------------------------------------------------------------------ forward
+    def _boundary(self, s: int, x):
+        """Stage s's output as stage s + 1 receives it, every replica through its own codec."""
+        hidden, ids = x
+        message = hidden.to(self.wire)
+        plain = message.to(residual_dtype(message))
+        if not self.any_compressed:
+            return plain, ids
+        reduced = self._encode(hidden.float(), ids, self.perp[s], self.basis).to(self.wire)
+        rebuilt = self._decode(reduced.float(), ids, self.perp[s + 1], self.basis)
+        rebuilt = rebuilt.to(residual_dtype(rebuilt))
+        if self.all_compressed:
+            return rebuilt, ids
+        return torch.where(self.compressed.view(-1, *([1] * (hidden.dim() - 1))), rebuilt, plain), ids
+
+    def losses(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Every replica's loss on its own [b, L] batch (ids [M, b, L]): a float32 [M] tensor."""
+        return self._forward(ids, labels)
+
+    def _forward_eager(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = ids
+        with torch.autocast(device_type=ids.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            for s in range(self.S):
+                if s > 0:
+                    x = self._boundary(s - 1, x)
+                x = self._stage_fns[s](self.stage_tensors[s], x)
+        return self._loss(x, labels)
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, batches_per_replica) -> torch.Tensor:
+        """One optimizer step of every replica; `batches_per_replica[m]` is its micro-batches.
+        Returns the micro-batch losses, [M, gas] on the device."""
+        gas = len(batches_per_replica[0])
+        losses = []
+        for g in range(gas):
+            ids = torch.stack([b[g][0] for b in batches_per_replica])
+            labels = torch.stack([b[g][1] for b in batches_per_replica])
+            loss = self.losses(ids, labels)
+            # Replica m's loss depends on row m only, so the sum's gradient is each replica's own.
+            (loss.sum() / gas).backward()
+            losses.append(loss.detach())
+        grads = [p.grad for p in self.params if p.grad is not None]
+        with torch.no_grad():
+            if not self.hetloco.sparseloco.enabled:
+                # Plain data parallelism: every replica steps with the mean gradient.
+                for g in grads:
+                    g.copy_(g.mean(0, keepdim=True).expand_as(g))
+            self._clip(grads)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        for r in self.replicas:
+            for alg, link in zip(r.algorithms, r.links):
+                alg.after_inner_step(link)
+        self.step += 1
+        return torch.stack(losses, 1)
+
+    def _clip(self, grads: list[torch.Tensor]) -> None:
+        """Each replica's gradients scaled by optim.clip_'s rule with that replica's own norm."""
+        if self.run.clip <= 0 or not grads:
+            return
+        sq = torch.stack([g.float().reshape(self.M, -1).pow(2).sum(1) for g in grads]).sum(0)
+        coef = (self.run.clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, [coef.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for g in grads])
+
+    def outer_step(self) -> dict:
+        self.outer_steps += 1
+        return {"outer_step": self.outer_steps, **outer_step_all(self.replicas, self.members)}
+
+    def state_dict(self) -> dict:
+        """Everything a row needs to continue (at an outer-step boundary): the stacked parameters,
+        AdamW, the LR schedule, every StageAlgorithm's state (views: serialise before stepping on)."""
+        return {"params": [p.detach() for p in self.params], "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "algorithms": [[a.state_dict() for a in r.algorithms] for r in self.replicas],
+                "step": self.step, "outer_steps": self.outer_steps}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """In place, so every StageAlgorithm's views and the optimizer keep their tensors."""
+        torch._foreach_copy_([p.data for p in self.params], state["params"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        for r, algs in zip(self.replicas, state["algorithms"]):
+            for a, st in zip(r.algorithms, algs):
+                a.load_state_dict(st)
+        self.step, self.outer_steps = state["step"], state["outer_steps"]
+
+    @torch.no_grad()
+    def validation_losses(self, batches) -> list[float]:
+        """Every replica's mean loss over the same held-out batches, each through its own pipeline."""
+        rows = [self.losses(ids.expand(self.M, *ids.shape), labels.expand(self.M, *labels.shape))
+                for ids, labels in batches]
+        return torch.stack(rows).mean(0).tolist()
+
+    def link_bytes_per_step(self, seq_len: int) -> dict:
+        return link_bytes(self, self.widths, seq_len)

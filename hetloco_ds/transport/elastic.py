@@ -1,0 +1,688 @@
+"""Elastic replicas at the outer sync: torchft finds the live replicas, we exchange among them.
+
+Why torchft (0.2.0). Replicas that come and go need membership (who is alive), a process group
+that can be rebuilt for the new members, and a way to hand a joining replica the synced state.
+torchft has all three, tested at scale: a Rust lighthouse that forms quorums from heartbeats,
+a `Manager` per rank that takes a quorum, reconfigures its process group and heals a replica that
+is behind by fetching a live peer's state, and `should_commit`, an all-or-nothing vote among the
+ranks of one replica. We add what torchft leaves to the user: what is exchanged, who counts, and
+who may take part.
+
+Model. A replica is one pipeline job of S ranks (its own torch.distributed world and store).
+torchft's replica group = one of our replicas; its group rank = the pipeline stage. Each stage rank
+holds one `ElasticTransport` (one torchft `Manager`); the Managers of one replica share one
+`ManagerServer` (on stage 0), so all stages of a replica get the same quorum, and stage k's process
+group joins stage k of every replica in it.
+
+One elastic outer step, on every stage rank of every replica:
+
+1. `begin()` at the outer boundary, before `prepare`: `Manager.start_quorum()` (synchronous). The
+   lighthouse answers when every healthy replica has asked, or when the ones missing stop
+   heartbeating (`--heartbeat-timeout`) or are late by `--join-timeout`. A replica whose step is
+   below the fleet's is healed inside this call: torchft fetches a live peer's state for this stage
+   (our callables: synced parameters, T_perp, outer-step counter) and loads it. A replica that
+   healed is *stale* until its next commit: it sends no pseudo-gradient, it only receives.
+2. `exchange(payload)`, one attempt:
+   a. hello round (all-gather of 160 bytes): name, step, flags, payload length, the chain (a hash of
+      every member set and payload this stage has applied), HMAC. Only replicas whose hello
+      authenticates are heard from at all.
+   b. payload round (recv-first pairwise all-gather, as the static gloo exchange): payload + HMAC
+      bound to the sender's hello. Accepted: contributors at the fleet's step, with the fleet's
+      chain, whose payload MAC verifies and whose header (magic, version, fingerprint, length) is
+      the most common one. Every replica applies the same rule to the same bytes.
+   c. vote round: a digest of the accepted set + HMAC; any disagreement fails the attempt.
+   d. S > 1: the stages of this replica intersect their accepted sets through the replica's store,
+      so all stages end the step with the same members.
+   e. `Manager.should_commit()`: True on every stage of this replica only if every stage's attempt
+      succeeded; then the step counts and `exchange` returns the members' payloads, sorted by name.
+   Otherwise: `start_quorum()` again (the dead or hung replica is left out) and the same payload
+   is sent again, never re-prepared.
+3. The caller runs `SparseLoCoState.finish(params, gathered.payloads)`.
+
+Consistency. All replicas that commit an attempt apply the same payloads in the same order, so
+their parameters stay bitwise equal. A replica that failed an attempt its peers committed is one
+step behind: its next quorum includes them (the lighthouse waits for healthy replicas), torchft
+heals it, and it finishes that step with their payloads (a heal zeroes a replica's error buffer
+like a joiner's, so what it had not yet sent is dropped: once, for one replica). If replicas at the
+same step nevertheless differ (a quorum formed without a peer that had committed), their chains
+differ: the most common chain wins, the others do not contribute, the winners commit without them,
+and torchft heals them (now a step behind) from a winner at their next quorum.
+
+Timeouts. A replica that dies or is stopped between boundaries costs the others at most the
+lighthouse's heartbeat timeout; a replica that is alive but does not reach the boundary (one of its
+ranks hung) at most the join timeout; a peer that fails during the exchange costs one `timeout`
+(every collective, store wait, `should_commit` and state transfer is bounded by it; a killed peer
+usually fails faster, by a closed connection) plus the quorum that leaves it out.
+
+Who may take part (what is authenticated and how). A fleet shares one secret (file or environment
+variable, see auth.py). Hellos, payloads and votes carry HMAC-SHA256 under it; a replica without it
+is heard by no one, and refuses itself (one line, `FleetRefused`) when it is a minority. State
+transfer uses our `AuthenticatedStateTransport` (state_transfer.py), not torchft's HTTP one: a
+request without the secret gets no byte of state, and a response without it is not loaded.
+Listening sockets are on `bind` (localhost by default): the state-transfer server and torchft's
+ManagerServer (torchft hard-codes every interface; we pass it `bind`, see
+`_manager_server_bound_to`); the gloo sockets of the cross-replica groups are on `advertise or
+bind`; `replica_store` gives a replica a TCPStore on `bind` (c10d's listens everywhere).
+Not covered (torchft 0.2.0 has no authentication): the lighthouse's gRPC and its HTTP
+`/replica/<id>/kill`, the ManagerServer's `Kill` RPC, the replicas' TCPStores, and gloo itself (a
+group member that sends more bytes than a receive expects aborts the receiver). Anyone who reaches
+those ports, or who the lighthouse puts in a quorum, can stall or stop replicas, but cannot get a
+payload or state accepted. Bind to localhost, or firewall them to the fleet's hosts.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+# torchft's Rust extension reads RUST_LOG once, at import, and logs every quorum at INFO to stderr.
+os.environ.setdefault("RUST_LOG", "warn")
+
+import torch  # noqa: E402
+import torchft.manager as _tfm  # noqa: E402
+from torch.distributed import ProcessGroup as _C10dGroup  # noqa: E402
+from torch.distributed import TCPStore  # noqa: E402
+from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
+from torchft.manager import Manager  # noqa: E402
+from torchft.process_group import ProcessGroupGloo  # noqa: E402
+
+from ..sparseloco.outer import FLAG_FINITE, HEADER  # noqa: E402
+from . import Gathered  # noqa: E402
+from .auth import MAC_BYTES, FleetRefused, tag, verify  # noqa: E402
+from .state_transfer import AuthenticatedStateTransport, url_host  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+# What we rely on in torchft beyond its documented Manager API; checked here so that an upgrade
+# that moves them fails at import instead of silently binding every interface.
+if not callable(getattr(_tfm, "ManagerServer", None)) or not isinstance(getattr(_tfm, "REPLICA_ID_KEY", None), str):
+    raise ImportError("torchft.manager no longer has ManagerServer / REPLICA_ID_KEY; hetloco_ds.transport.elastic "
+                      "supports torchft 0.2.0")
+
+_HELLO = struct.Struct("<4sBBHqII32s64s")  # magic, version, flags, name length, step, length, fingerprint, chain, name
+_HELLO_BYTES = 128
+_MAGIC, _VERSION = b"HLE1", 1
+_CONTRIBUTING, _OK = 1, 2
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+_STATE_KEY = "hetloco_elastic"
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    """One stage rank's view of the fleet (the CLI fills it; nothing here is secret but `secret`)."""
+
+    lighthouse: str
+    """torchft lighthouse address, http://HOST:PORT (`hetloco-ds lighthouse` prints it)."""
+    replica_id: str
+    """This replica's name, the same on all its stages: 1-64 of [A-Za-z0-9._-]; unique in the fleet."""
+    stage: int
+    """This rank's pipeline stage (torchft group rank)."""
+    stages: int
+    """Stages per replica (torchft group world size)."""
+    secret: bytes = field(repr=False)
+    """The fleet's shared secret (auth.read_fleet_secret)."""
+    bind: str = "127.0.0.1"
+    """Address our servers listen on: state transfer and torchft's ManagerServer."""
+    advertise: str | None = None
+    """Address peers reach this rank at (default: bind; required when bind is a wildcard). The gloo
+    sockets of the cross-replica groups listen on it: gloo binds one concrete address it can publish."""
+    timeout: float = 30.0
+    """Seconds: each collective of an exchange attempt, store waits, should_commit, state transfer."""
+    quorum_timeout: float = 3600.0
+    """Seconds to wait at an outer boundary for the quorum (peers still running inner steps)."""
+    store_addr: str | None = None
+    """This replica's TCPStore host (default: $MASTER_ADDR); peers rendezvous through it."""
+    store_port: int | None = None
+    """This replica's TCPStore port (default: $MASTER_PORT)."""
+    max_attempts: int = 20
+    """Failed exchange attempts in a row before the outer step gives up with an error."""
+    heartbeat_interval: float = 0.1
+    """Seconds between heartbeats to the lighthouse."""
+
+    def __post_init__(self):
+        if not (1 <= len(self.replica_id) <= 64 and set(self.replica_id) <= _NAME_CHARS):
+            raise ValueError(f"replica id {self.replica_id!r} must be 1-64 characters of [A-Za-z0-9._-]")
+        if not 0 <= self.stage < self.stages:
+            raise ValueError(f"stage {self.stage} is not in [0, {self.stages})")
+        if not self.lighthouse.startswith(("http://", "https://")):
+            raise ValueError(f"lighthouse address {self.lighthouse!r} must look like http://HOST:PORT")
+        for name in ("timeout", "quorum_timeout", "heartbeat_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.bind.strip("[]") in ("", "0.0.0.0", "::") and not self.advertise:
+            raise ValueError(f"bind {self.bind!r} listens everywhere: give advertise, "
+                             "the address peers reach this host at")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What the last committed exchange did, for metrics.jsonl."""
+
+    step: int
+    """Outer step (torchft's committed-step counter before this commit)."""
+    members: tuple[str, ...]
+    """Replicas whose payloads were applied (contributors), sorted."""
+    participants: tuple[str, ...]
+    """Replicas in the quorum that authenticated (contributors, joiners, excluded), sorted."""
+    left: tuple[str, ...]
+    """Participants of the previous committed step that are not participants now."""
+    joined: tuple[str, ...]
+    """Participants now that were not participants of the previous committed step."""
+    attempts: int
+    """Exchange attempts this step took (1 without faults)."""
+    healed: bool
+    """This replica received the fleet's state at this step (and did not contribute)."""
+    seconds: float
+    """Wall time from begin() to the commit."""
+
+
+class _Retry(Exception):
+    """This attempt cannot commit on this replica; take a new quorum and send the same payload again."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first message of an attempt: who this is, where it stands, what it will send."""
+
+    rank: int
+    name: str
+    step: int
+    contributing: bool
+    ok: bool
+    length: int
+    fingerprint: int
+    chain: bytes
+    mac: bytes
+
+
+def pack_hello(name: str, step: int, contributing: bool, ok: bool, length: int, fingerprint: int,
+                chain: bytes) -> bytes:
+    flags = (_CONTRIBUTING if contributing else 0) | (_OK if ok else 0)
+    raw = name.encode()
+    body = _HELLO.pack(_MAGIC, _VERSION, flags, len(raw), step, length, fingerprint, chain, raw)
+    return body.ljust(_HELLO_BYTES, b"\0")
+
+
+def _unpack_hello(rank: int, body: bytes, mac: bytes) -> Hello | None:
+    magic, version, flags, n, step, length, fp, chain, raw = _HELLO.unpack_from(body)
+    if magic != _MAGIC or version != _VERSION or n > 64:
+        return None
+    try:
+        name = raw[:n].decode()
+    except UnicodeDecodeError:
+        return None
+    return Hello(rank, name, step, bool(flags & _CONTRIBUTING), bool(flags & _OK), length, fp, chain, mac)
+
+
+def _mode(values):
+    """Most common value; ties go to the smallest, so every replica picks the same one."""
+    counts = collections.Counter(values)
+    best = max(counts.values())
+    return min(v for v, c in counts.items() if c == best)
+
+
+def _payload_key(body: bytes) -> tuple:
+    """A payload's header without its flags: what must agree for payloads to be summed."""
+    magic, version, _flags, _zero, fp, length = HEADER.unpack_from(body)
+    return (magic, version, fp, length)
+
+
+def excluded_copy(payload: torch.Tensor) -> torch.Tensor:
+    """`payload` with the finite flag cleared and a zero body: `finish` applies no update for it but
+    still restores the parameters to the synced ones."""
+    magic, version, flags, zero, fp, length = HEADER.unpack_from(payload[: HEADER.size].numpy().tobytes())
+    out = torch.zeros_like(payload)
+    header = HEADER.pack(magic, version, flags & ~FLAG_FINITE, zero, fp, length)
+    out[: HEADER.size] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    return out
+
+
+# ---------------------------------------------------------------------- the pure core of one attempt
+# Every replica runs these on the same gathered bytes, so every replica reaches the same decisions.
+
+def read_hellos(secret: bytes, frames: list[bytes]) -> tuple[dict[int, Hello], list[tuple[str, str]], list[int]]:
+    """The hellos that authenticate, by quorum position; (who, why) for those dropped; and the
+    payload lengths announced by every hello that parses, signed or not (see `plan`)."""
+    heard: dict[int, Hello] = {}
+    dropped: list[tuple[str, str]] = []
+    lengths: list[int] = []
+    names: set[str] = set()
+    for r, raw in enumerate(frames):
+        body, mac = raw[:_HELLO_BYTES], raw[_HELLO_BYTES:]
+        h = _unpack_hello(r, body, mac)
+        if h is not None:
+            lengths.append(h.length)
+        if h is None or not verify(secret, mac, b"hello", body):
+            dropped.append((f"quorum position {r}", "its messages are not signed with the fleet secret"))
+        elif h.name in names:
+            dropped.append((f"quorum position {r}", f"a second replica named {h.name!r}"))
+        else:
+            heard[r] = h
+            names.add(h.name)
+    return heard, dropped, lengths
+
+
+def refused(heard: dict[int, Hello], n: int) -> bool:
+    """Whether the replicas that authenticate with this one's secret are a minority of the quorum
+    (a tie goes to the side holding quorum position 0)."""
+    return 2 * len(heard) < n or (2 * len(heard) == n and 0 not in heard)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the hellos decide before any payload moves."""
+
+    step: int
+    """The fleet's step: the highest among the heard; a replica below it is behind."""
+    chain: bytes
+    """The fleet's history: the most common chain among replicas at that step that are ok."""
+    candidates: dict[int, Hello]
+    """Contributors at the fleet's step with the fleet's chain, by quorum position."""
+    length: int
+    """Payload bytes of this round: the most common length announced by any hello. Unsigned hellos
+    count too, so that a replica that hears no one (a wrong secret) still posts receives of the
+    size the others send: gloo aborts the process on a message larger than the receive posted
+    for it (gloo/transport/tcp/pair.cc, "Received data size doesn't match expected size")."""
+
+
+def plan(heard: dict[int, Hello], own_chain: bytes, lengths: list[int]) -> Plan:
+    step = max(h.step for h in heard.values())
+    live = [h for h in heard.values() if h.ok and h.step == step]
+    chain = _mode([h.chain for h in live]) if live else own_chain
+    candidates = {h.rank: h for h in live if h.contributing and h.chain == chain}
+    return Plan(step, chain, candidates, _mode(lengths))
+
+
+def accept(secret: bytes, p: Plan, frames: list[torch.Tensor]) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+    """Candidates whose payload authenticates and whose header (magic, version, fingerprint,
+    length) is the most common one, as sorted (name, position); and (who, why) for those dropped."""
+    keys: dict[int, tuple] = {}
+    dropped: list[tuple[str, str]] = []
+    for r, h in sorted(p.candidates.items()):
+        body, mac = frames[r][: p.length], frames[r][p.length:].numpy().tobytes()
+        if h.length != p.length or p.length < HEADER.size:
+            dropped.append((h.name, f"payload of {h.length} bytes, the fleet's are {p.length}"))
+        elif not verify(secret, mac, b"payload", h.mac, body.numpy()):
+            dropped.append((h.name, "payload does not authenticate"))
+        else:
+            keys[r] = _payload_key(body[: HEADER.size].numpy().tobytes())
+    fleet = _mode(list(keys.values())) if keys else None
+    for r in sorted(keys):
+        if keys[r] != fleet:
+            dropped.append((p.candidates[r].name, f"payload header {keys[r]} differs from the fleet's {fleet}"))
+    return sorted((p.candidates[r].name, r) for r in keys if keys[r] == fleet), dropped
+
+
+def accepted_digest(accepted: list[tuple[str, int]], frames: list[torch.Tensor], length: int) -> bytes:
+    return hashlib.sha256(json.dumps([[nm, frames[r][length:].numpy().tobytes().hex()]
+                                      for nm, r in accepted]).encode()).digest()
+
+
+def payload_frame(secret: bytes, hello_mac: bytes, payload: torch.Tensor | None, length: int) -> torch.Tensor:
+    """payload + its MAC bound to the sender's hello; zeros (authenticating as nothing) if none."""
+    frame = torch.zeros(length + MAC_BYTES, dtype=torch.uint8)
+    if payload is not None:
+        frame[:length] = payload
+        frame[length:] = torch.frombuffer(bytearray(tag(secret, b"payload", hello_mac, payload.numpy())),
+                                          dtype=torch.uint8)
+    return frame
+
+
+def replica_store(host: str, port: int = 0, timeout: timedelta = timedelta(seconds=300)) -> TCPStore:
+    """A TCPStore server for one replica's stage ranks (and the rendezvous of the cross-replica groups
+    when this replica is their primary) that listens on `host` only; c10d's own binds every interface."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return TCPStore(host.strip("[]"), port, is_master=True, wait_for_workers=False, timeout=timeout,
+                    master_listen_fd=sock.detach())
+
+
+class _BoundGloo(ProcessGroupGloo):
+    """torchft's reconfigurable gloo group, with its sockets on `host` (torchft's uses the address
+    the machine's hostname resolves to, torchft/process_group.py ProcessGroupGloo._create_pg)."""
+
+    def __init__(self, host: str, timeout: timedelta):
+        super().__init__(timeout=timeout)
+        self._host = host
+
+    def _create_pg(self, store, rank: int, world_size: int):
+        opts = torch._C._distributed_c10d.ProcessGroupGloo._Options()
+        opts._timeout = self._timeout
+        opts._devices = [torch._C._distributed_c10d.ProcessGroupGloo.create_device(hostname=self._host)]
+        backend = torch._C._distributed_c10d.ProcessGroupGloo(store, rank, world_size, opts)
+        backend._set_sequence_number_for_group()
+        pg = _C10dGroup(store, rank, world_size)
+        pg._set_default_backend(_C10dGroup.BackendType.GLOO)
+        pg._register_backend(torch.device("cpu"), _C10dGroup.BackendType.GLOO, backend)
+        return pg
+
+
+@contextmanager
+def _manager_server_bound_to(host: str, applied: list):
+    """torchft 0.2.0 builds its ManagerServer with bind=f"[::]:{port}" (torchft/manager.py, in
+    Manager.__init__), i.e. on every interface, and that server answers an unauthenticated Kill RPC.
+    While the Manager is built, hand it a ManagerServer that binds `host` instead."""
+    real = _tfm.ManagerServer
+
+    def bound(*, bind: str, **kwargs):
+        applied.append(True)
+        return real(bind=f"{url_host(host)}:{bind.rpartition(':')[2]}", **kwargs)
+
+    _tfm.ManagerServer = bound
+    try:
+        yield
+    finally:
+        _tfm.ManagerServer = real
+
+
+class _QuietTorchft(logging.Filter):
+    """torchft logs a failed heal with its traceback; a refusal is reported once, by us, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], FleetRefused):
+            return False
+        # Logged at every reconfiguration on builds without NCCL's flight recorder (CPU): noise here.
+        return "flight recorder" not in str(record.msg)
+
+
+logging.getLogger(_tfm.__name__).addFilter(_QuietTorchft())
+
+
+class ElasticTransport:
+    """One stage rank's outer-sync transport over torchft (see the module docstring).
+
+    `state_dict()` returns this stage's global state, the same on every up-to-date replica: synced
+    parameters (theta_prev: torchft asks at the boundary, after the inner steps), T_perp, the
+    outer-step counter. `load_state_dict(state)` installs a peer's: parameters and theta_prev
+    (`SparseLoCoState.rebase`), error feedback zeroed in place. It must leave SparseLoCoState's
+    pending flag alone (not `SparseLoCoState.load_state_dict`): a replica can be healed between
+    prepare and finish. Both hold tensors, numbers, strings, lists and dicts only.
+
+    Per outer boundary: `begin()`, then `SparseLoCoState.prepare`, `exchange(payload)`, `finish`.
+    """
+
+    def __init__(self, cfg: ElasticConfig, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]):
+        self.cfg = cfg
+        self._user_load = load_state_dict
+        self._stale = False
+        self._refused: FleetRefused | None = None
+        self._chain = hashlib.sha256(b"hetloco-elastic-chain-v1").digest()
+        self._participants: tuple[str, ...] = ()
+        self._begun_at: float | None = None
+        self._warned: set[tuple[str, str]] = set()
+        self.last_report: SyncReport | None = None
+        timeout = timedelta(seconds=cfg.timeout)
+        store_addr = cfg.store_addr or os.environ.get("MASTER_ADDR")
+        store_port = cfg.store_port or int(os.environ.get("MASTER_PORT", "0"))
+        if not store_addr or not store_port:
+            raise ValueError("elastic transport needs this replica's TCPStore: set store_addr/store_port or "
+                             "MASTER_ADDR/MASTER_PORT")
+        self._pg = _BoundGloo(cfg.advertise or cfg.bind, timeout)
+        self._ckpt = AuthenticatedStateTransport(cfg.secret, cfg.bind, cfg.advertise, timeout, cfg.replica_id)
+        applied: list = []
+        try:
+            with _manager_server_bound_to(cfg.bind, applied):
+                self._manager = Manager(
+                    pg=self._pg, load_state_dict=self._load_user, state_dict=state_dict, min_replica_size=1,
+                    use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout),
+                    connect_timeout=timeout, rank=cfg.stage, world_size=cfg.stages, store_addr=store_addr,
+                    store_port=store_port, lighthouse_addr=cfg.lighthouse, replica_id=cfg.replica_id,
+                    hostname=cfg.advertise or cfg.bind, heartbeat_interval=timedelta(seconds=cfg.heartbeat_interval),
+                    checkpoint_transport=self._ckpt, init_sync=False)
+        except BaseException:
+            self._ckpt.shutdown()
+            raise
+        if cfg.stage == 0 and not applied:
+            self.close()
+            raise RuntimeError("torchft's Manager did not build its ManagerServer through "
+                               "torchft.manager.ManagerServer; it would listen on every interface. "
+                               "hetloco_ds supports torchft 0.2.0")
+        self._manager.register_state_dict_fn(_STATE_KEY, self._load_own, self._own_state)
+        self._store = None
+        if cfg.stages > 1:
+            self._store = TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False, timeout=timeout)
+            # The ManagerServer's replica id carries a fresh uuid per start: keys of a previous
+            # incarnation of this replica (same store) can never be mistaken for this one's.
+            self._prefix = f"hetloco_elastic/{self._store.get(_tfm.REPLICA_ID_KEY).decode()}"
+
+    # ------------------------------------------------------------------ state torchft moves
+    def _load_user(self, state: dict) -> None:
+        self._user_load(state)
+        self._stale = True
+
+    def _own_state(self) -> dict:
+        return {"chain": self._chain, "participants": list(self._participants)}
+
+    def _load_own(self, state: dict) -> None:
+        self._chain = bytes(state["chain"])
+        self._participants = tuple(state["participants"])
+
+    def state_dict(self) -> dict:
+        """For this replica's checkpoint: torchft's step counter and the chain (restore both to resume)."""
+        return {"torchft": self._manager.state_dict(), **self._own_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._manager.load_state_dict(state["torchft"])
+        self._load_own(state)
+
+    @property
+    def step(self) -> int:
+        """Committed outer steps (torchft's counter)."""
+        return self._manager.current_step()
+
+    # ------------------------------------------------------------------ one outer step
+    def begin(self) -> bool:
+        """Take the quorum for this outer boundary; heal this stage if it is behind. Call on every stage
+        rank before `prepare`. Returns whether this stage was healed (its state replaced, and it sends no
+        pseudo-gradient this step). Raises FleetRefused if the fleet refused this replica."""
+        self._begun_at = time.monotonic()
+        self._quorum()
+        if self._refused is not None:
+            # Take part in this attempt without a payload, so the fleet is not left waiting for us.
+            try:
+                self._attempt(torch.zeros(0, dtype=torch.uint8), 0, self._manager.current_step())
+            except Exception:  # noqa: BLE001 - the refusal is what we report
+                pass
+            raise self._refused
+        return self._stale
+
+    def exchange(self, payload: torch.Tensor) -> Gathered:
+        """This stage's payload to the fleet; the payloads of this step's members, sorted by name.
+
+        Retries with a new quorum until an attempt commits on every stage of this replica, re-sending
+        the same payload. If the peers committed an attempt this replica failed, this stage is healed
+        during a retry: `load_state_dict` replaces the synced state (the outer-step counter too: read
+        it after this call) and `last_report.healed` is set.
+
+        When no replica could contribute (e.g. only healed ones are left), the one payload is this
+        replica's, marked excluded (`last_report.members` is empty), so that `finish` leaves the
+        synced parameters as they are.
+        """
+        if self._begun_at is None:
+            raise RuntimeError("exchange() before begin(): call begin() at the outer boundary, before prepare()")
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise ValueError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
+        own = payload.detach().to("cpu").contiguous()
+        last: Exception | None = None
+        for attempt in range(self.cfg.max_attempts):
+            if attempt:
+                self._quorum()
+            step = self._manager.current_step()  # a heal in the new quorum moves it
+            outcome = None
+            try:
+                outcome = self._attempt(own, attempt, step)
+            except FleetRefused:
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure of the attempt means: do not commit
+                last = err
+                why = str(err).splitlines()[0] if str(err) else type(err).__name__
+                log.warning("%s stage %d: outer step %d attempt %d failed: %s", self.cfg.replica_id,
+                            self.cfg.stage, step, attempt + 1, why)
+                self._manager.report_error(err)
+            # The replica-wide vote: every stage of this replica commits, or none does.
+            if self._manager.should_commit() and outcome is not None:
+                self._forget_stage_key(step, attempt)
+                return self._commit(step, attempt + 1, own, *outcome)
+            self._forget_stage_key(step, attempt)
+        raise RuntimeError(f"{self.cfg.replica_id} stage {self.cfg.stage}: outer step {self.step} failed "
+                           f"{self.cfg.max_attempts} attempts in a row; last error: {last}")
+
+    def close(self) -> None:
+        self._manager.shutdown(wait=False)
+        self._pg.shutdown()
+
+    # ------------------------------------------------------------------ internals
+    def _quorum(self) -> None:
+        self._manager.start_quorum()
+        err = self._manager.errored()
+        if err is not None and isinstance(err.original_exception, FleetRefused):
+            self._refused = err.original_exception
+
+    def _warn_once(self, who: str, why: str) -> None:
+        if (who, why) not in self._warned:
+            self._warned.add((who, why))
+            log.warning("%s stage %d: dropped %s: %s", self.cfg.replica_id, self.cfg.stage, who, why)
+
+    def _all_gather(self, t: torch.Tensor, rank: int, n: int, pairwise: bool) -> list[torch.Tensor]:
+        """Every rank's `t`, in rank order. pairwise: every receive posted before any send (the
+        reasoning of exchange.all_gather_payloads, for payloads on slow links)."""
+        if n == 1:
+            return [t]
+        out = [t if i == rank else torch.empty_like(t) for i in range(n)]
+        if pairwise:
+            peers = [(rank + i) % n for i in range(1, n)]
+            works = [self._pg.recv([out[i]], i, 0) for i in peers]
+            works += [self._pg.send([t], i, 0) for i in peers]
+        else:
+            out = [torch.empty_like(t) for _ in range(n)]
+            works = [self._pg.allgather([out], [t], AllgatherOptions())]
+        for w in works:
+            if not w.wait():
+                raise RuntimeError("collective did not complete")
+        return out
+
+    def _attempt(self, own: torch.Tensor, attempt: int, step: int):
+        try:
+            return self._rounds(own, attempt, step)
+        except Exception:
+            # Siblings of this replica wait for this stage's accepted set: tell them now, not at their timeout.
+            try:
+                self._publish_stage(step, attempt, None)
+            except Exception:  # noqa: BLE001 - the store is gone too; they will time out
+                pass
+            raise
+
+    def _rounds(self, own: torch.Tensor, attempt: int, step: int):
+        m, secret = self._manager, self.cfg.secret
+        rank, n = m.participating_rank(), m.num_participants()
+        if rank is None:
+            raise _Retry("not in the quorum")
+        ok = m.errored() is None and self._refused is None
+        contributing = ok and not self._stale and own.numel() > 0
+        fp = HEADER.unpack_from(own[: HEADER.size].numpy().tobytes())[4] if own.numel() >= HEADER.size else 0
+        hello = pack_hello(self.cfg.replica_id, step, contributing, ok, own.numel(), fp, self._chain)
+        hello_mac = tag(secret, b"hello", hello)
+
+        # a. hello round: who is here, and who authenticates
+        got = self._all_gather(torch.frombuffer(bytearray(hello + hello_mac), dtype=torch.uint8), rank, n, False)
+        heard, dropped, lengths = read_hellos(secret, [t.numpy().tobytes() for t in got])
+        if refused(heard, n) and self._refused is None:
+            self._refused = FleetRefused(
+                f"refused by the fleet: {n - len(heard)} of the {n} replicas in the quorum do not authenticate "
+                "with this replica's fleet secret")
+        p = plan(heard, self._chain, lengths)
+
+        # b. payload round: the same bytes reach every replica, so every replica accepts the same set
+        mine = own if contributing and own.numel() == p.length else None
+        frames = self._all_gather(payload_frame(secret, hello_mac, mine, p.length), rank, n, True)
+        accepted, more = accept(secret, p, frames)
+        if self._refused is None:  # a refused replica says one thing: that it is refused
+            for who, why in dropped + more:
+                self._warn_once(who, why)
+        digest = accepted_digest(accepted, frames, p.length)
+
+        # c. vote round: everyone heard accepts the same set, or nobody commits
+        votes = self._all_gather(torch.frombuffer(bytearray(digest + tag(secret, b"vote", hello_mac, digest)),
+                                                  dtype=torch.uint8), rank, n, False)
+        for r, h in heard.items():
+            raw = votes[r].numpy().tobytes()
+            if not verify(secret, raw[32:], b"vote", h.mac, raw[:32]):
+                raise _Retry(f"vote of {h.name} does not authenticate")
+            if raw[:32] != digest:
+                raise _Retry(f"{h.name} accepted other payloads than this replica")
+        if self._refused is not None:
+            raise self._refused
+        if not ok:
+            raise _Retry(f"this replica's quorum failed: {m.errored()}")
+        if step < p.step:
+            raise _Retry(f"this replica is at step {step}, the fleet at {p.step}; it heals at the next quorum")
+        if self._chain != p.chain:
+            # Same step, other history. The others commit without this replica, which leaves it a step
+            # behind them: torchft heals it from one of them at the next quorum that has them.
+            raise _Retry("this replica's synced state differs from the fleet's; it heals at the next quorum")
+
+        # d. all stages of this replica end the step with the same members
+        members = self._agree_across_stages({nm for nm, _ in accepted}, step, attempt)
+        chosen = [(nm, r) for nm, r in accepted if nm in members]
+        payloads = [frames[r][: p.length].clone() for _, r in chosen]
+        macs = [frames[r][p.length:].numpy().tobytes() for _, r in chosen]
+        return [nm for nm, _ in chosen], payloads, macs, tuple(sorted(h.name for h in heard.values()))
+
+    def _stage_key(self, step: int, attempt: int, stage: int) -> str:
+        return f"{self._prefix}/{step}/{attempt}/{stage}"
+
+    def _publish_stage(self, step: int, attempt: int, accepted: set[str] | None) -> None:
+        if self._store is not None:
+            value = None if accepted is None else sorted(accepted)
+            self._store.set(self._stage_key(step, attempt, self.cfg.stage), json.dumps(value))
+
+    def _agree_across_stages(self, accepted: set[str], step: int, attempt: int) -> set[str]:
+        if self._store is None:
+            return accepted
+        self._publish_stage(step, attempt, accepted)
+        keys = [self._stage_key(step, attempt, s) for s in range(self.cfg.stages)]
+        self._store.wait(keys, timedelta(seconds=self.cfg.timeout))
+        for s, k in enumerate(keys):
+            theirs = json.loads(self._store.get(k))
+            if theirs is None:
+                raise _Retry(f"stage {s} of this replica failed this attempt")
+            accepted &= set(theirs)
+        return accepted
+
+    def _forget_stage_key(self, step: int, attempt: int) -> None:
+        # After should_commit every stage of this replica has read every key of this attempt.
+        if self._store is not None:
+            self._store.delete_key(self._stage_key(step, attempt, self.cfg.stage))
+
+    def _commit(self, step: int, attempts: int, own: torch.Tensor, members: list[str], payloads: list[torch.Tensor],
+                macs: list[bytes], participants: tuple[str, ...]) -> Gathered:
+        h = hashlib.sha256(self._chain)
+        h.update(step.to_bytes(8, "little", signed=True))
+        for nm, mac in zip(members, macs):
+            h.update(nm.encode() + b"\0" + mac)
+        self._chain = h.digest()
+        prev = set(self._participants)
+        self.last_report = SyncReport(
+            step=step, members=tuple(members), participants=participants,
+            left=tuple(sorted(prev - set(participants))), joined=tuple(sorted(set(participants) - prev)),
+            attempts=attempts, healed=self._stale, seconds=time.monotonic() - self._begun_at)
+        self._participants = participants
+        self._stale = False
+        self._begun_at = None
+        if not members:
+            return Gathered(payloads=[excluded_copy(own)], members=(self.cfg.replica_id,))
+        return Gathered(payloads=payloads, members=tuple(members))

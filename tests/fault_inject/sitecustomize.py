@@ -1,0 +1,126 @@
+"""Fault injection for tests/test_faults.py, loaded into every Python process whose PYTHONPATH
+starts with this folder (Python imports `sitecustomize` at start-up).
+
+HETLOCO_FAULT="<rank>:<event>:<n>[:<action>]" makes the process of global rank <rank> act at its
+n-th <event>; processes of other ranks, and those without the variable, are untouched.
+
+events  step  a torch AdamW step (inside a training step: after forward and backward)
+        sync  an outer step's payload exchange (hetloco_ds.transport.static.GroupTransport.exchange)
+        ckpt  inside hetloco_ds.checkpoint: a file written (write_durably) or a directory
+              fsynced (_fsync_dir: after the manifest, after the rename, after `latest`)
+actions kill  SIGKILL (default); at a file write, half of the file's bytes are written first
+              and the process lingers half a second (a slow disk), so a torn file is left behind
+              and the other ranks run ahead as far as they are allowed to
+        stop  SIGSTOP (the watchdog's case)
+"""
+import importlib.abc
+import importlib.util
+import io
+import os
+import signal
+import sys
+import time
+
+_SPEC = os.environ.get("HETLOCO_FAULT")
+_RANK = os.environ.get("RANK")
+
+
+def _parse(spec):
+    rank, event, n, *action = spec.split(":")
+    return int(rank), event, int(n), (action[0] if action else "kill")
+
+
+class _Fault:
+    def __init__(self, event, n, action):
+        self.event, self.n, self.action, self.count = event, n, action, 0
+
+    def hit(self, event):
+        """True when this call is the n-th of `event`."""
+        if event != self.event:
+            return False
+        self.count += 1
+        return self.count == self.n
+
+    def fire(self):
+        sys.stderr.write(f"[fault_inject] rank {_RANK}: {self.action} at {self.event} #{self.n}\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGSTOP if self.action == "stop" else signal.SIGKILL)
+
+
+def _install(fault):
+    import torch
+
+    from hetloco_ds import checkpoint
+    from hetloco_ds.transport import static
+
+    step = torch.optim.AdamW.step
+
+    def adamw_step(self, *args, **kwargs):
+        if fault.hit("step"):
+            fault.fire()
+        return step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = adamw_step
+
+    exchange = static.GroupTransport.exchange
+
+    def exchange_then_fault(self, *args, **kwargs):
+        if fault.hit("sync"):
+            fault.fire()
+        return exchange(self, *args, **kwargs)
+
+    static.GroupTransport.exchange = exchange_then_fault
+
+    write_durably = checkpoint.write_durably
+
+    def torn_write(path, write):
+        if fault.hit("ckpt"):
+            if fault.action == "kill":
+                buf = io.BytesIO()
+                write(buf)
+                data = buf.getvalue()
+                with open(path, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                time.sleep(0.5)
+            fault.fire()
+        return write_durably(path, write)
+
+    checkpoint.write_durably = torn_write
+
+    fsync_dir = checkpoint._fsync_dir
+
+    def fsync_then_fault(path):
+        fsync_dir(path)
+        if fault.hit("ckpt"):
+            fault.fire()
+
+    checkpoint._fsync_dir = fsync_then_fault
+
+
+class _AfterTrain(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Installs the fault once hetloco_ds.train has been imported (before the engine is)."""
+
+    def __init__(self, fault):
+        self.fault = fault
+
+    def find_spec(self, name, path, target=None):
+        if name != "hetloco_ds.train":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        self.inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        _install(self.fault)
+
+
+if _SPEC and _RANK is not None:
+    _rank, _event, _n, _action = _parse(_SPEC)
+    if int(_RANK) == _rank:
+        sys.meta_path.insert(0, _AfterTrain(_Fault(_event, _n, _action)))

@@ -1,0 +1,275 @@
+"""Every bad input fails in the launching process, before any rank starts, with one exact line,
+exit code 2, and nothing written.
+
+The CLI runs in-process (`hetloco_ds.cli.main`) with `launch.spawn` replaced by a tripwire, so
+"before any rank starts" is checked directly; the time bound says the checks are cheap (no
+model is built, no process group formed). "Nothing written" compares a snapshot of the output
+directory (names, sizes, modification times) before and after.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import struct
+import time
+from pathlib import Path
+
+import deepspeed
+import pytest
+
+from hetloco_ds import cli, launch
+from test_cli import save_tiny_hf_with_tokenizer, write_config, write_text_folder
+
+CHECK_BUDGET_S = 15.0
+PREFIX = "hetloco-ds train: error: "
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input")
+    hf = save_tiny_hf_with_tokenizer(root / "hf")
+    data = write_text_folder(root / "data")
+    small = root / "small_data"
+    small.mkdir()
+    for i in range(3):
+        (small / f"d{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 2)
+    return {"root": root, "hf": hf, "data": data, "small": small, "cache": root / "cache"}
+
+
+@pytest.fixture(autouse=True)
+def in_process(inputs, monkeypatch):
+    """No launcher environment, the module's token cache, and a tripwire instead of spawning ranks."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HETLOCO_CACHE", str(inputs["cache"]))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launch, "spawn", tripwire)
+
+
+def snapshot(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    found = {}
+    for p in sorted([path, *path.rglob("*")]):
+        st = p.lstat()
+        found[str(p.relative_to(path))] = (p.is_dir(), st.st_size if not p.is_dir() else 0, st.st_mtime_ns)
+    return found
+
+
+def fails_with(capsys, argv: list, line: str, watch: Path, code: int = 2, prefix: str = PREFIX) -> None:
+    """`hetloco-ds *argv` exits `code` with exactly `line` as its only error line, within the
+    check budget, leaving `watch` as it was."""
+    before = snapshot(watch)
+    capsys.readouterr()
+    t0 = time.monotonic()
+    rc = cli.main([str(a) for a in argv])
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == code, err
+    assert [l for l in err.splitlines() if l.startswith(prefix.split(":")[0])] == [prefix + line], err
+    assert "Traceback" not in err
+    assert elapsed < CHECK_BUDGET_S, elapsed
+    assert snapshot(watch) == before, "the output directory changed"
+
+
+def _train(inputs, cfg, out, *extra):
+    return ["train", "--steps", 4, "--model", inputs["hf"], "--data", inputs["data"], "--config", cfg, "--out", out,
+            *extra]
+
+
+# --------------------------------------------------------------------------- config and topology
+
+CONFIG_CASES = {
+    "ratio_not_dividing_hidden": (
+        {"pipeline.stages": 1, "hetloco.subspace.ratio": 5, "hetloco.subspace.compressed_replicas": [1]},
+        "{cfg}: hetloco.subspace.ratio = 5 does not divide the model's hidden_size = 32 (replica 1 is compressed)"),
+    "negative_lr": (
+        {"optimizer.params.lr": -0.001}, "{cfg}: optimizer.params.lr = -0.001 must be > 0"),
+    "compressed_replica_missing": (
+        {"pipeline.stages": 1, "hetloco.subspace.compressed_replicas": [2]},
+        "{cfg}: hetloco.subspace.compressed_replicas = [2] names replica 2, but 2 ranks / pipeline.stages = 1 make "
+        "replicas 0..1"),
+    "replica_ratio_for_missing_replica": (
+        {"pipeline.stages": 1, "hetloco.subspace.compressed_replicas": [1], "hetloco.subspace.ratio": 2,
+         "hetloco.subspace.replica_ratios": {"3": 4}},
+        "{cfg}: hetloco.subspace.replica_ratios = {{3: 4}} names replica 3, but 2 ranks / pipeline.stages = 1 make "
+        "replicas 0..1"),
+    "topk_larger_than_chunk": (
+        {"hetloco.sparseloco.topk": 5000},
+        "{cfg}: hetloco.sparseloco.topk = 5000 exceeds chunk_size = 4096 (values kept per chunk)"),
+    "misspelt_deepspeed_key": (
+        {"train_micro_batch_size_per_gp": 4},
+        "{cfg}: unknown DeepSpeed key 'train_micro_batch_size_per_gp' (DeepSpeed " + deepspeed.__version__
+        + " does not read it); did you mean 'train_micro_batch_size_per_gpu'?"),
+    "unknown_key_inside_deepspeed_section": (
+        {"zero_optimization": {"stage": 0, "overlap_com": True}}, "{cfg}: unknown key 'zero_optimization.overlap_com'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_bad_config_fails_before_any_rank_with_one_line(case, inputs, tmp_path, capsys):
+    """Each bad config value fails with the exact line naming key, value and file. Breaks if the
+    check moves into the ranks (the tripwire fires), if a value is silently clamped or accepted
+    (topk, a ratio for a replica that does not exist), if DeepSpeed keys go unchecked, or if
+    anything is written first."""
+    edits, line = CONFIG_CASES[case]
+    cfg = write_config(tmp_path / "cfg.json", edits)
+    out = tmp_path / "out"
+    fails_with(capsys, _train(inputs, cfg, out, "--nproc", 2), line.format(cfg=cfg), out)
+    assert not out.exists()
+
+
+def test_nproc_zero_is_refused(inputs, tmp_path, capsys):
+    """`--nproc 0` once meant "the default" (4 ranks); it must be refused."""
+    out = tmp_path / "out"
+    fails_with(capsys, _train(inputs, write_config(tmp_path / "cfg.json"), out, "--nproc", 0),
+               "--nproc 0 must be >= 1", out)
+
+
+def test_too_little_data_for_the_replicas(inputs, tmp_path, capsys):
+    """A corpus with fewer training blocks than replicas fails in the launcher naming --data and
+    both numbers (it once failed inside every rank after a minute, leaving a half-written --out)."""
+    from transformers import AutoTokenizer
+
+    from hetloco_ds.data import load_corpus
+
+    blocks = load_corpus(str(inputs["small"]), AutoTokenizer.from_pretrained(inputs["hf"]), 16,
+                         cache_dir=inputs["cache"], progress=False).train.shape[0]
+    M = blocks + 1
+    cfg = write_config(tmp_path / "cfg.json", {"pipeline.stages": 1})
+    out = tmp_path / "out"
+    argv = ["train", "--steps", 4, "--model", inputs["hf"], "--data", inputs["small"], "--config", cfg, "--out", out,
+            "--nproc", M]
+    fails_with(capsys, argv, f"--data {inputs['small']}: corpus has {blocks} blocks ({blocks * 16} tokens) but {M} "
+                             f"replicas need at least one block each ({M * 16} tokens at seq_len=16)", out)
+
+
+def test_corrupt_safetensors_header_names_the_file(inputs, tmp_path, capsys):
+    """A safetensors file whose header is not JSON: the line names the file (it once said only
+    "Expecting value: line 1 column 1")."""
+    bad = tmp_path / "hf_corrupt"
+    shutil.copytree(inputs["hf"], bad)
+    weights = bad / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    data[8:8 + n] = b"x" * n  # right length, no JSON
+    weights.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    argv = ["train", "--steps", 4, "--model", bad, "--data", inputs["data"], "--config",
+            write_config(tmp_path / "cfg.json"), "--out", out, "--nproc", 2]
+    fails_with(capsys, argv, f"{weights}: not a readable safetensors file (Error while deserializing header: "
+                             "invalid JSON in header: expected value at line 1 column 1)", out)
+
+
+# --------------------------------------------------------------------------- the run directory
+
+
+@pytest.fixture
+def recorded_run(inputs, tmp_path):
+    """A run directory as a run leaves it once checks passed and it started: the record and
+    hf_meta (no checkpoint yet), for a 2-rank, 1-stage job; plus a file of the user's."""
+    from hetloco_ds.train import TrainArgs, own_run, plan_run
+
+    cfg = write_config(tmp_path / "run.json", {"pipeline.stages": 1})
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    plan = plan_run(TrainArgs(config=str(cfg), model=str(inputs["hf"]), data=str(inputs["data"]), out=str(out),
+                              steps=4), 2, owned=True)
+    own_run(plan).release()
+    return out, cfg
+
+
+def test_used_out_without_resume_is_refused(inputs, recorded_run, tmp_path, capsys):
+    """A second run into a used --out (once it silently replaced hf/ and the record and rewound
+    `latest`) is refused; the user's own files do not count as a run."""
+    out, cfg = recorded_run
+    fails_with(capsys, _train(inputs, cfg, out, "--nproc", 2),
+               f"--out {out} already holds a run (run_config.json, checkpoints, .hetloco); pass --resume to continue "
+               "it or --overwrite to replace it", out)
+    only_mine = tmp_path / "logs_only"
+    only_mine.mkdir()
+    (only_mine / "job.log").write_text("x")
+    from hetloco_ds.config import ConfigError
+    from hetloco_ds.train import TrainArgs, plan_run
+
+    plan_run(TrainArgs(config=str(cfg), model=str(inputs["hf"]), data=str(inputs["data"]), out=str(only_mine)), 2)
+    with pytest.raises(ConfigError):
+        plan_run(TrainArgs(config=str(cfg), model=str(inputs["hf"]), data=str(inputs["data"]), out=str(out)), 2)
+
+
+def test_resume_with_another_config_is_refused_naming_the_difference(inputs, recorded_run, tmp_path, capsys):
+    """--resume with a config that changes training (topk) is refused naming key and both values,
+    and the run's record is not rewritten (a failed --resume once rewrote it first)."""
+    out, _ = recorded_run
+    cfg2 = write_config(tmp_path / "other.json", {"pipeline.stages": 1, "hetloco.sparseloco.topk": 16})
+    fails_with(capsys, ["train", "--steps", 4, "--out", out, "--resume", "--config", cfg2],
+               f"--resume: {cfg2} differs from the run's config: hetloco.sparseloco.topk = 16 (the run has 32)", out)
+
+
+def test_resume_with_another_model_is_refused(inputs, recorded_run, tmp_path, capsys):
+    out, _ = recorded_run
+    other = tmp_path / "other_hf"
+    shutil.copytree(inputs["hf"], other)
+    fails_with(capsys, ["train", "--steps", 4, "--out", out, "--resume", "--model", other],
+               f"--resume: --model {other} is not the run's ({inputs['hf']}; {out}/run_config.json)", out)
+
+
+def test_resume_without_a_complete_checkpoint_is_refused(recorded_run, capsys):
+    """A bare --resume reads config, model and data from the run's record; with nothing
+    committed yet it says so (and never starts over silently)."""
+    out, _ = recorded_run
+    fails_with(capsys, ["train", "--steps", 4, "--out", out, "--resume"],
+               f"--resume: {out}/checkpoints holds no complete checkpoint to resume from", out)
+
+
+def test_resume_with_another_world_size_is_refused(recorded_run, capsys):
+    out, _ = recorded_run
+    fails_with(capsys, ["train", "--steps", 4, "--out", out, "--resume", "--nproc", 4],
+               "--resume: the run has 2 ranks (2 replicas x pipeline.stages = 1); this launch has 4", out)
+
+
+def test_resume_and_overwrite_together_are_refused(recorded_run, capsys):
+    out, _ = recorded_run
+    fails_with(capsys, ["train", "--steps", 4, "--out", out, "--resume", "--overwrite"],
+               "--resume continues the run in --out and --overwrite replaces it; pass one", out)
+
+
+def test_out_in_use_by_a_running_job_is_refused(inputs, recorded_run, tmp_path, capsys):
+    """While a job holds --out (its lock), a second one into it is refused naming the holder
+    (two runs once both "succeeded" into one --out with every metrics row doubled)."""
+    from hetloco_ds import checkpoint, rundir
+
+    out, cfg = recorded_run
+    # A committed checkpoint, so that only the lock stands in the way of this --resume.
+    tag_dir = out / "checkpoints" / "global_step2"
+    tag_dir.mkdir()
+    (tag_dir / "manifest.json").write_text(json.dumps({"files": {}, "world_size": 2}))
+    held = rundir.RunLock(str(out))
+    try:
+        holder = (out / ".hetloco" / "lock").read_text().strip()
+        assert holder.startswith(f"pid {os.getpid()} on {socket.gethostname()} since ")
+        fails_with(capsys, ["train", "--steps", 4, "--out", out, "--resume"],
+                   f"--out {out} is in use by another run ({holder})", out)
+    finally:
+        held.release()
+    assert checkpoint.pick(str(out / "checkpoints"), 2).tag == "global_step2"
+
+
+@pytest.mark.parametrize("where", ["run_dir", "inside_checkpoints"])
+def test_export_never_writes_into_or_deletes_its_source(recorded_run, where, capsys):
+    """`export CKPT OUT --overwrite` with OUT the run directory once deleted every checkpoint and
+    metrics.jsonl and exited 0; into the checkpoint directory it would write into its source."""
+    out, _ = recorded_run
+    ckpt = out / "checkpoints"
+    target, why = {"run_dir": (out, f"contains the checkpoint directory {ckpt} it reads from; choose a directory "
+                                    "outside it"),
+                   "inside_checkpoints": (ckpt / "hf", f"is inside the checkpoint directory {ckpt} it reads from")}[where]
+    fails_with(capsys, ["export", ckpt, target, "--overwrite"], f"export target {target} {why}", out,
+               prefix="hetloco-ds export: error: ")

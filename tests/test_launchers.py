@@ -1,0 +1,73 @@
+"""Every way of starting ranks starts the same job: our `--nproc`, the `deepspeed` launcher
+(with `--num_gpus`, and with a hostfile as on each node of a multi-node job), and `torchrun`.
+
+Each runs tests/runs.py's job (2 ranks on CPU) and must reproduce the `--nproc 2` reference
+(conftest.tiny_jobs) exactly: the same loss for every (step, replica) and the same exported
+weights. `accelerate launch --use_deepspeed --deepspeed_config_file JOB.json` starts ranks the
+way torchrun does and hands the JSON over in ACCELERATE_DEEPSPEED_CONFIG_FILE, which
+`hetloco-ds train` reads when --config is absent (test_config_comes_from_accelerate, without
+starting ranks).
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import runs
+from hetloco_ds.launch import free_port
+
+
+def _same_job(out, reference) -> None:
+    got, want = runs.keyed(out, "step"), runs.keyed(reference, "step")
+    assert {k: r["loss"] for k, r in got.items()} == {k: r["loss"] for k, r in want.items()}
+    a, b = runs.hf_tensors(out / "hf"), runs.hf_tensors(reference / "hf")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _deepspeed(*launcher_args):
+    return [sys.executable, "-m", "deepspeed.launcher.runner", *launcher_args, "--master_port", free_port(),
+            "--module", "hetloco_ds.cli"]
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "deepspeed_hostfile", "torchrun"])
+def test_launcher_starts_the_same_job(launcher, tiny_jobs, tmp_path):
+    """The `deepspeed` launcher puts `--local_rank=N` before `train` (argparse once rejected it,
+    exit 2); torchrun sets LOCAL_RANK only. Breaks if either is not accepted, if a rank under an
+    external launcher plans, owns or defaults --out differently, or if the ranks' layout differs."""
+    inputs, reference = tiny_jobs.reference("replicas")
+    out = tmp_path / "out"
+    if launcher == "deepspeed":
+        cmd = _deepspeed("--num_gpus", 2)
+    elif launcher == "deepspeed_hostfile":
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("localhost slots=2\n")
+        # What each node of a multi-node job runs when there is no ssh between nodes.
+        cmd = _deepspeed("--hostfile", hostfile, "--no_ssh", "--node_rank", 0, "--master_addr", "127.0.0.1")
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
+               "-m", "hetloco_ds.cli"]
+    proc = runs.run([*cmd, *runs.train_args(inputs, out)], inputs["cache"])
+    assert proc.returncode == 0, runs.explain(proc)
+    _same_job(out, reference)
+
+
+def test_config_comes_from_accelerate(tiny_jobs, tmp_path, monkeypatch):
+    """Under `accelerate launch --use_deepspeed --deepspeed_config_file F`, F is the run's config
+    when --config is absent, and a different --config is refused. Breaks if the plugin's JSON is
+    ignored (the default config would silently train another job)."""
+    from hetloco_ds.config import ConfigError
+    from hetloco_ds.train import TrainArgs, plan_run
+    from test_cli import write_config
+
+    inputs = tiny_jobs.inputs("replicas")
+    monkeypatch.setenv("HETLOCO_CACHE", str(inputs["cache"]))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(inputs["config"]))
+    args = TrainArgs(model=str(inputs["hf"]), data=str(inputs["data"]), out=str(tmp_path / "out"))
+    plan = plan_run(args, 2)
+    assert plan.run.source == str(inputs["config"]) and plan.run.stages == 1 and plan.replicas == 2
+    other = write_config(tmp_path / "other.json")
+    with pytest.raises(ConfigError, match=f"--config {other} differs from accelerate's deepspeed_config_file"):
+        plan_run(TrainArgs(config=str(other), **{k: getattr(args, k) for k in ("model", "data", "out")}), 2)
