@@ -235,7 +235,7 @@ def run_ours_het(cfg, args, part) -> None:
             print(f"[gpu_four] outer prewarm failed: {part['outer_prewarm_error']}", flush=True)
     steps = []
     for i in range(1, args.ours_steps + 1):
-        rec, dt, collectives = timed_call(lambda: engine.train_batch(data), COUNTER)
+        rec, dt, collectives = timed_call(lambda: engine.train_step(data), COUNTER)
         steps.append({"step": i, "local_step": engine.local_steps, "warmup": i <= args.warmup, "s": dt,
                       "engine_s": rec.seconds, "loss": rec.loss, "bytes": rec.bytes, "outer": rec.outer,
                       "collectives": collectives})

@@ -255,7 +255,7 @@ def run_ours(cfg, shape, micro, seq, args, result, compile_: bool = False):
     data = batches(cfg, micro, seq)
 
     def step():
-        return engine.train_batch(data).loss
+        return engine.train_step(data).loss
 
     warm, timed, loss = time_steps(step, args.warmup, args.steps)
     result.update(summarize(cfg, seq, micro, n_params, warm, timed, loss))
@@ -264,7 +264,7 @@ def run_ours(cfg, shape, micro, seq, args, result, compile_: bool = False):
     result["outer_steps_in_timed"] = engine.outer_steps
     outer = []
     for _ in range(args.outer_repeats):
-        engine.train_batch(data)  # a fresh pseudo-gradient for each outer step
+        engine.train_step(data)  # a fresh pseudo-gradient for each outer step
         sync()
         t = time.perf_counter()
         rec = engine.outer_step()

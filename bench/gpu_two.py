@@ -247,7 +247,7 @@ def run_ours(spec, cfg, args, part) -> None:
     data = batches(cfg, args.micro, args.seq, seed)
 
     def step():
-        return engine.train_batch(data)
+        return engine.train_step(data)
 
     def after(rec):
         return {"loss": rec.loss, "bytes": rec.bytes, "outer": rec.outer, "tokens": rec.tokens}
@@ -262,7 +262,7 @@ def run_ours(spec, cfg, args, part) -> None:
         meter = engine.meter
         outer = []
         for _ in range(args.outer_repeats):
-            engine.train_batch(data)  # a fresh pseudo-gradient; this step's bytes are in its own record
+            engine.train_step(data)  # a fresh pseudo-gradient; this step's bytes are in its own record
             meter.since_mark()
             rep, dt, collectives = timed_call(engine.outer_step, COUNTER)
             outer.append({"seconds": dt, "engine_seconds": rep["seconds"], "payload_bytes": rep["payload_bytes"],

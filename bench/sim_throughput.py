@@ -117,7 +117,7 @@ def run_engine(cfg, args, result) -> None:
     n_params = sum(p.numel() for p in engine.trainable_params())
 
     def step():
-        engine.train_batch(data)
+        engine.train_step(data)
 
     warm, timed = time_steps(step, args.warmup, args.steps)
     tokens = args.micro * args.gas * args.seq

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from . import subspace
 from .model import DecoderLayer, TokenEmbedding
-from .sparseloco.outer import OuterReport, SparseLoCoState
+from .sparseloco.outer import SparseLoCoState
 from .transport import Gathered, ReplicaTransport, StageLink
 
 

@@ -64,6 +64,7 @@ def collect_rank_state(engine, data_position: int) -> dict:
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "algorithm": engine.algorithm.state_dict(),
         "meter": engine.meter.snapshot(),
+        "client_state": getattr(engine, "client_state", {}),
     }
 
 
@@ -77,6 +78,7 @@ def restore_rank_state(engine, state: dict) -> int:
     engine.global_steps = state["local_steps"]
     engine.meter.total = state["meter"]
     engine.meter.since_mark()
+    engine.client_state = state.get("client_state", {})
     return state["data_position"]
 
 
@@ -240,7 +242,7 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0) ->
     except (OSError, RuntimeError) as err:
         errors.append(describe_os_error(err, state_path))
     with _deepspeed_writes(engine, written, errors):
-        engine.save_checkpoint(ckpt_dir, tag=_partial(tag), save_latest=False)
+        engine.ds_save_checkpoint(ckpt_dir, tag=_partial(tag), save_latest=False)
 
     # Every rank reaches this gather whatever happened above: all confirm, or nobody commits.
     outcomes: list = [None] * world
@@ -396,6 +398,6 @@ def load(engine, ckpt_dir: str, tag: str | None = None) -> int:
             f"this run has {dist.get_world_size()} ranks in {engine.num_stages} stages"
         )
     with _deepspeed_reads(engine):
-        engine.load_checkpoint(ckpt_dir, tag=tag, load_module_only=True, load_optimizer_states=False,
-                               load_lr_scheduler_states=False)
+        engine.ds_load_checkpoint(ckpt_dir, tag=tag, load_module_only=True, load_optimizer_states=False,
+                                  load_lr_scheduler_states=False)
     return restore_rank_state(engine, state)

@@ -16,6 +16,7 @@ it differs from the stock engine in this, and nothing else:
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -244,7 +245,13 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.algorithm.after_inner_step(self.stage_link)
 
     # ------------------------------------------------------------------ steps
-    def train_batch(self, data_iter=None, force_outer: bool = False):
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """DeepSpeed's contract: one optimizer step of this replica (every H-th also the outer
+        sync); returns the replica's loss, the same tensor on every stage. The step's full record
+        (bytes by link class, seconds, the outer step) is `last_record`."""
+        return torch.tensor(self.train_step(data_iter).loss, device=self.device)
+
+    def train_step(self, data_iter=None, force_outer: bool = False) -> StepRecord:
         """One local optimizer step; every H of them (or when forced), the outer step.
 
         Returns a StepRecord with the replica's loss and the bytes all its ranks moved.
@@ -263,7 +270,8 @@ class HetlocoEngine(PipelineEngineAdapter):
         due = self.local_steps % self.hetloco.sparseloco.inner_steps == 0
         if self.algorithm.sparseloco and (due or force_outer):
             outer = self.outer_step()
-        return self._record(local_loss, start, outer)
+        self.last_record = self._record(local_loss, start, outer)
+        return self.last_record
 
     def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()
@@ -322,3 +330,89 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.module.train()
         self.meter.since_mark()  # validation traffic stays out of the next step's row (totals keep it)
         return loss
+
+    def _from_last_stage(self, values: list[float]) -> torch.Tensor:
+        """The last stage's `values` on every stage of the replica (one small broadcast, control)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.num_stages > 1:
+            dist.broadcast(t, src=self.grid.stage_to_global(self.num_stages - 1), group=self.pipe_group)
+            self.meter.add("sent" if self.is_last_stage() else "recv", nbytes(t), "control")
+        return t
+
+    def eval_batch(self, data_iter, num_micro_batches: int | None = None) -> torch.Tensor:
+        """DeepSpeed's contract: this replica's mean loss over `num_micro_batches` (default: the
+        step's micro-batches) of `data_iter`, the same tensor on every stage."""
+        loss = self.evaluate(data_iter, num_micro_batches or self.micro_batches)
+        return self._from_last_stage([loss or 0.0])[0].float()
+
+    def validation_losses(self, data_iter, micro_batches: int) -> list[float]:
+        """Every replica's loss over the same held-out batches, each through its own pipeline (a
+        compressed replica through its compressed boundaries), as the paper averages validation;
+        the same list on every rank. Every rank calls it at the same step."""
+        loss = self.evaluate(data_iter, micro_batches)
+        losses = [0.0] * self.num_replicas
+        if self.is_last_stage():
+            losses[self.replica] = loss
+            if self.num_replicas > 1:
+                # The replicas' last stages sum their one-hot vectors; then each broadcasts the
+                # list over its own pipe group: two collectives, in this order on every rank.
+                t = torch.tensor(losses, dtype=torch.float64, device=self.device)
+                dist.all_reduce(t, group=self.dp_group)
+                self.meter.add("sent", nbytes(t), "control")
+                self.meter.add("recv", nbytes(t), "control")
+                losses = t.tolist()
+        return self._from_last_stage(losses).tolist()
+
+    # ------------------------------------------------------------- checkpoints and export
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, data_position: int = 0, keep: int = 0, **_):
+        """Every rank's whole state (module, AdamW moments, error feedback, theta at the last sync,
+        T_perp, LR schedule, counters, `data_position`, `client_state`) under
+        SAVE_DIR/global_step<N>, committed atomically across ranks (`checkpoint.save`), and the
+        model's HF metadata beside it, so `hetloco-ds export SAVE_DIR` works; a collective.
+        DeepSpeed's own save would keep one replica's optimizer only and no algorithm state."""
+        from . import checkpoint
+
+        if tag is not None and tag != checkpoint.tag_for(self.local_steps):
+            raise ValueError(f"checkpoint tags name the step: {checkpoint.tag_for(self.local_steps)!r}, got {tag!r}")
+        self.client_state = dict(client_state or {})
+        committed = checkpoint.save(self, str(save_dir), self.local_steps, data_position, keep=keep)
+        if self.global_rank == 0:
+            self._write_hf_meta(save_dir)
+        dist.barrier()
+        return committed
+
+    def _write_hf_meta(self, ckpt_dir, tokenizer=None) -> None:
+        from . import convert
+
+        source = getattr(self, "hf_source", None)
+        convert.save_hf_meta(ckpt_dir, self.module.llama_config, tokenizer, model_dir=source, tokenizer_dir=source)
+
+    def load_checkpoint(self, load_dir, tag=None, **_):
+        """Restore what save_checkpoint wrote (default: the newest complete checkpoint); returns
+        (path, client_state) as DeepSpeed does, the data position under client_state["data_position"]."""
+        from . import checkpoint
+
+        position = checkpoint.load(self, str(load_dir), tag)
+        return str(load_dir), {**getattr(self, "client_state", {}), "data_position": position}
+
+    def save_pretrained(self, save_dir, tokenizer=None) -> None:
+        """The synced model as a Hugging Face directory that `transformers` loads as is (a
+        collective: every rank calls it, at an outer-step boundary so replicas agree). Written
+        through a temporary checkpoint and `convert.export`, as `hetloco-ds export` writes it."""
+        import shutil
+
+        from . import checkpoint, convert
+
+        save_dir = os.path.abspath(save_dir)
+        tmp = f"{save_dir}.ckpt-tmp"
+        if self.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        checkpoint.save(self, tmp, self.local_steps, 0)
+        if self.global_rank == 0:
+            try:
+                self._write_hf_meta(tmp, tokenizer)
+                convert.export(tmp, save_dir, progress=False, overwrite=True)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()

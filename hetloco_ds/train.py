@@ -438,7 +438,7 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
         torch.manual_seed(train_cfg.seed)
         module = build_module(run, plan.llama_config, hf_dir=plan.hf_dir)
         engine = build_engine(run, module, seq_len=train_cfg.seq_len)
-        M, S = engine.num_replicas, engine.num_stages
+        M = engine.num_replicas
 
         position, resumed_at = 0, None
         if tag is not None:
@@ -466,17 +466,16 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
             nonlocal validated_at
             validated_at = step
             with watchdog.busy(f"validation at step {step}"):
-                # The synced model is the same on every replica, so replica 0 alone evaluates it.
-                if engine.replica != 0:
-                    return
-                loss = engine.evaluate(validation_batches(corpus.val, micro) if needs_data else None,
-                                       train_cfg.eval_batches)
-                if engine.is_last_stage():
-                    writer.write({"kind": "validation", "step": step, "replica": 0, "loss": loss, "time": time.time()})
-                loss_t = torch.tensor([loss or 0.0], dtype=torch.float64, device=engine.device)
-                if S > 1:
-                    dist.broadcast(loss_t, src=engine.grid.stage_to_global(S - 1), group=engine.pipe_group)
-                progress.validation(step, float(loss_t))
+                # Every replica evaluates through its own pipeline (a compressed one through its
+                # compressed boundaries) on the same held-out batches; the row has each loss and
+                # their mean, as the paper averages validation over the data-parallel replicas.
+                losses = engine.validation_losses(validation_batches(corpus.val, micro) if needs_data else None,
+                                                  train_cfg.eval_batches)
+                mean = sum(losses) / len(losses)
+                if engine.is_last_stage() and engine.replica == 0:
+                    writer.write({"kind": "validation", "step": step, "replica": 0, "loss": mean, "replica_losses": losses,
+                                  "time": time.time()})
+                progress.validation(step, mean)
 
         def save(step: int) -> None:
             nonlocal last_good
@@ -487,7 +486,7 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
             # The last step always ends with an outer sync, so the export and the final
             # validation see the synced model even when steps is not a multiple of H.
             last = engine.local_steps + 1 == args.steps
-            rec = engine.train_batch(batches if needs_data else None, force_outer=last)
+            rec = engine.train_step(batches if needs_data else None, force_outer=last)
             watchdog.progress(f"step {rec.step}", rec.seconds)
             at_boundary = rec.outer is not None or not engine.algorithm.sparseloco
             writer.step(rec)

@@ -83,10 +83,10 @@ def test_finetune_and_export_script(inputs, tmp_path):
 
 
 def test_heterogeneous_fleet_example_is_what_the_planner_says(inputs, tmp_path):
-    """examples/heterogeneous_fleet: `plan --fleet` puts S = 2, M = 10 replicas, the home group
-    (replicas 8-9, after the datacenter's 4 and the lab's 4) compressed at ratio 4, which is what
-    config.json says; the toy rehearsal of the same mix trains on 4 ranks. Breaks if the planner's
-    answer and the example's config drift apart."""
+    """examples/heterogeneous_fleet: `plan --fleet` puts S = 2, M = 10 replicas, and compresses the
+    groups it compresses (the replicas after the datacenter's 4) at the ratio config.json says; the
+    toy rehearsal of the same mix trains on 4 ranks. Breaks if the planner's answer and the
+    example's config drift apart."""
     from hetloco_ds import plan
 
     here = EXAMPLES / "heterogeneous_fleet"

@@ -34,7 +34,7 @@ def _grads_body(rank, hf_dir, ds_cfg, batch):
 
     engine._exec_optimizer_step = capture
     micro = batch.chunk(2)
-    rec = engine.train_batch(iter([(m, m) for m in micro]))
+    rec = engine.train_step(iter([(m, m) for m in micro]))
     return rec.loss, grads
 
 

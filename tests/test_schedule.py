@@ -143,7 +143,7 @@ def _both_schedules_body(rank, cases, steps):
             engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
             rows = []
             for step in range(1, steps + 1):
-                rec = engine.train_batch(iter(_batches(engine.replica, step)))
+                rec = engine.train_step(iter(_batches(engine.replica, step)))
                 rows.append((rec.loss, _digest(module), rec.outer is not None,
                              rec.bytes["activation"], rec.bytes["activation_grad"]))
             out[name, schedule] = rows

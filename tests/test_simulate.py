@@ -219,7 +219,8 @@ def test_outer_step_diagnostics_on_a_dense_sync():
     for topk, decay in ((4096, 0.0), (32, 0.95)):
         cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                            "hetloco": {"sparseloco": {"inner_steps": 2, "topk": topk, "error_decay": decay},
+                            "hetloco": {"sparseloco": {"preset": "paper", "inner_steps": 2, "topk": topk,
+                                                       "error_decay": decay},
                                         "subspace": {"ratio": 4, "compressed_replicas": [2]}, "train": {"seq_len": 16}}})
         sim = Simulation(cfg, cfg.hetloco, llama, 3, 2, torch.device("cpu"))
         g = torch.Generator().manual_seed(0)

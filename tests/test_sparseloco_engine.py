@@ -89,7 +89,7 @@ def _train_body(rank, hf_dir, ds_cfg, steps, trace_collectives):
     records = []
     for step in range(1, steps + 1):
         phase["step"] = step
-        rec = engine.train_batch(iter(_batches(engine.replica, step)))
+        rec = engine.train_step(iter(_batches(engine.replica, step)))
         records.append({"loss": rec.loss, "hash": _params_hash(module), "outer": rec.outer, "bytes": rec.bytes})
     shapes = [tuple(p.shape) for p in engine.trainable_params()]
     return {"replica": engine.replica, "stage": engine.stage_id, "records": records, "calls": calls,
@@ -160,7 +160,7 @@ def test_outer_sync_bytes_per_step_equal_payload(hf_untied):
 def _adamw_body(rank, hf_dir, ds_cfg, batches):
     engine, module, cfg = build_from_hf(hf_dir, ds_cfg, SEQ)
     for mbs in batches:
-        engine.train_batch(iter(mbs))
+        engine.train_step(iter(mbs))
     return _hf_named_params(module, cfg)
 
 
@@ -207,7 +207,7 @@ def _resume_body(rank, hf_dir, ds_cfg, ckpt_dir, start, stop, save_at):
         assert engine.local_steps == start
     losses = []
     for step in range(start + 1, stop + 1):
-        rec = engine.train_batch(iter(_batches(engine.replica, step)))
+        rec = engine.train_step(iter(_batches(engine.replica, step)))
         losses.append(rec.loss)
         if step == save_at:
             checkpoint.save(engine, ckpt_dir, step, data_position=step * 2)
@@ -232,7 +232,7 @@ def _adamw_het_body(rank, hf_dir, ds_cfg, steps):
     engine, module, _ = build_from_hf(hf_dir, ds_cfg, SEQ)
     hashes = []
     for step in range(1, steps + 1):
-        engine.train_batch(iter(_batches(engine.replica, step)))
+        engine.train_step(iter(_batches(engine.replica, step)))
         perp = engine.algorithm.perp
         hashes.append((_params_hash(module), hashlib.sha256(perp.detach().cpu().numpy().tobytes()).hexdigest()))
     return {"replica": engine.replica, "stage": engine.stage_id, "compressed": engine.module.codec.compressed,

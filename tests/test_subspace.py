@@ -98,7 +98,7 @@ def _het_body(rank, hf_dir, ds_cfg, steps):
     out = []
     for step in range(1, steps + 1):
         perp_before = module.codec.perp.clone()
-        rec = engine.train_batch(iter(_batches(engine.replica, step)))
+        rec = engine.train_step(iter(_batches(engine.replica, step)))
         row = {"step": step, "outer": rec.outer is not None, "bytes": rec.bytes,
                "perp": _digest(module.codec.perp), "perp_changed": not torch.equal(perp_before, module.codec.perp)}
         embs = module.embeddings()
@@ -137,7 +137,7 @@ def test_heterogeneous_run_keeps_ts_in_subspace_and_te_identical_after_sync(hf_t
 
 def _bytes_body(rank, hf_dir, ds_cfg):
     engine, module, _ = build_from_hf(hf_dir, ds_cfg, SEQ)
-    recs = [engine.train_batch(iter(_batches(0, s))).bytes for s in (1, 2)]
+    recs = [engine.train_step(iter(_batches(0, s))).bytes for s in (1, 2)]
     return {"stage": engine.stage_id, "k": module.codec.basis.shape[1], "bytes": recs[1]}
 
 

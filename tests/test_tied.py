@@ -33,7 +33,7 @@ def _bytes_body(rank, runs):
         for step in range(STEPS):
             g = torch.Generator().manual_seed(step)
             ids = torch.randint(0, VOCAB, (2, 2, SEQ), generator=g)
-            recs.append(engine.train_batch(iter([(m, m) for m in ids])).bytes)
+            recs.append(engine.train_step(iter([(m, m) for m in ids])).bytes)
         out[name] = recs
     return out
 

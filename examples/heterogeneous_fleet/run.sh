@@ -7,7 +7,8 @@
 #    4 RTX 3090s at home on 100 Mbit/s. `plan --fleet` picks S (the stages every replica has), which
 #    groups run full replicas and which compress their stage links, and at which ratio: for the 1B
 #    model it gives S = 2, M = 10 replicas (ranks stage x 10 + replica: the datacenter hosts replicas
-#    0-3, the lab 4-7, home 8-9) and ratio 4 for home, which config.json encodes.
+#    0-3, the lab 4-7, home 8-9), full tensors in the datacenter and ratio 4 on the lab's and home's
+#    stage links, which config.json encodes.
 # 2. rehearsal.json is the same mix at toy scale on this machine: 2 stages x 2 replicas, replica 1
 #    compressed at ratio 4 (with LINKS=1, as root, its stage links shaped to 100 Mbit/s by netlab).
 # 3. The real launch: every node runs the deepspeed launcher on the same hostfile (see ../multinode).
