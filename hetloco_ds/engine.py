@@ -55,14 +55,17 @@ def _ids(members) -> list:
 
 
 class HetlocoEngine(PipelineEngineAdapter):
-    def __init__(self, *args, run: RunConfig, seq_len: int, **kwargs):
+    def __init__(self, *args, run: RunConfig, seq_len: int, replica: tuple[int, int] | None = None,
+                 transport=None, **kwargs):
+        """`replica`: (this replica's id, the fleet's size) when the job is one replica of an elastic
+        fleet (default: DeepSpeed's data-parallel id and size). `transport`: engine -> ReplicaTransport,
+        called once the stage's algorithm is set up (default: the static GroupTransport)."""
         self.run = run
         self.hetloco = hetloco = run.hetloco
         self.seq_len = seq_len
         self.meter = ByteMeter()
         super().__init__(*args, **kwargs)
-        self.replica = self.grid.data_parallel_id
-        self.num_replicas = self.grid.data_parallel_size
+        self.replica, self.num_replicas = replica or (self.grid.data_parallel_id, self.grid.data_parallel_size)
         self.dp_group = self.grid.get_data_parallel_group()
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
@@ -73,7 +76,6 @@ class HetlocoEngine(PipelineEngineAdapter):
             self.device, self.meter)
         self.stage_link = PipeStageLink(self.pipe_group, self.grid.stage_to_global(0), self.is_first_stage(),
                                         self.num_stages, self.device, self.meter)
-        self.transport = GroupTransport(self.dp_group, self.meter)
         cfg = self.module.llama_config
         self.algorithm = StageAlgorithm(
             self.trainable_params(), hetloco, replica=self.replica, num_replicas=self.num_replicas,
@@ -83,6 +85,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.module.configure_boundary(self.algorithm.basis, torch.bfloat16 if run.bf16 else torch.float32)
         self.algorithm.setup(self.stage_link)
         self.module.codec.perp = self.algorithm.perp
+        self.transport = GroupTransport(self.dp_group, self.meter) if transport is None else transport(self)
         self.meter.since_mark()
 
     def _count_deepspeed_init_traffic(self) -> None:
@@ -214,6 +217,9 @@ class HetlocoEngine(PipelineEngineAdapter):
     def outer_step(self) -> dict:
         """SparseLoCo outer step for this stage, inside this stage's data-parallel group."""
         start = time.perf_counter()
+        begin = getattr(self.transport, "begin", None)
+        if begin is not None:  # elastic: this boundary's quorum, which may replace the stage's synced state
+            begin()
         result = self.algorithm.outer_step(self.transport, self.stage_link)
         if result.excluded and self.global_rank == 0:
             print(f"[hetloco] WARNING outer step {result.outer_step}: replicas {list(result.excluded)} had a "
@@ -225,6 +231,7 @@ class HetlocoEngine(PipelineEngineAdapter):
             "payload_bytes": result.payload_bytes,
             "excluded": _ids(result.excluded),
             "contributors": _ids(result.contributors),
+            **getattr(self.transport, "outer_fields", dict)(),
         }
 
     # ------------------------------------------------------------- validation
