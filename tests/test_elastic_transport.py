@@ -25,6 +25,7 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's extension reads it once, at import
 pytest.importorskip("torchft", reason="elastic mode needs the optional extra: pip install 'hetloco_ds[elastic]'")
 
+import elastic_ranks  # noqa: E402
 import elastic_replica as er  # noqa: E402
 from hetloco_ds.sparseloco.outer import FLAG_FINITE, HEADER, OuterConfig, SparseLoCoState  # noqa: E402
 from hetloco_ds.transport import elastic  # noqa: E402
@@ -58,7 +59,7 @@ class Fleet:
         self.ctx = mp.get_context("forkserver")
         # The fork server ignores the parent's sys.path (CPython 3.11 forkserver.main), so preload what
         # the installed or PYTHONPATH'd package brings: torch and torchft, the slow imports.
-        self.ctx.set_forkserver_preload(["hetloco_ds.transport.elastic"])
+        self.ctx.set_forkserver_preload(elastic_ranks.PRELOAD)  # one server per process: the same list everywhere
         self.procs: dict[tuple[str, int], mp.Process] = {}
         self.starts: dict[str, int] = {}
 

@@ -5,6 +5,8 @@ HETLOCO_FAULT="<rank>:<event>:<n>[:<action>]" makes the process of global rank <
 n-th <event>; processes of other ranks, and those without the variable, are untouched.
 
 events  step  a torch AdamW step (inside a training step: after forward and backward)
+        hold  the same, but the action is a path: the step waits while that file exists (an elastic
+              test holds a fleet there until a late replica is ready to join)
         sync  an outer step's payload exchange (hetloco_ds.transport.static.GroupTransport.exchange)
         ckpt  inside hetloco_ds.checkpoint: a file written (write_durably) or a directory
               fsynced (_fsync_dir: after the manifest, after the rename, after `latest`)
@@ -42,8 +44,12 @@ class _Fault:
         return self.count == self.n
 
     def fire(self):
-        sys.stderr.write(f"[fault_inject] rank {_RANK}: {self.action} at {self.event} #{self.n}\n")
+        sys.stderr.write(f"[fault_inject] rank {os.environ.get('RANK')}: {self.action} at {self.event} #{self.n}\n")
         sys.stderr.flush()
+        if self.event == "hold":
+            while os.path.exists(self.action):
+                time.sleep(0.05)
+            return
         os.kill(os.getpid(), signal.SIGSTOP if self.action == "stop" else signal.SIGKILL)
 
 
@@ -56,7 +62,7 @@ def _install(fault):
     step = torch.optim.AdamW.step
 
     def adamw_step(self, *args, **kwargs):
-        if fault.hit("step"):
+        if fault.hit("step") or fault.hit("hold"):
             fault.fire()
         return step(self, *args, **kwargs)
 
