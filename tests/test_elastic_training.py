@@ -15,6 +15,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -79,20 +80,27 @@ def job_stderr(log, world: int) -> str:
 
 
 # ---------------------------------------------------------------------- no faults: the static run, bit for bit
-def test_elastic_fleet_without_faults_reproduces_the_static_run(job, tmp_path):
+def test_elastic_fleet_without_faults_and_resumed_reproduces_the_static_run(job, tmp_path):
     """`hetloco-ds train --nproc 6 --elastic` (a lighthouse and 3 replica jobs of 2 stages, heterogeneous
-    subspace ratios, median clip) gives every replica bitwise the losses of a static world of 6 ranks
+    subspace ratios, median clip) for 4 steps, then the whole fleet resumed with `--elastic --resume` to
+    step 6, gives every replica bitwise the losses of a static world of 6 ranks
     (as torchrun starts it), replica 0 the same validation loss, and every replica the same exported weights, every outer step with all three
     replicas in one attempt. Breaks if replica ids and data shards, the payload order, the split
-    basis or the seeds differed from the static mode's, or if the fleet's first quorum missed a replica."""
+    basis or the seeds differed from the static mode's, if the fleet's first quorum missed a replica, or if a
+    resumed replica lost any of its state."""
     cfg = write_config(tmp_path / "cfg.json", {
         **BASE, "hetloco.sparseloco.norm_clip": "median", "hetloco.subspace.compressed_replicas": [1, 2],
         "hetloco.subspace.ratio": 2, "hetloco.subspace.replica_ratios": {"2": 4},
         "hetloco.elastic.join_timeout": 60, "hetloco.elastic.heartbeat_timeout": 10})
-    common = ["train", "--steps", 6, "--model", job["hf"], "--data", job["data"], "--config", cfg]
+    inputs = ["--model", job["hf"], "--data", job["data"], "--config", cfg]
     # The static world as torchrun starts it (test_launchers: the same job as --nproc 6), forked: fast.
-    static = fork_job(tmp_path / "static", 6, [*common, "--out", tmp_path / "static"], runs.env(job["cache"]))
-    fleet = runs.cli(*common, "--nproc", 6, "--out", tmp_path / "fleet", "--elastic", cache=job["cache"])
+    static = fork_job(tmp_path / "static", 6, ["train", "--steps", 6, *inputs, "--out", tmp_path / "static"],
+                      runs.env(job["cache"]))
+    # The fleet stops after 4 steps (a checkpoint per replica) and the whole fleet is resumed to 6.
+    first = runs.cli("train", "--steps", 4, *inputs, "--nproc", 6, "--out", tmp_path / "fleet", "--elastic",
+                     cache=job["cache"])
+    assert first.returncode == 0, runs.explain(first)
+    fleet = runs.cli("train", "--steps", 6, "--out", tmp_path / "fleet", "--elastic", "--resume", cache=job["cache"])
     for p in static:
         p.join(240)
     assert [p.exitcode for p in static] == [0] * 6, job_stderr(tmp_path / "static", 6)[-3000:]
@@ -188,8 +196,8 @@ class Fleet:
                 raise AssertionError(f"timed out after {timeout} s waiting for {what}")
             time.sleep(0.05)
 
-    def open_gate(self, ranks: int) -> None:
-        self.wait(lambda: len(glob.glob(str(self.gate / "ready-*"))) >= ranks, 120, f"{ranks} ranks up")
+    def open_gate(self, ranks: int, expect_exit=()) -> None:
+        self.wait(lambda: len(glob.glob(str(self.gate / "ready-*"))) >= ranks, 120, f"{ranks} ranks up", expect_exit)
         (self.gate / "go").touch()
 
     def rows(self, replica, kind="outer", out=None) -> dict:
@@ -238,8 +246,10 @@ def test_killed_replica_costs_the_others_one_heartbeat_timeout_and_rejoins_when_
     lighthouse's heartbeat timeout plus one exchange timeout, with 2 contributors, and train on. Replica
     2, restarted with --resume from its own checkpoint (step 4), is behind the fleet: at its next outer
     boundary it receives the synced state from a live peer (healed), and from that step on every
-    stage's parameter checksum equals the others' and all three contribute. Breaks if a dead replica
-    stalled the fleet, if survivors lost their state, or if a rejoining replica's parameters differed."""
+    stage's parameter checksum equals the others' and all three contribute. Then the fleet is resumed from
+    checkpoints of different steps (replica 2's newest is gone): replica 2 is healed again. Breaks if a dead
+    replica stalled the fleet, if survivors lost their state, if a rejoining replica's parameters differed,
+    or if a checkpoint did not keep the transport's step and history (a stale replica would be summed in)."""
     cfg = write_config(tmp_path / "cfg.json", {**BASE, "hetloco.elastic.max_replicas": 3,
                                                "hetloco.train.checkpoint_interval": 1})
     hold = tmp_path / "hold"
@@ -273,7 +283,22 @@ def test_killed_replica_costs_the_others_one_heartbeat_timeout_and_rejoins_when_
             assert back[s]["members"] == ref[s]["members"] == [0, 1, 2], (s, back[s], ref[s])
     for m in (0, 1):
         _finite_losses(fleet, m, range(1, 13))
-    assert "died" not in fleet.stderr("r0") + fleet.stderr("r1")
+
+    # The whole fleet stopped at 12; replica 2's newest checkpoint is lost, so it resumes from step 10 and
+    # the others from 12. Its checkpoint's transport state says it is a step behind: it is healed, it does
+    # not contribute its stale pseudo-gradient, and from then on its parameters are the others'.
+    shutil.rmtree(fleet.out / "replica-2" / "checkpoints" / "global_step12")
+    (fleet.gate / "go").unlink()
+    for f in glob.glob(str(fleet.gate / "ready-*")):
+        os.unlink(f)
+    for m in range(3):
+        fleet.start(f"r{m}-resumed", m, cfg, 14, resume=True)
+    fleet.open_gate(6, expect_exit={"r2"})
+    fleet.done(["r0-resumed", "r1-resumed", "r2-resumed"], expect_exit={"r2"})
+    assert all(fleet.exits[f"r{m}-resumed"] == [0, 0] for m in range(3)), fleet.exits
+    rows = [fleet.rows(m) for m in range(3)]
+    assert rows[2][14]["healed"] and rows[0][14]["members"] == rows[2][14]["members"] == [0, 1], rows[2][14]
+    assert rows[0][14]["params_checksum"] == rows[1][14]["params_checksum"] == rows[2][14]["params_checksum"]
 
 
 def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_judged(fleet, job, tmp_path):
