@@ -302,19 +302,25 @@ def test_killed_replica_costs_the_others_one_heartbeat_timeout_and_rejoins_when_
 
 
 def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_judged(fleet, job, tmp_path):
-    """3 replicas x 2 stages in a fleet of 4. Rank 1 of replica 2 is SIGSTOPped inside its 5th step (a hang:
+    """3 replicas x 2 stages in a fleet of 5 (replica 1 compressed, ratio 4). Rank 1 of replica 2 is SIGSTOPped inside its 5th step (a hang:
     its stage 0 still heartbeats). Replicas 0 and 1 wait for it at most the lighthouse's join timeout (longer
     than their own watchdog's progress limit, which must not end them while they wait), then finish the
-    outer step at 6 with 2 contributors. Then, while they are held at step 7: replica 3 starts fresh and joins
-    at the next boundary (healed: checksums equal from then on, its own data shard, contributing after);
-    a replica with another secret is refused in one line (exit 5) and a replica without one stops at its
+    outer step at 6 with 2 contributors. Then, while they are held at step 7: replica 3 starts fresh with a
+    compression ratio of its own (2) and joins at the next boundary (healed: checksums equal from then on,
+    its own data shard, contributing after); replica 4, whose ratio (8) would change the split basis T_S
+    lives in, is refused in one line naming it; a replica with another secret is refused in one line (exit 5) and a replica without one stops at its
     checks, writing nothing (exit 2); the fleet goes on. Breaks if a hang stalled the fleet past the join timeout,
     if the watchdog killed a waiting replica, or if a stranger got state or was counted."""
-    cfg = write_config(tmp_path / "cfg.json", {**BASE, "hetloco.elastic.max_replicas": 4,
-                                               "hetloco.train.watchdog_timeout": 3})
+    sub = {"hetloco.elastic.max_replicas": 5, "hetloco.subspace.compressed_replicas": [1], "hetloco.subspace.ratio": 4}
+    cfg = write_config(tmp_path / "cfg.json", {**BASE, **sub, "hetloco.train.watchdog_timeout": 3})
+    # Replica 3 compresses at ratio 2, which the fleet's config does not say: its subspace contains the fleet's
+    # split basis (k = 8), so it may join. Replica 4 at ratio 8 would change that basis: refused, in one line.
+    finer = write_config(tmp_path / "finer.json", {**BASE, **sub, "hetloco.subspace.compressed_replicas": [1, 3],
+                                                   "hetloco.subspace.replica_ratios": {"3": 2}})
+    coarser = write_config(tmp_path / "coarser.json", {**BASE, **sub, "hetloco.subspace.compressed_replicas": [1, 4],
+                                                       "hetloco.subspace.replica_ratios": {"4": 8}})
     # Replica 2's own watchdog ends it a little after the join timeout (a hang is not waited for forever).
-    patient = write_config(tmp_path / "patient.json", {**BASE, "hetloco.elastic.max_replicas": 4,
-                                                       "hetloco.train.watchdog_timeout": JOIN_S + 2})
+    patient = write_config(tmp_path / "patient.json", {**BASE, **sub, "hetloco.train.watchdog_timeout": JOIN_S + 2})
     hold = tmp_path / "hold"
     hold.touch()
     for m in (0, 1):
@@ -328,18 +334,23 @@ def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_j
         assert r["members"] == [0, 1] and r["left"] == [2], r
         assert 2 * 3 < r["quorum_seconds"] < JOIN_S + TIMEOUT_S + SLACK_S, r  # longer than the progress limit
 
-    fleet.start("r3", 3, cfg, 12)
+    fleet.start("r3", 3, finer, 12)
+    fleet.start("r4", 4, coarser, 12)
     fleet.start("stranger", 2, cfg, 12, out=tmp_path / "stranger", secret="not-the-fleet-secret-0123456789")
     fleet.start("nosecret", 3, cfg, 12, out=tmp_path / "nosecret", secret="none")
-    fleet.wait(lambda: "(quorum)" in fleet.where(3) and "(quorum)" in fleet.where(2, tmp_path / "stranger"), 120,
-               "replica 3 and the stranger at their first outer boundary", expect_exit={"r2", "nosecret", "stranger"})
+    refused = {"r2", "r4", "nosecret", "stranger"}
+    fleet.wait(lambda: all("(quorum)" in w for w in (fleet.where(3), fleet.where(4), fleet.where(2, tmp_path / "stranger"))),
+               120, "replicas 3, 4 and the stranger at their first outer boundary", expect_exit=refused)
     hold.unlink()
-    fleet.done(["r0", "r1", "r3", "stranger", "nosecret"], expect_exit={"r2", "nosecret", "stranger"})
+    fleet.done(["r0", "r1", "r3", "r4", "stranger", "nosecret"], expect_exit=refused)
     assert fleet.exits["r0"] == fleet.exits["r1"] == fleet.exits["r3"] == [0, 0], fleet.exits
     assert 4 in fleet.exits["r2"], fleet.exits  # its watchdog: rank 1 stopped responding
     assert 5 in fleet.exits["stranger"], fleet.exits
     lines = runs.error_lines(fleet.stderr("stranger"))
     assert len(lines) == 1 and "refused by the fleet" in lines[0] and "fleet secret" in lines[0], lines
+    assert 5 in fleet.exits["r4"], fleet.exits
+    lines = runs.error_lines(fleet.stderr("r4"))
+    assert len(lines) == 1 and "refused by the fleet: the split basis T_S lives in is k = 4" in lines[0], lines
     assert 2 in fleet.exits["nosecret"]
     lines = runs.error_lines(fleet.stderr("nosecret"))
     assert len(lines) == 1 and "no fleet secret" in lines[0], lines
@@ -358,3 +369,64 @@ def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_j
     assert min(first) == 1 and first[1]["loss"] != fleet.rows(0, "step")[1]["loss"]
     for m in (0, 1):
         _finite_losses(fleet, m, range(1, 13))
+
+
+# ---------------------------------------------------------------------- what a fleet must agree on (no processes)
+def _run_config(tmp_path, name, edits):
+    from hetloco_ds.config import load_config
+
+    return load_config(write_config(tmp_path / f"{name}.json", {**BASE, "hetloco.elastic.max_replicas": 4, **edits}))
+
+
+def test_joiner_with_another_ratio_keeps_the_fleets_split_basis_or_is_refused_naming_it(tmp_path):
+    """The fleet compresses replica 1 at ratio 4, so T_S lives in the k = 8 split basis (hidden 32). A
+    joiner whose own ratio is 2 (its subspace contains that basis) has the fleet's identity and key; one
+    at ratio 8 would move T_S to k = 4: its identity differs, and the line names the split basis of both.
+    A different fleet size or outer-step setting is named too. Breaks if replicas that cannot sum T_S in
+    one basis were let into the same outer step."""
+    from hetloco_ds import fleet
+    from conftest import tiny_llama_config
+
+    model = tiny_llama_config()
+    sub = {"hetloco.subspace.compressed_replicas": [1], "hetloco.subspace.ratio": 4}
+    ours = fleet.identity(_run_config(tmp_path, "fleet", sub), model)
+    finer = fleet.identity(_run_config(tmp_path, "finer", {"hetloco.subspace.compressed_replicas": [1, 3],
+                                                           "hetloco.subspace.ratio": 4,
+                                                           "hetloco.subspace.replica_ratios": {"3": 2}}), model)
+    coarser = fleet.identity(_run_config(tmp_path, "coarser", {"hetloco.subspace.compressed_replicas": [1, 3],
+                                                               "hetloco.subspace.ratio": 4,
+                                                               "hetloco.subspace.replica_ratios": {"3": 8}}), model)
+    assert fleet.mismatch(finer, ours) is None and fleet.fleet_key(finer) == fleet.fleet_key(ours)
+    assert fleet.fleet_key(coarser) != fleet.fleet_key(ours)
+    assert fleet.mismatch(coarser, ours) == (
+        "the split basis T_S lives in is k = 4 (largest compressed ratio 8, subspace seed 1234, embedding_adaptation "
+        "True) here and k = 8 (largest compressed ratio 4, subspace seed 1234, embedding_adaptation True) in the "
+        "fleet: a replica may use its own compression ratio only if the fleet's hetloco.subspace split stays the "
+        "same (its ratio at most the fleet's largest)")
+    bigger = fleet.identity(_run_config(tmp_path, "bigger", {**sub, "hetloco.elastic.max_replicas": 5}), model)
+    assert fleet.mismatch(bigger, ours).startswith("hetloco.elastic.max_replicas = 5 here, 4 in the fleet")
+    other_h = fleet.identity(_run_config(tmp_path, "h", {**sub, "hetloco.sparseloco.inner_steps": 3}), model)
+    assert fleet.mismatch(other_h, ours) == "hetloco.sparseloco.inner_steps = 3 here, 2 in the fleet"
+
+
+def test_elastic_mode_clips_to_the_median_unless_the_config_says_otherwise(job, tmp_path, monkeypatch):
+    """A replica of a fleet plans with sparseloco.norm_clip "median" when its config does not set it (and
+    records the same on --resume's comparison); an explicit "none" stays; the static mode is unchanged.
+    Breaks if elastic mode silently summed unclipped pseudo-gradients of machines it does not control, or
+    if the static mode's default moved."""
+    from hetloco_ds.fleet import FleetArgs
+    from hetloco_ds.train import TrainArgs, plan_run
+
+    monkeypatch.setenv("HETLOCO_CACHE", str(job["cache"]))
+    monkeypatch.setenv("HETLOCO_FLEET_SECRET", SECRET)
+    fa = FleetArgs(lighthouse="http://127.0.0.1:29999", replica=1)
+
+    def clip(edits, fleet_args):
+        cfg = write_config(tmp_path / "c.json", {**BASE, "hetloco.elastic.max_replicas": 2, **edits})
+        args = TrainArgs(config=str(cfg), model=str(job["hf"]), data=str(job["data"]), out=str(tmp_path / "o"),
+                         fleet=fleet_args)
+        return plan_run(args, 2 if fleet_args else 4, owned=True).run.hetloco.sparseloco.norm_clip
+
+    assert clip({}, fa) == "median"
+    assert clip({"hetloco.sparseloco.norm_clip": "none"}, fa) == "none"
+    assert clip({}, None) == "none"
