@@ -501,7 +501,9 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
         if elastic:  # each replica's metrics are its own: its tokens/s, not the fleet's
             facts = dataclasses.replace(facts, num_replicas=1)
         writer = MetricsWriter(metrics_path if engine.is_last_stage() else None, facts)
-        progress = Progress(total=args.steps, initial=engine.local_steps, enabled=(rank == 0), monitor=engine.monitor,
+        # `--elastic` runs every replica in one terminal: one bar, replica 0's (the others are HETLOCO_QUIET).
+        bar = rank == 0 and not (elastic and os.environ.get("HETLOCO_QUIET"))
+        progress = Progress(total=args.steps, initial=engine.local_steps, enabled=bar, monitor=engine.monitor,
                             facts=facts)
         eval_every = train_cfg.eval_interval
         next_eval = (engine.local_steps // eval_every + 1) * eval_every if eval_every else None

@@ -6,7 +6,7 @@ tokenizer, 16-token blocks), SparseLoCo H = 2. The no-fault test runs the user's
 subprocess; the static reference and the fault tests start every rank as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT) but forked from a server that has imported
 the libraries once (tests/elastic_ranks.py), with a lighthouse in this process. A rank that dies
 takes its replica's other rank down, as a launcher does. Faults: tests/fault_inject's AdamW-step
-kill and stop; a fleet is held at an AdamW step while a late replica starts (`hold`).
+kill and stop; a fleet is held at an outer boundary while a late replica starts (`holdsync`).
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
@@ -134,6 +136,32 @@ def test_elastic_fleet_without_faults_and_resumed_reproduces_the_static_run(job,
 
 
 # ---------------------------------------------------------------------- faults: a fleet of forked ranks
+class _Launched:
+    """A launcher process, seen as the rank processes of a forked job are."""
+
+    def __init__(self, proc):
+        self.proc, self.pid = proc, proc.pid
+
+    @property
+    def exitcode(self):
+        return self.proc.poll()
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def join(self, timeout=None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:  # the launcher and its ranks (its own process group)
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class Fleet:
     """A lighthouse in this process; replicas of 2 ranks forked from a preloaded server."""
 
@@ -153,8 +181,10 @@ class Fleet:
         self.replicas: dict[str, list] = {}
         self.exits: dict[str, list] = {}
 
-    def start(self, name, replica, cfg, steps, fault=None, resume=False, out=None, secret="file"):
-        """Replica `replica` as job `name` (both ranks); `secret`: "file", "none" or another secret (env)."""
+    def start(self, name, replica, cfg, steps, fault=None, resume=False, out=None, secret="file", launcher=False):
+        """Replica `replica` as job `name` (both ranks); `secret`: "file", "none" or another secret (env).
+        `launcher`: the user's multi-host command instead, `hetloco-ds train --lighthouse ... --nproc 2` in a
+        fresh process that starts its ranks itself (slower to start)."""
         out = out or self.out
         argv = ["train", "--out", str(out), "--lighthouse", self.addr, "--replica-id", str(replica), "--steps", str(steps)]
         argv += ["--resume"] if resume else ["--model", str(self.job["hf"]), "--data", str(self.job["data"]),
@@ -166,7 +196,15 @@ class Fleet:
         elif secret != "none":
             env["HETLOCO_FLEET_SECRET"] = secret
         env["HETLOCO_FLEET_GATE"] = str(self.gate)
-        self.replicas[name] = fork_job(self.tmp / name, STAGES, argv, env, fault)
+        if launcher:
+            with open(self.tmp / f"{name}.rank0.err", "w") as err:
+                open(self.tmp / f"{name}.rank1.err", "w").close()
+                proc = subprocess.Popen([sys.executable, "-m", "hetloco_ds.cli", *argv, "--nproc", str(STAGES)],
+                                        env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=str(runs.REPO),
+                                        start_new_session=True)
+            self.replicas[name] = [_Launched(proc)] * STAGES
+        else:
+            self.replicas[name] = fork_job(self.tmp / name, STAGES, argv, env, fault)
         return name
 
     def stderr(self, name) -> str:
@@ -180,7 +218,7 @@ class Fleet:
             if any(p.exitcode not in (None, 0) for p in procs):
                 for p in procs:
                     if p.exitcode is None:
-                        os.kill(p.pid, signal.SIGKILL)
+                        p.kill()
                         p.join(10)
             if all(p.exitcode is not None for p in procs):
                 self.exits[name] = [p.exitcode for p in procs]
@@ -223,7 +261,7 @@ class Fleet:
         for procs in self.replicas.values():
             for p in procs:
                 if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
+                    p.kill()
                 p.join(5)
         self.lighthouse.shutdown()
 
@@ -252,10 +290,9 @@ def test_killed_replica_costs_the_others_one_heartbeat_timeout_and_rejoins_when_
     or if a checkpoint did not keep the transport's step and history (a stale replica would be summed in)."""
     cfg = write_config(tmp_path / "cfg.json", {**BASE, "hetloco.elastic.max_replicas": 3,
                                                "hetloco.train.checkpoint_interval": 1})
-    hold = tmp_path / "hold"
-    hold.touch()
-    for m in (0, 1):  # held at their 7th step (after the outer step at 6) until replica 2 is back
-        fleet.start(f"r{m}", m, cfg, 12, fault=f"0:hold:7:{hold}")
+    (tmp_path / "hold-4").touch()
+    for m in (0, 1):  # held at their 4th outer boundary (step 8), in the outer sync, until replica 2 is back
+        fleet.start(f"r{m}", m, cfg, 12, fault=f"0:holdsync:4:{tmp_path}")
     fleet.start("r2", 2, cfg, 12, fault="1:step:5")
     fleet.open_gate(6)
     fleet.wait(lambda: 6 in fleet.rows(0) and 6 in fleet.rows(1), 120, "the survivors' outer step at 6",
@@ -270,7 +307,7 @@ def test_killed_replica_costs_the_others_one_heartbeat_timeout_and_rejoins_when_
 
     fleet.start("r2-again", 2, cfg, 12, resume=True)
     fleet.wait(lambda: "(quorum)" in fleet.where(2), 120, "replica 2 back at an outer boundary", expect_exit={"r2"})
-    hold.unlink()
+    (tmp_path / "hold-4").unlink()
     fleet.done(["r0", "r1", "r2-again"], expect_exit={"r2"})
     assert fleet.exits["r0"] == fleet.exits["r1"] == fleet.exits["r2-again"] == [0, 0], fleet.exits
     ref = fleet.rows(0)
@@ -305,8 +342,9 @@ def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_j
     """3 replicas x 2 stages in a fleet of 5 (replica 1 compressed, ratio 4). Rank 1 of replica 2 is SIGSTOPped inside its 5th step (a hang:
     its stage 0 still heartbeats). Replicas 0 and 1 wait for it at most the lighthouse's join timeout (longer
     than their own watchdog's progress limit, which must not end them while they wait), then finish the
-    outer step at 6 with 2 contributors. Then, while they are held at step 7: replica 3 starts fresh with a
-    compression ratio of its own (2) and joins at the next boundary (healed: checksums equal from then on,
+    outer step at 6 with 2 contributors. Then, while they are held at their next boundary: replica 3 starts fresh with a
+    compression ratio of its own (2), through the multi-host command (`--lighthouse ... --nproc 2`, its own
+    launcher), and joins at the next boundary (healed: checksums equal from then on,
     its own data shard, contributing after); replica 4, whose ratio (8) would change the split basis T_S
     lives in, is refused in one line naming it; a replica with another secret is refused in one line (exit 5) and a replica without one stops at its
     checks, writing nothing (exit 2); the fleet goes on. Breaks if a hang stalled the fleet past the join timeout,
@@ -321,10 +359,12 @@ def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_j
                                                        "hetloco.subspace.replica_ratios": {"4": 8}})
     # Replica 2's own watchdog ends it a little after the join timeout (a hang is not waited for forever).
     patient = write_config(tmp_path / "patient.json", {**BASE, **sub, "hetloco.train.watchdog_timeout": JOIN_S + 2})
-    hold = tmp_path / "hold"
-    hold.touch()
+    # The fleet is held at its boundaries at steps 8 and 10 (in the outer sync) until the late replicas are
+    # there: newcomers must never outnumber it (a majority of the live replicas may form a quorum alone).
+    for k in (4, 5):
+        (tmp_path / f"hold-{k}").touch()
     for m in (0, 1):
-        fleet.start(f"r{m}", m, cfg, 12, fault=f"0:hold:7:{hold}")
+        fleet.start(f"r{m}", m, cfg, 12, fault=f"0:holdsync:4:{tmp_path}")
     fleet.start("r2", 2, patient, 12, fault="1:step:5:stop")
     fleet.open_gate(6)
     fleet.wait(lambda: 6 in fleet.rows(0) and 6 in fleet.rows(1), 120, "the survivors' outer step at 6",
@@ -334,15 +374,18 @@ def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_j
         assert r["members"] == [0, 1] and r["left"] == [2], r
         assert 2 * 3 < r["quorum_seconds"] < JOIN_S + TIMEOUT_S + SLACK_S, r  # longer than the progress limit
 
-    fleet.start("r3", 3, finer, 12)
     fleet.start("r4", 4, coarser, 12)
     fleet.start("stranger", 2, cfg, 12, out=tmp_path / "stranger", secret="not-the-fleet-secret-0123456789")
     fleet.start("nosecret", 3, cfg, 12, out=tmp_path / "nosecret", secret="none")
     refused = {"r2", "r4", "nosecret", "stranger"}
-    fleet.wait(lambda: all("(quorum)" in w for w in (fleet.where(3), fleet.where(4), fleet.where(2, tmp_path / "stranger"))),
-               120, "replicas 3, 4 and the stranger at their first outer boundary", expect_exit=refused)
-    hold.unlink()
-    fleet.done(["r0", "r1", "r3", "r4", "stranger", "nosecret"], expect_exit=refused)
+    fleet.wait(lambda: all("(quorum)" in w for w in (fleet.where(4), fleet.where(2, tmp_path / "stranger"))),
+               120, "replica 4 and the stranger at their first outer boundary", expect_exit=refused)
+    (tmp_path / "hold-4").unlink()  # the fleet's step 8: both are judged there
+    fleet.done(["r4", "stranger", "nosecret"], expect_exit=refused)
+    fleet.start("r3", 3, finer, 12, launcher=True)
+    fleet.wait(lambda: "(quorum)" in fleet.where(3), 120, "replica 3 at its first outer boundary", expect_exit=refused)
+    (tmp_path / "hold-5").unlink()  # the fleet's step 10: replica 3 joins there
+    fleet.done(["r0", "r1", "r3"], expect_exit=refused)
     assert fleet.exits["r0"] == fleet.exits["r1"] == fleet.exits["r3"] == [0, 0], fleet.exits
     assert 4 in fleet.exits["r2"], fleet.exits  # its watchdog: rank 1 stopped responding
     assert 5 in fleet.exits["stranger"], fleet.exits
