@@ -1,7 +1,10 @@
 """Two GPUs, one process each: the stage link (S = 2) and the replica link (M = 2), ours vs stock DeepSpeed.
 
-Configurations, each in 2 fresh processes (one per GPU, spawned by this script), in this order:
-  a_ours_r1    HetlocoEngine, S = 2, M = 1, uncompressed boundary (subspace.compressed_replicas "none")
+Configurations, each in 2 fresh processes (one per GPU, spawned by this script). The four compared
+pairs run `--repeats` (3) times, interleaved (a_ours_r1, a_ds, b_ours_sl, b_ds_dp, then again), so
+a slow spell of the machine hits one repeat of each, not one system; then the compressed rows once:
+  a_ours_r1    HetlocoEngine, S = 2, M = 1, uncompressed boundary (subspace.compressed_replicas "none"),
+               the overlapped pipeline schedule (hetloco.pipeline.schedule, the default; `--schedule`)
   a_ds         stock DeepSpeed PipelineEngine (deepspeed.initialize), S = 2: a plain
                deepspeed.pipe.PipelineModule over hetloco_ds.pipe.module.layer_specs(config),
                partition_method "type:DecoderLayer", bf16.enabled (bf16 weights, BF16_Optimizer), a torch
@@ -30,8 +33,20 @@ int16 ids, as their 2 raw bytes: uint8 [b, 2L], hetloco_ds.pipe.module.BoundaryC
 Stock: bf16 weights; its stage link carries the layers' (hidden bf16, ids int64) pair.
 
 Timing: each step is `train_batch` between a device synchronisation + barrier before and a device
-synchronisation after, on each rank; a step's time is the slower rank's; reported: median of `--steps`
-(8) steps after `--warmup` (3).
+synchronisation after, on each rank; a step's time is the slower rank's; per run: median of `--steps`
+(8) steps after `--warmup` (3); per configuration: the median of its repeats' medians. `comparison`
+gives ours / stock (tokens/s) for S = 2 (a_ours_r1 vs a_ds) and M = 2 (b_ours_sl inner steps vs
+b_ds_dp), per repeat and as the ratio of the medians.
+
+Profile (`--profile`, on by default; the last repeat of each compared configuration): one more step
+after the timed ones under torch.profiler (CPU + CUDA), summarised per rank into the JSON: the device
+time by kernel class (gemm, attention, nccl, optimizer, cast/copy, elementwise, reduction/norm,
+other; by kernel name), the 25 kernels with the most device time, the 15 host ops with the most
+self CPU time, and the step's wall and summed device time. What differs between b_ours_sl and
+b_ds_dp (neither sends anything between replicas in an inner step except stock's gradient
+all-reduce) shows there: fp32 master weights under autocast (a bf16 cast of every weight each
+micro-batch, fp32 gradient accumulation, an fp32 AdamW over all P) against stock's bf16 weights and
+BF16_Optimizer (1/M of the fp32 step, then a bf16 all-gather).
 
 Bytes (per optimizer step):
   ours     StepRecord.bytes (hetloco_ds.meter: every pipeline p2p send/recv, by kind; summed over the
@@ -54,7 +69,7 @@ Bytes (per optimizer step):
            received per rank); per step amortised: /H.
 
     python bench/gpu_two.py --out $OUT/gpu_two.json       # the GPU run (bench/run_gpu2.sh)
-    python bench/gpu_two.py --cpu-smoke                   # tiny, seq 64, gloo, 2 ranks, 1+2 steps
+    python bench/gpu_two.py --cpu-smoke                   # tiny, seq 64, gloo, 2 ranks, 1+2 steps, 1 repeat
     python bench/gpu_two.py --compiled-rows ...           # + the 3 compiled rows of ours (see above)
 """
 from __future__ import annotations
@@ -83,14 +98,18 @@ WORLD = 2
 COMPILED_ROWS = (("a_ours_r1", 2, 1), ("a_ours_r8", 2, 8), ("b_ours_sl", 1, 1))  # (eager name, S, ratio)
 
 
+PAIRS = ("a_ours_r1", "a_ds", "b_ours_sl", "b_ds_dp")
+"""The compared configurations, run --repeats times, interleaved."""
+
+
 def config_list(ratios: list[int], compiled_rows: bool = False) -> list[dict]:
-    """The configurations in run order; `compiled_rows` appends the compiled rows of ours and gives every
-    spec a "compile" key (without it no spec has one: the eager rows' JSON stays as it was)."""
+    """The configurations (the compared pairs first); `compiled_rows` appends the compiled rows of ours and
+    gives every spec a "compile" key (without it no spec has one: the eager rows' JSON stays as it was)."""
     out = [dict(name="a_ours_r1", system="ours", stages=2, ratio=1)]
     out.append(dict(name="a_ds", system="ds", stages=2, ratio=1))
-    out += [dict(name=f"a_ours_r{r}", system="ours", stages=2, ratio=r) for r in ratios]
     out.append(dict(name="b_ours_sl", system="ours", stages=1, ratio=1))
     out.append(dict(name="b_ds_dp", system="ds", stages=1, ratio=1))
+    out += [dict(name=f"a_ours_r{r}", system="ours", stages=2, ratio=r) for r in ratios]
     if compiled_rows:
         for spec in out:
             spec["compile"] = False
@@ -106,7 +125,14 @@ def args_configs(args) -> list[dict]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
-    p.add_argument("--ratios", default="8,64", help="compressed S = 2 configurations")
+    p.add_argument("--ratios", default="8", help="compressed S = 2 configurations (run once, after the repeats)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each compared configuration (a_ours_r1, a_ds, "
+                                                           "b_ours_sl, b_ds_dp), interleaved; medians reported")
+    p.add_argument("--schedule", default="overlapped", choices=("overlapped", "blocking"),
+                   help="our pipeline schedule (hetloco.pipeline.schedule)")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the profiled step of the last repeat")
+    p.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)  # internal: this run profiles
     p.add_argument("--configs", default="", help="comma-separated subset of the configuration names")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
@@ -130,7 +156,7 @@ def parse_args(argv=None):
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)
     if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
         p.set_defaults(shape="tiny", vocab=1024, seq=64, micro=2, gas=2, warmup=1, steps=2, outer_repeats=2,
-                       config_timeout=400.0, time_budget=3000.0, compiled_timeout=1500.0)
+                       repeats=1, config_timeout=400.0, time_budget=3000.0, compiled_timeout=1500.0)
     return p.parse_args(argv)
 
 
@@ -153,6 +179,56 @@ def timed_loop(step_fn, warmup: int, steps: int, after_step=None) -> tuple[list,
     return warm, timed, extras
 
 
+KERNEL_CLASSES = (  # first match wins; by lower-cased kernel name
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+    ("gemm", ("gemm", "cutlass", "sm90", "sm80", "cublas", "matmul", "xmma", "addmm", "mm")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("cast/copy", ("copy", "cast", "to_copy", "convert")),
+    ("reduction/norm", ("reduce", "norm", "sum", "mean")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise", "mul", "add", "silu", "exp")),
+)
+
+
+def profile_step(step_fn) -> dict:
+    """One step under torch.profiler, summarised (module docstring, Profile)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from _common import sync
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step_fn()
+        sync()
+    wall = time.perf_counter() - t
+
+    def dev(e, self_=True):
+        for name in (("self_device_time_total", "self_cuda_time_total") if self_ else
+                     ("device_time_total", "cuda_time_total")):
+            v = getattr(e, name, None)
+            if v is not None:
+                return float(v)
+        return 0.0
+
+    events = list(prof.key_averages())
+    kernels = [e for e in events if dev(e) > 0]
+    by_class: dict = {}
+    for e in kernels:
+        low = e.key.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+        by_class[cls] = by_class.get(cls, 0.0) + dev(e)
+    top = sorted(kernels, key=dev, reverse=True)[:25]
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    return {"wall_s": wall, "device_time_ms_total": sum(dev(e) for e in kernels) / 1e3,
+            "device_ms_by_class": {k: round(v / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda x: -x[1])},
+            "top_kernels": [{"name": e.key[:160], "count": e.count, "device_ms": round(dev(e) / 1e3, 3)} for e in top],
+            "top_host_ops": [{"name": e.key[:120], "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+                              "cpu_ms": round(e.cpu_time_total / 1e3, 3)} for e in host]}
+
+
 def run_ours(spec, cfg, args, part) -> None:
     stages, ratio = spec["stages"], spec["ratio"]
     b_part = stages == 1
@@ -163,6 +239,7 @@ def run_ours(spec, cfg, args, part) -> None:
     # never reached inside the timed steps; the outer steps are timed on their own.
     raw = ours_config(args.micro, args.gas, stages, not args.no_bf16, args.inner_steps if b_part else 10**9,
                       subspace, args.seq, max(256, cfg.vocab_size), **train)
+    raw["hetloco"]["pipeline"] = {"schedule": args.schedule}
     part["ds_config"] = raw
     module, engine = build_ours(raw, cfg, args.seq, source="bench/gpu_two.py")
     part.update(ours_part_info(engine, module, cfg))
@@ -179,6 +256,8 @@ def run_ours(spec, cfg, args, part) -> None:
     warmup = max(args.warmup, 1) if spec.get("compile") else args.warmup
     warm, timed, extras = timed_loop(step, warmup, args.steps, after)
     part.update(warm_s=warm, step_s=timed, steps=extras, peak_mem_gib=peak_gib())
+    if args.profile_worker:
+        part["profile"] = profile_step(step)
     if b_part:
         meter = engine.meter
         outer = []
@@ -213,6 +292,8 @@ def run_ds(spec, cfg, args, part) -> None:
 
     warm, timed, extras = timed_loop(step, args.warmup, args.steps, after)
     part.update(warm_s=warm, step_s=timed, steps=extras, peak_mem_gib=peak_gib())
+    if args.profile_worker:
+        part["profile"] = profile_step(step)
 
 
 def worker_main(args) -> int:
@@ -388,6 +469,12 @@ def print_tables(report: dict) -> None:
     if ours.get("dp_bytes_per_step_per_gpu") and ds.get("dp_bytes_per_step_per_gpu"):
         print(f"{'':{w}} replica-link bytes per step per GPU, stock / ours: "
               f"{ds['dp_bytes_per_step_per_gpu'] / ours['dp_bytes_per_step_per_gpu']:.0f}x")
+    for label, c in report.get("comparison", {}).items():
+        print(f"{label}: ratio of medians {c['ratio_of_medians']}  per repeat {c['per_repeat']}")
+    for r in rows:
+        for rank, prof in enumerate(r.get("profile") or []):
+            print(f"profile {r['config']} rank {rank}: wall {prof['wall_s'] * 1e3:.1f} ms, device "
+                  f"{prof['device_time_ms_total']:.1f} ms {prof['device_ms_by_class']}")
     pairs = [(r, by.get(r.get("eager_config"), {})) for r in rows if r.get("compile") and "step_s_median" in r]
     if pairs:
         print("\ncompiled vs eager (hetloco.train.compile; compile time is in the untimed warm-up, warmup_s_all)")
@@ -404,6 +491,28 @@ def print_tables(report: dict) -> None:
                   f"{r['last_loss'][-1]:9.4f} {e_loss}")
 
 
+def compare(results: list[dict]) -> dict:
+    """ours / stock tokens per second per GPU, per repeat and as the ratio of the medians over repeats."""
+    def per_repeat(name):
+        return {r["repeat"]: r["tokens_per_s_per_gpu"] for r in results
+                if r.get("config") == name and "tokens_per_s_per_gpu" in r}
+
+    out = {}
+    for label, ours, ds in (("S2_pipeline_ours_over_deepspeed", "a_ours_r1", "a_ds"),
+                            ("M2_inner_step_ours_over_deepspeed_dp", "b_ours_sl", "b_ds_dp")):
+        a, b = per_repeat(ours), per_repeat(ds)
+        if not a or not b:
+            continue
+        both = sorted(set(a) & set(b))
+        out[label] = {
+            "per_repeat": [round(a[k] / b[k], 4) for k in both],
+            "median_ours_tokens_per_s_per_gpu": statistics.median(a.values()),
+            "median_ds_tokens_per_s_per_gpu": statistics.median(b.values()),
+            "ratio_of_medians": round(statistics.median(a.values()) / statistics.median(b.values()), 4),
+        }
+    return out
+
+
 def driver_main(args) -> int:
     t0 = time.perf_counter()
     out_path = driver_setup(args, "gpu_two.json")
@@ -417,31 +526,42 @@ def driver_main(args) -> int:
         for key in ("compiled_rows", "compiled_timeout"):
             report["settings"].pop(key)
     passthru = worker_argv(args, ["--shape", "--vocab", "--seq", "--micro", "--gas", "--ratios", "--warmup", "--steps",
-                                  "--inner-steps", "--outer-repeats"], ["--no-bf16", "--cpu-smoke", "--compiled-rows"])
+                                  "--inner-steps", "--outer-repeats", "--schedule"],
+                           ["--no-bf16", "--cpu-smoke", "--compiled-rows"])
+    runs = [(name, rep) for rep in range(args.repeats) for name in PAIRS if name in names]
+    runs += [(name, 0) for name in names if name not in PAIRS]
     ok = True
     with tempfile.TemporaryDirectory(prefix="gpu_two_") as tmp:
-        for name in names:
+        for name, rep in runs:
             elapsed = time.perf_counter() - t0
             if elapsed > args.time_budget:
-                res = {"config": name, "skipped": f"time budget: {elapsed:.0f} s elapsed > {args.time_budget:.0f} s"}
-                print(f"[gpu_two] skip {name}: {res['skipped']}", flush=True)
+                res = {"config": name, "repeat": rep,
+                       "skipped": f"time budget: {elapsed:.0f} s elapsed > {args.time_budget:.0f} s"}
+                print(f"[gpu_two] skip {name} #{rep}: {res['skipped']}", flush=True)
                 report["results"].append(res)
                 ok = False
                 continue
-            print(f"[gpu_two] {name} ({elapsed:.0f} s) ...", flush=True)
+            profiled = args.profile and name in PAIRS and rep == args.repeats - 1
+            print(f"[gpu_two] {name} #{rep}{' (profiled)' if profiled else ''} ({elapsed:.0f} s) ...", flush=True)
             limit = args.compiled_timeout if name in compiled else args.config_timeout  # room to compile
-            parts, error, wall = spawn_workers(__file__, name, WORLD, passthru, tmp, limit,
-                                               args.cpu_smoke, "gpu_two", tail_chars=3000)
+            parts, error, wall = spawn_workers(__file__, name, WORLD, passthru + (["--profile-worker"] if profiled else []),
+                                               tmp, limit, args.cpu_smoke, "gpu_two", tail_chars=3000)
             res, row_ok = config_row(report, name, parts, error, lambda: summarize(name, parts, args))
             ok = ok and row_ok
+            res["repeat"] = rep
             res["wall_s"] = wall
+            if profiled and all("profile" in p for p in parts):
+                res["profile"] = [p["profile"] for p in parts]
+                for r in res.get("ranks", []):
+                    r.pop("profile", None)
             report["results"].append(res)
+            report["comparison"] = compare(report["results"])
             write_report(report, out_path, t0)
             if "step_s_median" in res:
-                print(f"[gpu_two] {name}: step {res['step_s_median'] * 1e3:.1f} ms  "
+                print(f"[gpu_two] {name} #{rep}: step {res['step_s_median'] * 1e3:.1f} ms  "
                       f"{res['tokens_per_s_per_gpu']:.0f} tok/s/GPU  wall {wall:.0f} s", flush=True)
             else:
-                print(f"[gpu_two] {name}: FAILED {res.get('error')}  wall {wall:.0f} s", flush=True)
+                print(f"[gpu_two] {name} #{rep}: FAILED {res.get('error')}  wall {wall:.0f} s", flush=True)
     return finish_report(report, out_path, t0, print_tables, "gpu_two", ok)
 
 

@@ -118,8 +118,9 @@ def model_shape(model: dict = MODEL, vocab: int = VOCAB, seq: int = SEQ) -> plan
 
 
 def ds_config(stages: int, n_mb: int, ratio: int, inner_steps: int, micro: int = MICRO, seq: int = SEQ,
-              vocab: int = VOCAB) -> dict:
-    """A DeepSpeed JSON with our section: fp32, AdamW, ratio on every replica (1 = none)."""
+              vocab: int = VOCAB, schedule: str = "blocking") -> dict:
+    """A DeepSpeed JSON with our section: fp32, AdamW, ratio on every replica (1 = none), the
+    pipeline `schedule` (this benchmark measured DeepSpeed's blocking one; overlap_links.py both)."""
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": n_mb,
@@ -132,6 +133,7 @@ def ds_config(stages: int, n_mb: int, ratio: int, inner_steps: int, micro: int =
         "hetloco": {
             "sparseloco": {"inner_steps": inner_steps, "topk": 32, "chunk_size": 4096},
             "subspace": {"ratio": ratio, "compressed_replicas": "all" if ratio > 1 else "none"},
+            "pipeline": {"schedule": schedule},
             "train": {"seq_len": seq, "eval_interval": 0, "eval_batches": 1, "checkpoint_interval": 0,
                       "vocab_size": vocab},
         },

@@ -1,5 +1,10 @@
-"""hetloco_ds: SparseLoCo + subspace-compressed pipeline parallelism for Hugging Face LLaMA on DeepSpeed."""
+"""hetloco_ds: SparseLoCo + subspace-compressed pipeline parallelism for Hugging Face LLaMA on DeepSpeed.
+
+    engine = hetloco_ds.initialize(model=..., config=...)   # as deepspeed.initialize; see api.py
+"""
 import os as _os
+
+__version__ = "0.2.0"
 
 
 def _deepspeed_accelerator_from_torch() -> None:
@@ -19,3 +24,7 @@ def _deepspeed_accelerator_from_torch() -> None:
 
 
 _deepspeed_accelerator_from_torch()
+
+from .api import initialize  # noqa: E402  (after the accelerator is settled: DeepSpeed reads it at import)
+
+__all__ = ["__version__", "initialize"]

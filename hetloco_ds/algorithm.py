@@ -70,11 +70,13 @@ class StageAlgorithm:
     stage. `embeddings`: TokenEmbedding modules on this stage (the first stage's embedding, the
     tied head's copy on the last); only those whose weight is among `params` are T_S copies this
     object updates. `layers`: the stage's layers (the Table 5b ablation projects DecoderLayers).
+    `tied`: the model ties its embedding and head and they sit on different stages (every stage
+    of the replica passes the same value).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], hetloco, *, replica: int, num_replicas: int,
                  hidden_size: int, vocab_size: int, device, embeddings: Sequence[TokenEmbedding] = (),
-                 layers: Sequence[nn.Module] = ()):
+                 layers: Sequence[nn.Module] = (), tied: bool = False):
         self.params = list(params)
         self.cfg = hetloco
         self.replica, self.num_replicas = replica, num_replicas
@@ -95,6 +97,9 @@ class StageAlgorithm:
         self.perp: Tensor | None = None
         self.outer: SparseLoCoState | None = None
         self.outer_steps = 0
+        self.tied_apart = tied and self.sparseloco and hetloco.sparseloco.tied_embeddings == "outer_step"
+        """The embedding and head copies train apart between outer steps (module docstring)."""
+        self._synced: tuple[Tensor | None, Tensor | None] | None = None  # finish -> sync_embeddings
 
     @property
     def sparseloco(self) -> bool:
@@ -149,12 +154,20 @@ class StageAlgorithm:
         return self.outer.prepare(self.params)
 
     def finish(self, gathered: Gathered, link: StageLink, count_selected: bool = False) -> OuterResult:
-        """Aggregate the gathered payloads into the synced theta (eq. 2), then eqs. 3-4.
-        `count_selected` adds the overlap of the replicas' selections (a diagnostic)."""
-        keep = self._embedding_index if self._adapts_embedding else []
+        """Aggregate the gathered payloads into the synced theta (eq. 2). A driver then calls
+        `sync_embeddings` on every stage (the engine at once; the simulator after every stage's
+        finish, since it runs one stage at a time). `count_selected` adds the overlap of the
+        replicas' selections (a diagnostic)."""
+        keep = self._embedding_index if self._syncs_embedding else []
+        theta_old = None
+        if self.tied_apart and keep:
+            theta_old = self.outer.theta_prev[keep[0]].clone()
         report = self.outer.finish(self.params, gathered.payloads, keep_average=keep, count_selected=count_selected)
-        if self._adapts_embedding:
-            self._resync_embedding(report, link)
+        if self._syncs_embedding:
+            own = report.averages[keep[0]] if keep else None
+            if own is not None and self.tied_apart:
+                link.offer(own, "first" if link.is_first else "last")
+            self._synced = (own, theta_old)
         self.outer_steps += 1
         return OuterResult(
             outer_step=self.outer_steps,
@@ -166,25 +179,53 @@ class StageAlgorithm:
         )
 
     def outer_step(self, transport: ReplicaTransport, link: StageLink) -> OuterResult:
-        return self.finish(transport.exchange(self.prepare()), link)
+        result = self.finish(transport.exchange(self.prepare()), link)
+        self.sync_embeddings(link)
+        return result
 
     @property
     def _adapts_embedding(self) -> bool:
         return self.split_basis is not None and self.cfg.subspace.embedding_adaptation
 
+    @property
+    def _syncs_embedding(self) -> bool:
+        return self._adapts_embedding or self.tied_apart
+
     @torch.no_grad()
-    def _resync_embedding(self, report: OuterReport, link: StageLink) -> None:
-        """Eqs. 3-4 on every stage that holds T_perp, from the sparse T_S aggregate alone: the
-        first stage shares it (at most M*k non-zeros a chunk), every stage applies the same
-        operations in the same order, so every T_perp stays bitwise equal."""
-        avg = report.averages[self._embedding_index[0]] if link.is_first else None
+    def sync_embeddings(self, link: StageLink) -> None:
+        """After `finish`, on every stage of the replica (the shares are collectives).
+
+        Tied apart: the embedding (first stage) and the head copy (last stage) each got their own
+        outer step; both share their aggregate (the update direction avg with theta = theta_prev -
+        outer_lr * avg), and both copies become theta_prev - outer_lr * (avg_embedding + avg_head),
+        the same operations on the same values on both stages, so they are bitwise equal again.
+        The sum is what exact tying does with the two gradients of one tied weight.
+
+        Then eqs. 3-4 on every stage that holds T_perp, from the (combined) aggregate alone:
+        every stage applies the same operations in the same order, so every T_perp stays
+        bitwise equal."""
+        if self._synced is None:
+            return
+        (own, theta_old), self._synced = self._synced, None
         # The top-k aggregate has at most M*k non-zeros a chunk; a dense or momentum step has no
         # zeros to skip, and its index list would double the bytes.
         sparse = not (self.outer.cfg.dense or self.outer.cfg.outer_momentum > 0)
-        avg = link.share_sparse(avg, self.shape) if sparse else link.share_dense(avg, self.shape, kind="embedding_sync")
-        subspace.resync_embedding_(None, self.perp, avg, self.cfg.sparseloco.outer_lr, self.split_basis)
-        for emb in self.embeddings:
-            emb.weight.copy_(subspace.project(emb.weight, self.split_basis))
+
+        def share(source: str):
+            mine = own if (link.is_first if source == "first" else link.is_last) else None
+            if sparse:
+                return link.share_sparse(mine, self.shape, source=source)
+            return link.share_dense(mine, self.shape, kind="embedding_sync", source=source)
+
+        avg = share("first")
+        if self.tied_apart:
+            avg = avg + share("last")
+            for i in self._embedding_index:
+                self.params[i].copy_(theta_old.add(avg, alpha=-self.cfg.sparseloco.outer_lr))
+        if self._adapts_embedding:
+            subspace.resync_embedding_(None, self.perp, avg, self.cfg.sparseloco.outer_lr, self.split_basis)
+            for emb in self.embeddings:
+                emb.weight.copy_(subspace.project(emb.weight, self.split_basis))
         for i in self._embedding_index:
             self.outer.rebase(i, self.params[i])
 

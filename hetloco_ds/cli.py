@@ -26,6 +26,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the run that --out already holds")
     p.add_argument("--nproc", type=int, help="spawn this many local ranks (default: 2 x pipeline stages when not under a "
                                              "launcher; one replica's stages with --lighthouse)")
+    p.add_argument("--link", action="append", metavar="CLASS=RATE",
+                   help="rehearse on emulated links (Linux, root): shape stage or replica links, e.g. --link stage=100mbit "
+                        "--link replica=1G; ends with measured vs planned step time (hetloco_ds.rehearse)")
     e = p.add_argument_group("elastic mode", "each replica its own job, meeting at the outer sync through a torchft "
                                              "lighthouse (README: Elastic replicas)")
     e.add_argument("--lighthouse", metavar="ADDR", help="join the fleet of this lighthouse (http://HOST:PORT, printed by "
@@ -93,6 +96,13 @@ def _train(args) -> int:
     targs = TrainArgs(config=args.config, model=args.model, model_config=args.model_config, data=args.data,
                       out=args.out, steps=args.steps, resume=args.resume, overwrite=args.overwrite,
                       text_field=args.text_field, tokenizer=args.tokenizer, dtype=args.dtype, fleet=fleet_args)
+    if args.link:  # a rehearsal on shaped links: check it can run before anything else
+        from . import rehearse
+
+        if fleet_args is not None:
+            return fail("--link rehearses one static job; elastic replicas (--lighthouse, --elastic) are not shaped")
+        if (why := rehearse.problem(args.link, under_launcher())) is not None:
+            return fail(why)
     if under_launcher():
         if args.nproc is not None:
             return fail(f"--nproc {args.nproc} is for starting ranks without a launcher; this process is already "
@@ -130,6 +140,8 @@ def _train(args) -> int:
     if plan.resume is not None:
         env[ENV_TAG] = plan.resume.tag
     try:
+        if args.link:
+            return rehearse.run(nproc, argv, args.link, targs.out, plan.run.stages, env)
         return spawn(nproc, argv, env=env)
     finally:
         shutil.rmtree(state_dir(targs.out, "heartbeat"), ignore_errors=True)  # the job is over

@@ -28,9 +28,10 @@ class _Section(BaseModel):
 
 
 class SparseLoCoConfig(_Section):
-    preset: Literal["templar", "diloco"] | None = None
+    preset: Literal["templar", "diloco", "paper"] | None = None
     """Fill the fields below from a named rule set (sparseloco/outer.py PRESETS) when the section is read;
-    fields given next to it win. templar: the SparseLoCo authors' code; diloco: dense, Nesterov outer SGD."""
+    fields given next to it win. templar: the SparseLoCo authors' code; diloco: dense, Nesterov outer SGD;
+    paper: eq. (2) as written (divide by M, no clip)."""
     enabled: bool = True
     """False runs plain data parallelism: a gradient all-reduce every step (the AdamW DDP baseline)."""
     inner_steps: int = Field(50, ge=1)
@@ -45,9 +46,10 @@ class SparseLoCoConfig(_Section):
     """Values kept per chunk of `chunk_size` elements (scaled for smaller chunks, at least 1)."""
     quant_bits: Literal[2, 4, 8] | None = None
     """Quantise the selected values to this many bits with a per-tensor lookup table; null sends float32."""
-    aggregation: Literal["mean", "selected_count", "dense"] = "mean"
-    """mean: divide the sum by the replicas that contributed (paper eq. 2). selected_count: by how many selected each
-    coordinate (templar). dense: whole pseudo-gradients, no top-k, no error feedback (DiLoCo control)."""
+    aggregation: Literal["mean", "selected_count", "dense"] = "selected_count"
+    """selected_count (default, the SparseLoCo authors' rule): divide each coordinate's sum by the replicas that
+    selected it. mean: by the replicas that contributed (paper eq. 2). dense: whole pseudo-gradients, no top-k,
+    no error feedback (DiLoCo control). README, "Aggregation", has the measurement behind the default."""
     chunking: Literal["tiles", "per_dim"] = "tiles"
     """tiles: non-2-D tensors in chunks of <= chunk_size. per_dim (templar): every dimension <= sqrt(chunk_size)."""
     topk_rule: Literal["scaled", "fixed"] = "scaled"
@@ -56,10 +58,15 @@ class SparseLoCoConfig(_Section):
     """Quantisation bin of a value: floor (ours) or round to nearest (templar)."""
     quant_std: Literal["population", "sample"] = "population"
     """Std behind the quantisation bin width: population (ours) or sample, n - 1 (templar)."""
-    norm_clip: Literal["none", "median"] = "none"
-    """median (templar): scale each replica's decoded tensor down to the replicas' median norm before aggregating."""
+    norm_clip: Literal["none", "median"] = "median"
+    """median (default, templar): scale each replica's decoded tensor down to the replicas' median norm before
+    aggregating (a no-op among honest replicas; bounds what one outlier moves); none: no clip."""
     outer_momentum: float = Field(0.0, ge=0, lt=1)
     """Nesterov momentum of the outer SGD; 0 is the paper's plain SGD (DiLoCo: 0.9 with outer_lr 0.7)."""
+    tied_embeddings: Literal["outer_step", "every_step"] = "outer_step"
+    """A tied model split over stages (tie_word_embeddings, S > 1). outer_step: the embedding and the head copy
+    train separately between outer steps and are made equal again at each one from their sparse aggregates;
+    every_step: their gradients are all-reduced every step (a dense vocab x d tensor on the first-last stage link)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -170,9 +177,17 @@ class ElasticSection(_Section):
     """Failed exchange attempts in a row (each with a new quorum) before an outer step gives up with an error."""
 
 
+class PipelineConfig(_Section):
+    schedule: Literal["overlapped", "blocking"] = "overlapped"
+    """overlapped: stage-link transfers run beside the compute (receives posted ahead, sends in the
+    background, 3(S-1-s)+1 micro-batches in flight on stage s). blocking: DeepSpeed's 1F1B, every
+    transfer stalls the stage. Same losses and parameters bit for bit; only timing differs."""
+
+
 class HetlocoConfig(_Section):
     sparseloco: SparseLoCoConfig = Field(default_factory=SparseLoCoConfig)
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     elastic: ElasticSection = Field(default_factory=ElasticSection)
 

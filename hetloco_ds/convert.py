@@ -357,16 +357,8 @@ def check_hf_dir(hf_dir: str | os.PathLike, config: LlamaConfig) -> None:
                     f"{hf_key}: expected shape {tuple(shape)} ({label}), found {found} in {hf_dir / file_name}")
 
 
-def load_hf_into_layers(
-    hf_dir: str | os.PathLike, config: LlamaConfig, layers: Mapping[int, nn.Module]
-) -> None:
-    """Copy HF weights into already materialised pipe layers {pipe index: module}.
-
-    Reads only the tensors these layers need, opening only the shards that hold them. Every
-    shape is checked before its tensor is read. A TokenEmbedding's `perp` is zeroed: HF's
-    embedding goes whole into `weight` (the subspace split happens later, elsewhere).
-    """
-    hf_dir = Path(hf_dir)
+def _load_targets(config: LlamaConfig, layers: Mapping[int, nn.Module]):
+    """HF key -> [(label, pipe tensor)] of every tensor `layers` load, and the addends to zero."""
     targets: dict[str, list[tuple[str, torch.Tensor]]] = {}
     addends: list[torch.Tensor] = []
     for idx, module in sorted(layers.items()):
@@ -379,7 +371,39 @@ def load_hf_into_layers(
                 addends.append(tensor)
             else:
                 targets.setdefault(hf_key, []).append((f"pipe layer {idx} {pipe_key!r}", tensor))
+    return targets, addends
 
+
+def load_state_into_layers(state: Mapping[str, torch.Tensor], config: LlamaConfig,
+                           layers: Mapping[int, nn.Module]) -> None:
+    """As `load_hf_into_layers`, from an in-memory `LlamaForCausalLM` state dict (HF key names)."""
+    targets, addends = _load_targets(config, layers)
+    missing = [k for k in targets if k not in state]
+    if missing:
+        raise ConversionError(f"the model's state dict lacks {len(missing)} needed tensor(s): {missing[:4]}")
+    with torch.no_grad():
+        for tensor in addends:
+            tensor.zero_()
+        for hf_key, wanted in targets.items():
+            value = state[hf_key]
+            for label, target in wanted:
+                if tuple(target.shape) != tuple(value.shape):
+                    raise ConversionError(f"{hf_key}: expected shape {tuple(target.shape)} ({label}), "
+                                          f"found {tuple(value.shape)} in the model")
+                target.copy_(value.detach())
+
+
+def load_hf_into_layers(
+    hf_dir: str | os.PathLike, config: LlamaConfig, layers: Mapping[int, nn.Module]
+) -> None:
+    """Copy HF weights into already materialised pipe layers {pipe index: module}.
+
+    Reads only the tensors these layers need, opening only the shards that hold them. Every
+    shape is checked before its tensor is read. A TokenEmbedding's `perp` is zeroed: HF's
+    embedding goes whole into `weight` (the subspace split happens later, elsewhere).
+    """
+    hf_dir = Path(hf_dir)
+    targets, addends = _load_targets(config, layers)
     weight_map = _hf_weight_map(hf_dir)
     missing = [k for k in targets if k not in weight_map]
     if missing:
@@ -637,14 +661,10 @@ def _export_plan(config: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Ten
 
 def _provenance(config: LlamaConfig, **fields) -> dict:
     """What goes under config.json's PROVENANCE_KEY: ours, on top of what training recorded."""
-    try:
-        from importlib.metadata import version
+    from . import __version__
 
-        ours = version("hetloco_ds")
-    except Exception:  # not installed (a source checkout on PYTHONPATH)
-        ours = None
     recorded = getattr(config, PROVENANCE_KEY, None)
-    return {**(recorded if isinstance(recorded, dict) else {}), "version": ours,
+    return {**(recorded if isinstance(recorded, dict) else {}), "version": __version__,
             **{k: v for k, v in fields.items() if v is not None}}
 
 

@@ -10,7 +10,9 @@ it differs from the stock engine in this, and nothing else:
   master weights across replicas and all-gathers them every step);
 - every H steps, the outer step of each stage inside that stage's data-parallel group;
 - its own sends and receives on the stage links, so every byte is counted, by kind, in this
-  engine's ByteMeter.
+  engine's ByteMeter;
+- by default its own schedule (`pipe.schedule.OverlappedTrainSchedule`): stage-link transfers
+  run beside the compute instead of blocking it (`hetloco.pipeline.schedule`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from .algorithm import StageAlgorithm
 from .config import RunConfig
 from .meter import ByteMeter, nbytes
 from .patches import PipelineEngineAdapter
-from .pipe.links import StageLinks
+from .pipe import order, schedule as pipe_schedule
+from .pipe.links import DirectedGroups, StageLinks
 from .transport.static import GroupTransport, PipeStageLink
 
 # DeepSpeed's PipelineEngine.__init__ puts these on the wire before our counters exist: a
@@ -55,6 +58,16 @@ def _ids(members) -> list:
 
 
 class HetlocoEngine(PipelineEngineAdapter):
+    INSTRUCTIONS = {
+        pipe_schedule.PostRecvActivation: "post_recv_activations",
+        pipe_schedule.WaitRecvActivation: "exec_wait_recv_activation",
+        pipe_schedule.SendActivationAsync: "exec_send_activation_async",
+        pipe_schedule.PostRecvGrad: "post_recv_grads",
+        pipe_schedule.WaitRecvGrad: "exec_wait_recv_grad",
+        pipe_schedule.SendGradAsync: "exec_send_grad_async",
+        pipe_schedule.WaitSends: "wait_sends",
+    }
+
     def __init__(self, *args, run: RunConfig, seq_len: int, replica: tuple[int, int] | None = None,
                  transport=None, **kwargs):
         """`replica`: (this replica's id, the fleet's size) when the job is one replica of an elastic
@@ -70,17 +83,28 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
         self._count_deepspeed_init_traffic()
+        self.schedule = hetloco.pipeline.schedule
+        groups = None
+        if self.schedule == "overlapped" and self.num_stages > 1:
+            replicas = [[self.grid.stage_to_global(s, data=m) for s in range(self.num_stages)]
+                        for m in range(self.grid.data_parallel_size)]  # this job's pipelines
+            groups = DirectedGroups(replicas, self.global_rank, self.device, self.meter)
         self.links = StageLinks(
             self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
             self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None,
-            self.device, self.meter)
+            self.device, self.meter, groups, self.stage_id)
+        self.compute_seconds = 0.0
+        """Host seconds in forward and backward passes since the last step record (CPU: the
+        compute; CUDA: mostly launch time, the device runs ahead)."""
         self.stage_link = PipeStageLink(self.pipe_group, self.grid.stage_to_global(0), self.is_first_stage(),
-                                        self.num_stages, self.device, self.meter)
+                                        self.num_stages, self.device, self.meter,
+                                        self.grid.stage_to_global(self.num_stages - 1), self.is_last_stage())
         cfg = self.module.llama_config
         self.algorithm = StageAlgorithm(
             self.trainable_params(), hetloco, replica=self.replica, num_replicas=self.num_replicas,
             hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, device=self.device,
-            embeddings=self.module.embeddings(), layers=list(self.module.local_layers().values()))
+            embeddings=self.module.embeddings(), layers=list(self.module.local_layers().values()),
+            tied=bool(cfg.tie_word_embeddings) and self.num_stages > 1)
         self.module.autocast_dtype = torch.bfloat16 if run.bf16 else None
         self.module.configure_boundary(self.algorithm.basis, torch.bfloat16 if run.bf16 else torch.float32)
         self.algorithm.setup(self.stage_link)
@@ -127,8 +151,60 @@ class HetlocoEngine(PipelineEngineAdapter):
         grads = self.links.recv(spec, False, "activation_grad")
         return grads[0] if isinstance(outputs, torch.Tensor) else grads
 
+    # ------------------------------------------------- overlapped schedule (adapter hooks)
+    def train_schedule(self):
+        if self.schedule == "blocking":
+            return super().train_schedule()
+        return pipe_schedule.OverlappedTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+
+    @property
+    def _in_flight(self) -> int:
+        """Sends kept in flight: the micro-batches this stage holds (their tensors are alive anyway)."""
+        return order.depth(self.schedule, self.num_stages, self.stage_id, self.micro_batches)
+
+    def post_recv_activations(self, micro_batch):
+        self.links.post_recv(micro_batch, self._message_spec(), True, "activation")
+
+    def wait_recv_activations(self, micro_batch):
+        message = self.links.wait_recv(micro_batch, True)
+        for t in message:
+            t.requires_grad = t.is_floating_point()
+        return message[0] if len(message) == 1 else tuple(message)
+
+    def isend_activations(self, outputs, micro_batch):
+        self.links.isend(outputs if isinstance(outputs, tuple) else (outputs,), True, "activation",
+                         keep=self._in_flight)
+
+    def post_recv_grads(self, micro_batch):
+        spec = [s for s in self._message_spec() if s[1].is_floating_point]
+        self.links.post_recv(micro_batch, spec, False, "activation_grad")
+
+    def wait_recv_grads(self, outputs, micro_batch):
+        grads = self.links.wait_recv(micro_batch, False)
+        return grads[0] if isinstance(outputs, torch.Tensor) else grads
+
+    def isend_grads(self, inputs, micro_batch):
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        self.links.isend([t.grad for t in inputs if t.is_floating_point()], False, "activation_grad",
+                         keep=self._in_flight)
+
+    def wait_sends(self):
+        self.links.wait_sends()
+
+    def forward_pass(self, buffer_id):
+        start = time.perf_counter()
+        super().forward_pass(buffer_id)
+        self.compute_seconds += time.perf_counter() - start
+
+    def backward_pass(self, buffer_id):
+        start = time.perf_counter()
+        super().backward_pass(buffer_id)
+        self.compute_seconds += time.perf_counter() - start
+
     def reduce_tied_grads(self):
-        # Tied embedding/head gradients are summed over the replica's own first and last stage.
+        if self.algorithm.tied_apart:
+            return  # the copies train apart and meet at the outer step (StageAlgorithm.sync_embeddings)
+        # Exact tying: gradients summed over the replica's own first and last stage (dense V x d).
         for weight, group in self.module.get_tied_weights_and_groups():
             if weight.grad is not None:
                 dist.all_reduce(weight.grad, group=group)
@@ -154,8 +230,10 @@ class HetlocoEngine(PipelineEngineAdapter):
     # ---------------------------------------------------------------- compute
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.trainable_params() if p.grad is not None]
-        # A tied copy on a stage that is not its owner is counted once, by the owner.
-        sq = optim.grad_sq_norm([p.grad for p in params if self.module.tied_copy_owned(p, self.global_rank)])
+        # Exactly tied, a copy on a stage that is not its owner is counted once, by the owner;
+        # tied apart, the copies are two parameters with their own gradients.
+        sq = optim.grad_sq_norm([p.grad for p in params
+                                 if self.algorithm.tied_apart or self.module.tied_copy_owned(p, self.global_rank)])
         sq = sq.to(self.device)
         if self.num_stages > 1:
             dist.all_reduce(sq, group=self.pipe_group)
@@ -192,10 +270,13 @@ class HetlocoEngine(PipelineEngineAdapter):
 
     def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()
-        vec = torch.tensor([float(local_loss)] + self.meter.as_vector(counts), dtype=torch.float64, device=self.device)
+        compute = [0.0] * self.num_stages
+        compute[self.stage_id], self.compute_seconds = self.compute_seconds, 0.0
+        vec = torch.tensor([float(local_loss)] + self.meter.as_vector(counts) + compute, dtype=torch.float64,
+                           device=self.device)
         if self.num_stages > 1:
             # One small reduction on the replica's own stage links: the loss from the last
-            # stage and every stage's byte counters, summed.
+            # stage, every stage's byte counters (summed) and each stage's compute seconds.
             self.meter.add("sent", nbytes(vec), "control")
             self.meter.add("recv", nbytes(vec), "control")
             dist.all_reduce(vec, group=self.pipe_group)
@@ -209,9 +290,10 @@ class HetlocoEngine(PipelineEngineAdapter):
             loss=values[0],
             tokens=tokens,
             seconds=seconds,
-            bytes=ByteMeter.from_vector(values[1:]),
+            bytes=ByteMeter.from_vector(values[1:-self.num_stages]),
             outer=outer,
-            extra={"grad_norm": float(getattr(self, "last_grad_norm", float("nan"))), "lr": self.get_lr()[0]},
+            extra={"grad_norm": float(getattr(self, "last_grad_norm", float("nan"))), "lr": self.get_lr()[0],
+                   "compute_seconds": values[-self.num_stages:]},
         )
 
     def outer_step(self) -> dict:

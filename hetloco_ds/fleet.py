@@ -86,18 +86,6 @@ def replica_name(replica: int, fleet_size: int) -> str:
     return str(replica).zfill(len(str(fleet_size - 1)))
 
 
-def apply_defaults(run: RunConfig) -> None:
-    """Elastic mode clips every replica's decoded pseudo-gradient to the contributors' median norm
-    (sparseloco.norm_clip "median", as the SparseLoCo authors' code does) unless the config says
-    otherwise: replicas of a fleet run on machines the others do not control, and one replica's
-    finite but wild update (a faulty GPU, a bad learning rate, a scaled delta) would otherwise move
-    the synced model arbitrarily far in one step. With it, no replica moves any tensor further than
-    the median replica does. Set norm_clip to "none" to reproduce a static run without the clip."""
-    sl = run.hetloco.sparseloco
-    if "norm_clip" not in sl.model_fields_set:
-        sl.norm_clip = "median"
-
-
 def check_replica(fleet: FleetArgs, run: RunConfig) -> None:
     """The replica id and the addresses, before any rank starts."""
     n = run.hetloco.elastic.max_replicas

@@ -80,13 +80,15 @@ def compile_stage(module) -> None:
         module.loss_fn = torch.compile(module.loss_fn)
 
 
-def build_module(run: RunConfig, llama_config, hf_dir: str | None = None):
+def build_module(run: RunConfig, llama_config, hf_dir: str | None = None, hf_state=None):
     """This rank's stage of the PipelineModule: from an HF directory (only this stage's
-    tensors) or freshly initialised with per-layer seeds (the same model whatever S is)."""
+    tensors), from an in-memory LlamaForCausalLM state dict, or freshly initialised with
+    per-layer seeds (the same model whatever S is)."""
     from deepspeed import comm as dist
 
     from .pipe.module import HetlocoPipelineModule
 
     world = dist.get_world_size()
     check_topology(world, run.stages, run.source, llama_config.num_hidden_layers)
-    return HetlocoPipelineModule(llama_config, run.stages, world, seed=run.hetloco.train.seed, hf_dir=hf_dir)
+    return HetlocoPipelineModule(llama_config, run.stages, world, seed=run.hetloco.train.seed, hf_dir=hf_dir,
+                                 hf_state=hf_state)

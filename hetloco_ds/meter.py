@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-KINDS = ("activation", "activation_grad", "outer_sync", "embedding_sync", "control")
+from .sizes import BYTE_KINDS as KINDS
 
 
 def nbytes(tensor: torch.Tensor) -> int:

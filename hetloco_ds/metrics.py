@@ -142,6 +142,7 @@ class MetricsWriter:
             "bytes": rec.bytes,
             "grad_norm": rec.extra.get("grad_norm"),
             "lr": rec.extra.get("lr"),
+            "compute_seconds": rec.extra.get("compute_seconds"),
             "time": time.time(),
             **(self.facts.fields(rec) if self.facts is not None else {}),
         })
@@ -192,7 +193,8 @@ def human_bytes(n: float) -> str:
 
 
 class Progress:
-    """tqdm bar on one rank: step, loss, global tokens/s, MFU, peak memory and bytes sent by kind.
+    """tqdm bar on one rank: step, loss, global tokens/s, MFU, peak memory and bytes sent by kind (every kind the
+    meter counts: a dense tensor on a stage link shows, whatever it is labelled).
 
     Rates are over the run so far (all steps' tokens over all steps' seconds), so outer steps
     do not make them jump.
@@ -203,7 +205,7 @@ class Progress:
         self.facts = facts
         self.monitor = monitor if (monitor is not None and getattr(monitor, "enabled", False)) else None
         self.bar = tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, desc="train")
-        self.sent = {"activation": 0, "activation_grad": 0, "outer_sync": 0}
+        self.sent = {"activation": 0, "activation_grad": 0, "outer_sync": 0, "embedding_sync": 0, "control": 0}
         self.tokens = 0
         self.seconds = 0.0
 
@@ -226,7 +228,8 @@ class Progress:
             if memory is not None:
                 parts.append(f"mem {human_bytes(memory)}")
             parts.append(f"sent act {human_bytes(self.sent['activation'])} "
-                         f"grad {human_bytes(self.sent['activation_grad'])} sync {human_bytes(self.sent['outer_sync'])}")
+                         f"grad {human_bytes(self.sent['activation_grad'])} sync {human_bytes(self.sent['outer_sync'])} "
+                         f"emb {human_bytes(self.sent['embedding_sync'])} ctl {human_bytes(self.sent['control'])}")
             self.bar.set_postfix_str(" | ".join(parts), refresh=False)
             self.bar.update(1)
         if self.monitor is not None:

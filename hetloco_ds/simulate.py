@@ -38,13 +38,23 @@ from .pipe.module import BoundaryCodec
 from .transport import Gathered, LocalStageLink
 
 
-def build_layers(config, seed: int) -> list[nn.Module]:
-    """All layers, each seeded by its index exactly as the pipeline seeds it (so the same model)."""
+def tied_apart(config, hetloco: HetlocoConfig, stages: int) -> bool:
+    """Whether a tied model's embedding and head copies train apart between outer steps (as the
+    pipeline's first and last stages hold them: StageAlgorithm.tied_apart)."""
+    return (bool(config.tie_word_embeddings) and stages > 1 and hetloco.sparseloco.enabled
+            and hetloco.sparseloco.tied_embeddings == "outer_step")
+
+
+def build_layers(config, seed: int, apart: bool = False) -> list[nn.Module]:
+    """All layers, each seeded by its index exactly as the pipeline seeds it (so the same model).
+
+    A tied head is the embedding module itself (gradients add up: exact tying), or with `apart`
+    a copy of it with parameters of its own, as the pipeline's last stage holds."""
     layers: list[nn.Module] = []
     tied: dict[str, nn.Module] = {}
     for idx, entry in enumerate(layer_list(config)):
         if entry.tied in tied:
-            layers.append(tied[entry.tied])  # the tied head: the same module, gradients add up
+            layers.append(copy.deepcopy(tied[entry.tied]) if apart else tied[entry.tied])
             continue
         seed_layer(seed, idx)
         module = entry.build()
@@ -122,11 +132,12 @@ def stage_algorithms(layers, parts, hetloco: HetlocoConfig, replica: int, num_re
     (set up: T_S / T_perp split, theta snapshot) and its LocalStageLink."""
     config = layers[1].layer.self_attn.config
     params = stage_params(layers, parts)
+    tied = bool(config.tie_word_embeddings) and len(parts) > 2
     algorithms = [
         StageAlgorithm(params[s], hetloco, replica=replica, num_replicas=num_replicas,
                        hidden_size=config.hidden_size, vocab_size=config.vocab_size, device=device,
                        embeddings=[m for m in layers[parts[s]:parts[s + 1]] if isinstance(m, TokenEmbedding)],
-                       layers=layers[parts[s]:parts[s + 1]])
+                       layers=layers[parts[s]:parts[s + 1]], tied=tied)
         for s in range(len(parts) - 1)]
     links = LocalStageLink.for_replica(len(parts) - 1)
     for alg, link in zip(algorithms, links):
@@ -201,7 +212,8 @@ class Simulation:
     def __init__(self, run: RunConfig, hetloco: HetlocoConfig, llama_config, replicas: int, stages: int, device):
         self.run, self.hetloco, self.M, self.S, self.device = run, hetloco, replicas, stages, device
         self.micro, self.gas = run.micro_batch, run.grad_accum
-        layers = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed)]
+        layers = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed,
+                                                     tied_apart(llama_config, hetloco, stages))]
         self.replicas = [SimReplica(layers, run, hetloco, m, replicas, stages, device) for m in range(replicas)]
         self.members = tuple(str(m) for m in range(replicas))
         self.step = 0
@@ -255,8 +267,9 @@ def link_bytes(sim, widths: list[int], seq_len: int) -> dict:
 def outer_step_all(replicas, members: tuple[str, ...]) -> dict:
     """One outer step of every stage of every replica (`replicas[m].algorithms[s]`, `.links[s]`),
     exactly as the engine's ranks take it: per stage every replica prepares, the payloads are
-    'all-gathered' (a list), all finish; stages in order, so each replica's first stage shares its
-    T_S aggregate before the others need it.
+    'all-gathered' (a list), all finish; then every stage of every replica syncs its embeddings
+    (StageAlgorithm.sync_embeddings), after every owner of a shared aggregate (the first stage's
+    T_S, a tied head's on the last stage) has offered it in its finish.
 
     Returns the replicas excluded and the per-sync diagnostics, computed from what the outer step
     has anyway (theta at the last sync, the replicas' parameters, the payloads, the error buffers),
@@ -272,13 +285,16 @@ def outer_step_all(replicas, members: tuple[str, ...]) -> dict:
     dev = replicas[0].algorithms[0].device
     dot, applied_sq, dense_sq = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(3))
     error_sq = torch.zeros(len(replicas), dtype=torch.float64, device=dev)
-    for s in range(len(replicas[0].algorithms)):
+    stages = range(len(replicas[0].algorithms))
+    snapshots = []
+    for s in stages:
         algs = [r.algorithms[s] for r in replicas]
         ref = algs[0]
         before = [t.clone() for t in ref.outer.theta_prev]  # the synced theta, alike on every replica
         dense = [tp - torch.stack([a.params[i].detach().float() for a in algs]).mean(0) for i, tp in enumerate(before)]
         emb = [i for i, p in enumerate(ref.params) if any(p is e.weight for e in ref.embeddings)]
         perp = ref.perp.clone() if emb and ref.perp is not None else None
+        snapshots.append((before, dense, emb, perp))
         gathered = Gathered([a.prepare() for a in algs], members)
         for m, (r, a) in enumerate(zip(replicas, algs)):
             result = a.finish(gathered, r.links[s], count_selected=m == 0)
@@ -286,6 +302,11 @@ def outer_step_all(replicas, members: tuple[str, ...]) -> dict:
             if m == 0:
                 selected, distinct = selected + result.selected, distinct + result.distinct
             error_sq[m] += torch.stack(torch._foreach_norm(a.outer.error)).double().pow(2).sum()
+    for r in replicas:
+        for a, link in zip(r.algorithms, r.links):
+            a.sync_embeddings(link)
+    for s, (before, dense, emb, perp) in zip(stages, snapshots):
+        ref = replicas[0].algorithms[s]
         applied = [b - p.detach().float() for b, p in zip(before, ref.params)]
         if perp is not None:
             for i in emb:

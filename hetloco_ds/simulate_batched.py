@@ -32,7 +32,7 @@ from torch.func import functional_call, vmap
 from . import optim, sizes, subspace
 from .config import HetlocoConfig, RunConfig
 from .model import TokenEmbedding, causal_lm_loss, layer_list, residual_dtype
-from .simulate import build_layers, link_bytes, outer_step_all, stage_algorithms
+from .simulate import build_layers, link_bytes, outer_step_all, stage_algorithms, tied_apart
 
 
 class _Stage(nn.Module):
@@ -81,7 +81,8 @@ class BatchedSimulation:
         self.outer_steps = 0
         self.members = tuple(str(m) for m in range(replicas))
         M = replicas
-        template = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed)]
+        template = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed,
+                                                       tied_apart(llama_config, hetloco, stages))]
         stacked: dict[int, nn.Parameter] = {}
         for layer in template:
             for p in layer.parameters():

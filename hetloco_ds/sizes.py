@@ -35,6 +35,8 @@ PAYLOAD_HEADER_BYTES = 16
 """The self-checking header of one stage payload (sparseloco.outer.HEADER)."""
 MAX_CHUNK = 4096
 """Largest chunk: its in-chunk indices fit 12 bits."""
+BYTE_KINDS = ("activation", "activation_grad", "outer_sync", "embedding_sync", "control")
+"""What the engine's ByteMeter counts, by link class (meter.py); the step record's length follows."""
 CHUNKINGS = ("tiles", "per_dim")
 """How tensors that are not 2-D are chunked: <= chunk_size (ours) or <= isqrt(chunk_size) (templar)."""
 TOPK_RULES = ("scaled", "fixed")
@@ -209,6 +211,22 @@ def boundary_nbytes(micro_batch: int, seq_len: int, d: int, k: int, act_bytes: i
     act = micro_batch * seq_len * k * act_bytes
     ids = micro_batch * seq_len * id_bytes(vocab_size) if k < d else 0
     return act + ids, act
+
+
+def sparse_share_max_nbytes(shape: Sequence[int], replicas: int, chunk_size: int = MAX_CHUNK, topk: int = 32) -> int:
+    """Most bytes one `StageLink.share_sparse` of a decoded outer aggregate of `shape` sends to
+    one stage: an int64 count, then (int32 index, fp32 value) per non-zero; the average of
+    `replicas` top-k payloads has at most replicas * k non-zeros a chunk."""
+    nnz = min(math.prod(shape), replicas * tensor_wire(shape, chunk_size, topk).n_selected)
+    return 8 + 8 * nnz
+
+
+def step_control_nbytes(stages: int) -> int:
+    """Control bytes one rank's meter counts as sent per inner step when S > 1: the gradient
+    norm (one fp32 scalar all-reduced over the pipe group) and the step record (the loss, a
+    sent/recv pair per byte kind and each stage's compute seconds, float64, all-reduced over
+    the pipe group)."""
+    return 0 if stages == 1 else 4 + 8 * (1 + 2 * len(BYTE_KINDS) + stages)
 
 
 # --------------------------------------------------------------------------- pipeline layout

@@ -237,13 +237,9 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         source = path or default_config_path()
         raw = _read_json(source)
     run = parse_config(raw, source)
-    if args.fleet is not None:
-        fleet.apply_defaults(run)
     if record is not None:
         _check_resumed_fleet(args, record, out)
         then = parse_config(record["config"], os.path.join(out, rundir.RUN_CONFIG))
-        if args.fleet is not None:
-            fleet.apply_defaults(then)
         diffs = rundir.config_differences(run, then)
         if diffs:
             more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""

@@ -9,7 +9,8 @@ skipping our override (a subclass method whose base method was renamed is never 
 
     engine.py   PipelineEngineAdapter: DeepSpeed's private pipeline instructions turned into
                 named hooks (send/recv activations and gradients, tied and data-parallel
-                gradient reduction, the optimizer step, the loss) that hetloco_ds.engine implements
+                gradient reduction, the optimizer step, the loss, the training schedule) that
+                hetloco_ds.engine implements; a subclass's own instructions join the map
     module.py   PipelineModuleAdapter: the layer build and the stage partition as hooks; the
                 stage's layers; DeepSpeed's per-layer seeding and checkpoint file names
     comm.py     the CPU shared-memory op DeepSpeed would JIT-build at process-group creation
@@ -42,6 +43,10 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("deepspeed.runtime.pipe.engine", "PipelineEngine._aggregate_total_loss", ("self",)),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine._exec_schedule", ("self", "pipe_schedule")),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine._inference_schedule", ("self", "micro_batches")),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine._train_schedule", ("self",)),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine._exec_forward_pass", ("self", "buffer_id")),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine._exec_backward_pass", ("self", "buffer_id")),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine._exec_load_micro_batch", ("self", "buffer_id")),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine._scale_loss_by_gas", ("self", "prescaled_loss", "eval_micro_batches")),
     ("deepspeed.runtime.pipe.module", "PipelineModule._build", ("self",)),
     ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers", ("self", "method")),

@@ -21,6 +21,13 @@ def _by_name(name: str):
 
 class PipelineEngineAdapter(PipelineEngine):
     _INSTRUCTION_MAP = {cmd: _by_name(fn.__name__) for cmd, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+    INSTRUCTIONS: dict = {}
+    """Instruction classes of a subclass's own schedules -> the method that executes them."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._INSTRUCTION_MAP = {**cls._INSTRUCTION_MAP,
+                                **{cmd: _by_name(name) for cmd, name in cls.INSTRUCTIONS.items()}}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -56,6 +63,48 @@ class PipelineEngineAdapter(PipelineEngine):
     def replica_loss(self) -> torch.Tensor:
         """What train_batch returns on every stage of the replica."""
         raise NotImplementedError
+
+    def train_schedule(self):
+        """The schedule of one training step (DeepSpeed's TrainSchedule by default)."""
+        return PipelineEngine._train_schedule(self)
+
+    # non-blocking stage links (a subclass's own schedule maps its instructions to the
+    # exec_* methods below, which move DeepSpeed's buffers in and out of these hooks)
+    def wait_recv_activations(self, micro_batch: int):
+        """Micro-batch `micro_batch`'s message from the previous stage (posted earlier), as
+        recv_activations returns it."""
+        raise NotImplementedError
+
+    def isend_activations(self, outputs, micro_batch: int) -> None:
+        raise NotImplementedError
+
+    def wait_recv_grads(self, outputs, micro_batch: int):
+        """As recv_grads, for a receive posted earlier."""
+        raise NotImplementedError
+
+    def isend_grads(self, inputs, micro_batch: int) -> None:
+        raise NotImplementedError
+
+    def forward_pass(self, buffer_id: int) -> None:
+        """DeepSpeed's forward of one buffer (loss and its accumulation on the last stage)."""
+        PipelineEngine._exec_forward_pass(self, buffer_id)
+
+    def backward_pass(self, buffer_id: int) -> None:
+        """DeepSpeed's backward of one buffer."""
+        PipelineEngine._exec_backward_pass(self, buffer_id)
+
+    def exec_wait_recv_activation(self, buffer_id, micro_batch):
+        self.pipe_buffers["inputs"][buffer_id] = self.wait_recv_activations(micro_batch)
+
+    def exec_send_activation_async(self, buffer_id, micro_batch):
+        self.isend_activations(self.pipe_buffers["outputs"][buffer_id], micro_batch)
+
+    def exec_wait_recv_grad(self, buffer_id, micro_batch):
+        self.grad_layer = self.wait_recv_grads(self.pipe_buffers["outputs"][buffer_id], micro_batch)
+
+    def exec_send_grad_async(self, buffer_id, micro_batch):
+        self.isend_grads(self.pipe_buffers["inputs"][buffer_id], micro_batch)
+        self.pipe_buffers["inputs"][buffer_id] = None  # as _exec_send_grads: the input is no longer needed
 
     # ---------------------------------------------------------- DeepSpeed's own behaviour
     def ds_reduce_grads(self) -> None:
@@ -93,6 +142,12 @@ class PipelineEngineAdapter(PipelineEngine):
     def _exec_recv_grads(self, buffer_id):
         self.grad_layer = self.recv_grads(self.pipe_buffers["outputs"][buffer_id])
 
+    def _exec_forward_pass(self, buffer_id):
+        self.forward_pass(buffer_id)
+
+    def _exec_backward_pass(self, buffer_id):
+        self.backward_pass(buffer_id)
+
     def _exec_reduce_tied_grads(self):
         self.reduce_tied_grads()
 
@@ -104,3 +159,6 @@ class PipelineEngineAdapter(PipelineEngine):
 
     def _aggregate_total_loss(self):
         return self.replica_loss()
+
+    def _train_schedule(self):
+        return self.train_schedule()

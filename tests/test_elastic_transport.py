@@ -323,8 +323,8 @@ def _listening(pid: int) -> set[str]:
 
 
 def test_replica_with_a_1000x_pseudo_gradient_moves_the_model_no_further_than_the_median(patient_fleet):
-    """r2's pseudo-gradient of outer step 1 is scaled by 1000, under sparseloco.norm_clip "median" (elastic
-    mode's default). Every replica's synced parameters after that step are bitwise the one-process replay's
+    """r2's pseudo-gradient of outer step 1 is scaled by 1000, under sparseloco.norm_clip "median" (the
+    default). Every replica's synced parameters after that step are bitwise the one-process replay's
     (the clip is applied to the same payloads alike), and no tensor moved further than outer_lr times the
     median of the replicas' decoded norms, while without the clip it would have moved hundreds of times
     further. Breaks if a wild replica could drag the fleet's model by its own norm."""

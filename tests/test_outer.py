@@ -383,7 +383,10 @@ def test_presets_set_every_rule_and_explicit_fields_win():
                                                        norm_clip="median")
     assert outer({"preset": "templar", "aggregation": "mean"}).aggregation == "mean"
     assert outer({"preset": "diloco"}) == OuterConfig(aggregation="dense", outer_lr=0.7, outer_momentum=0.9)
-    assert outer({}) == OuterConfig()  # the paper's rules stay the default
+    # The run's default is the measured one (README, "Aggregation"); "paper" is eq. (2) as written,
+    # which the pure OuterConfig keeps as its own default.
+    assert outer({}) == OuterConfig(aggregation="selected_count", norm_clip="median")
+    assert outer({"preset": "paper"}) == OuterConfig()
     with pytest.raises(ConfigError, match="quant_bits"):
         outer({"aggregation": "dense", "quant_bits": 2})
 

@@ -104,18 +104,22 @@ def test_quantisation_shrinks_payload_and_dense_is_far_larger():
 def test_figure2_claim_holds_under_stated_assumptions():
     """The paper: > 97% utilisation at 100 Mb/s - 1 Gb/s with k/d = 1/8 for 70B in 4 stages.
 
-    It holds only if transfers overlap compute, a stage computes ~ one H100 at 45% MFU, and a
-    replica step has ~128 micro-batches (512K tokens; the bubble is then 3/131). Uncompressed at
-    100 Mb/s is link-bound."""
-    for bw in (1e8, 3e8, 1e9):
+    Under the engine's overlapped schedule, with a stage computing ~ one H100 at 45% MFU and
+    ~128 micro-batches a replica step (512K tokens; the bubble is then 3/131), every transfer
+    hides behind compute except the forward chain of the first micro-batch and the backward
+    chain of the last: 2 (S - 1) transfers a step, which no flushing schedule avoids. That
+    leaves > 94% at 100 Mb/s and > 96% at 1 Gb/s. Uncompressed at 100 Mb/s is link-bound."""
+    for bw, floor in ((1e8, 0.94), (3e8, 0.96), (1e9, 0.965)):
         p = predict("70B", ratio=8, stage_bw=bw, **FIG2)
-        assert p.utilisation > 0.97, (bw, p.breakdown)
+        assert p.utilisation > floor, (bw, p.breakdown)
         assert p.dominant == "compute"
+        chains = 2 * (FIG2["stages"] - 1) * max(p.link_time_fwd, p.link_time_bwd)
+        assert p.breakdown["stage-link stall"] == pytest.approx(chains, rel=0.01)
     naive = predict("70B", ratio=1, stage_bw=1e8, **FIG2)
     assert naive.utilisation < 0.25
     assert naive.dominant == "stage-link stall"
     assert "stage links" in naive.explanation
-    # Without overlap, or with the paper's 512K tokens split over 8 replicas, it does not hold.
+    # Blocking transfers, or the paper's 512K tokens split over 8 replicas, and it does not hold.
     assert predict("70B", ratio=8, stage_bw=1e8, **{**FIG2, "overlap": False}).utilisation < 0.5
     assert predict("70B", ratio=8, stage_bw=1e9, **{**FIG2, "n_mb": 16}).utilisation < 0.85
 
@@ -125,7 +129,36 @@ def test_breakdown_adds_up_and_names_the_bubble():
     assert sum(p.breakdown.values()) == pytest.approx(p.total_time)
     assert p.total_time == pytest.approx(p.schedule_time)
     assert p.dominant_overhead == "pipeline bubble"
-    assert p.utilisation == pytest.approx(4 / 7)
+    # (n_mb + S - 1) slots of the busiest stage at most; less, as the first stage is lighter.
+    assert 4 / 7 <= p.utilisation < 0.75
+
+
+@pytest.mark.parametrize("schedule", ["overlapped", "blocking"])
+def test_schedule_simulation_by_hand(schedule):
+    """simulate_schedule on uniform stages (forward 1, backward 2): without transfers both
+    schedules take (n + S - 1) slots of 3; at S = 2 DeepSpeed's blocking 1F1B puts both
+    transfers of every micro-batch on the critical path, (n + 1) * 3 + n * (T_f + T_b) (what
+    shaped-link runs measured, bench/results/shaped_links.json), however long a send holds its
+    sender; the overlapped schedule with a
+    transfer as long as a micro-batch's compute runs one micro-batch per 3 after the first
+    round trip (F + T + 3 + T). Breaks if the event simulation mis-orders operations or lets a
+    stage start a pass before its message has arrived."""
+    from hetloco_ds.plan.model import simulate_schedule
+
+    for S, n in ((2, 8), (4, 8), (4, 1), (8, 16)):
+        assert simulate_schedule(schedule, S, n, [1] * S, [2] * S, 0, 0) == (n + S - 1) * 3
+    if schedule == "blocking":
+        assert simulate_schedule(schedule, 2, 8, [1, 1], [2, 2], 1.5, 0.5) == 9 * 3 + 8 * 2
+        # At S = 2 every send is followed by a receive that waits anyway: holding senders changes
+        # nothing; at S = 4 a held sender posts its next receive later and the chain grows.
+        assert simulate_schedule(schedule, 2, 8, [1, 1], [2, 2], 1.5, 0.5, hold_down=1.5) == 9 * 3 + 8 * 2
+        free, held = (simulate_schedule(schedule, 4, 8, [1] * 4, [2] * 4, 3, 3, hold_down=h) for h in (0, 3))
+        assert free < held
+    else:
+        assert simulate_schedule(schedule, 2, 8, [1, 1], [2, 2], 3, 3) == (1 + 3 + 3 + 3) + 7 * 3 + 2
+        # a link slower than the compute sets the pace: one micro-batch per transfer
+        long = simulate_schedule(schedule, 2, 64, [1, 1], [2, 2], 6, 6)
+        assert long - simulate_schedule(schedule, 2, 32, [1, 1], [2, 2], 6, 6) == 32 * 6
 
 
 def test_single_stage_single_replica_is_pure_compute():
@@ -170,7 +203,7 @@ def test_fleet_planner_reports_unreachable_target():
     """If no ratio reaches the target, the planner says so and names what limits it."""
     fp = plan.plan_fleet(FLEET[1:2], "1B", 0.99, n_mb=8)
     (g,) = fp.groups
-    assert not g.target_met and "unreachable" in g.reason and "pipeline bubble" in g.reason
+    assert not g.target_met and "unreachable" in g.reason and f"limited by {g.dominant_overhead}" in g.reason
 
 
 @pytest.mark.parametrize("call,match", [
@@ -206,7 +239,7 @@ def test_cli_prints_a_table_and_writes_json(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "compute utilisation" in text and "dominant term" in text
     d = json.loads(out.read_text())
-    assert d["utilisation"] > 0.97 and d["k"] == 1024
+    assert d["utilisation"] > 0.94 and d["k"] == 1024
     assert plan.main(["--model", "7B"]) == 2
     assert "'7B'" in capsys.readouterr().err
 

@@ -13,7 +13,7 @@ MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "n
          "intermediate_size": 64, "max_position_embeddings": 64}
 
 
-def _files(tmp_path, cache):
+def _files(tmp_path, cache, tied: bool = False):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(repo, "configs", "cpu_tiny.json")) as f:
         cfg = json.load(f)
@@ -23,7 +23,7 @@ def _files(tmp_path, cache):
     cfg["hetloco"]["train"].update(seq_len=32, vocab_size=512, eval_interval=0, eval_batches=2)
     cfg["scheduler"]["params"].update(total_num_steps=6, warmup_num_steps=2)
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.json").write_text(json.dumps(MODEL))
+    (tmp_path / "model.json").write_text(json.dumps({**MODEL, "tie_word_embeddings": tied}))
     env = dict(os.environ, HETLOCO_CACHE=str(cache))
     return str(tmp_path / "cfg.json"), str(tmp_path / "model.json"), env
 
@@ -34,13 +34,16 @@ def _step_losses(path, **match):
             if r["kind"] == "step" and all(r.get(k) == v for k, v in match.items())}
 
 
-def test_heterogeneous_engine_run_matches_simulator(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("tied", [False, True])
+def test_heterogeneous_engine_run_matches_simulator(tmp_path, tmp_path_factory, tied):
     """2 replicas x 2 stages, replica 1 compressed at ratio 4, in 4 processes through the CLI,
     against `hetloco-ds simulate` with the same config, seeds and data: every replica's loss at
     every step agrees to float tolerance (through two outer steps and their embedding
-    resyncs). Breaks if the simulator and the engine differ in anything that touches training."""
+    resyncs), for an untied model and a tied one (its embedding and head copies trained apart and
+    reconciled at outer steps, the default). Breaks if the simulator and the engine differ in
+    anything that touches training."""
     cache = tmp_path_factory.getbasetemp() / "hetloco-cache"
-    cfg, model, env = _files(tmp_path, cache)
+    cfg, model, env = _files(tmp_path, cache, tied)
     cli = [sys.executable, "-m", "hetloco_ds.cli"]
     sim = subprocess.run(cli + ["simulate", "--config", cfg, "--model-config", model, "--replicas", "2", "--steps", "6",
                                 "--variants", "het:4", "--device", "cpu", "--out", str(tmp_path / "sim")],

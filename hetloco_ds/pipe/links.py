@@ -4,9 +4,23 @@ The engine's pipeline instructions call these instead of DeepSpeed's p2p module,
 is counted where it is handed to torch.distributed, by kind. Receivers allocate from the
 message's spec (`BoundaryCodec.message_spec`), which both ends derive from the same config, so
 no shape metadata travels.
+
+Two ways to use a link:
+
+* blocking (`send`, `recv`): DeepSpeed's TrainSchedule and the inference schedule; on the
+  default group, as DeepSpeed's p2p does.
+* non-blocking (`isend`, `post_recv` / `wait_recv`, `wait_sends`): the overlapped schedule
+  (`pipe.schedule`). Each direction of each link is its own two-rank process group
+  (`DirectedGroups`): activations going down and gradients going up then never share a
+  connection or a communicator. On NCCL, p2p operations of one communicator run in the order
+  they were posted, so an early-posted receive of the next activation would otherwise sit in
+  front of a gradient send the peer is waiting for; on gloo (TCP, rendezvous: a send's data
+  leaves once the peer's ready-to-receive notice arrives), a notice would otherwise queue
+  behind the bulk data already written the other way on the same connection.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -17,10 +31,44 @@ from ..meter import ByteMeter, nbytes
 Spec = Sequence[tuple[tuple[int, ...], torch.dtype]]
 
 
-class StageLinks:
-    def __init__(self, prev_rank: int | None, next_rank: int | None, device, meter: ByteMeter):
-        self.prev_rank, self.next_rank, self.device, self.meter = prev_rank, next_rank, device, meter
+class DirectedGroups:
+    """One two-rank process group per direction of every stage link of every replica.
 
+    `replica_ranks[m]` lists replica m's global ranks by stage. Every rank of the world must
+    construct it at the same point with the same argument (torch's `new_group` is collective
+    over the world), and each group is opened at once with a one-element all-reduce, link by
+    link from the first stage down, so that no lazily created NCCL communicator blocks a rank
+    in the middle of a schedule. Those warm-up bytes are counted as control.
+    """
+
+    def __init__(self, replica_ranks: Sequence[Sequence[int]], me: int, device, meter: ByteMeter):
+        self.down: dict[int, object] = {}  # stage s -> group of (s, s + 1) for activations
+        self.up: dict[int, object] = {}    # stage s -> group of (s, s + 1) for gradients
+        mine: list[tuple[int, object]] = []
+        for ranks in replica_ranks:
+            for s in range(len(ranks) - 1):
+                pair = [ranks[s], ranks[s + 1]]
+                down, up = tdist.new_group(pair), tdist.new_group(pair)
+                if me in pair:
+                    self.down[s], self.up[s] = down, up
+                    mine.append((s, down))
+                    mine.append((s, up))
+        one = torch.zeros(1, device=device)
+        for _, group in sorted(mine, key=lambda x: x[0]):  # links in stage order: a chain, no cycle
+            tdist.all_reduce(one, group=group)
+            meter.add("sent", nbytes(one), "control")
+            meter.add("recv", nbytes(one), "control")
+
+
+class StageLinks:
+    def __init__(self, prev_rank: int | None, next_rank: int | None, device, meter: ByteMeter,
+                 groups: DirectedGroups | None = None, stage: int = 0):
+        self.prev_rank, self.next_rank, self.device, self.meter = prev_rank, next_rank, device, meter
+        self.groups, self.stage = groups, stage
+        self._posted: dict[bool, deque] = {True: deque(), False: deque()}  # from_prev -> (i, tensors, works)
+        self._sends: deque = deque()  # (tensors, works), oldest first
+
+    # ------------------------------------------------------------------ blocking
     def send(self, tensors: Sequence[torch.Tensor], to_next: bool, kind: str) -> None:
         dst = self.next_rank if to_next else self.prev_rank
         for t in tensors:
@@ -36,3 +84,56 @@ class StageLinks:
             self.meter.add("recv", nbytes(t), kind)
             out.append(t)
         return out
+
+    # ------------------------------------------------------------------ non-blocking
+    def _group(self, with_next: bool, down: bool):
+        """Group of the link to the next (or previous) stage, for traffic going down (or up)."""
+        s = self.stage if with_next else self.stage - 1
+        return (self.groups.down if down else self.groups.up)[s]
+
+    def isend(self, tensors: Sequence[torch.Tensor], to_next: bool, kind: str, keep: int) -> None:
+        """Start sending `tensors`; the oldest sends are completed while more than `keep`
+        messages are in flight (the memory they pin is bounded)."""
+        dst = self.next_rank if to_next else self.prev_rank
+        group = self._group(with_next=to_next, down=to_next)
+        tensors = [t.contiguous() for t in tensors]
+        works = [tdist.isend(t, dst, group=group) for t in tensors]
+        for t in tensors:
+            self.meter.add("sent", nbytes(t), kind)
+        self._sends.append((tensors, works))
+        while len(self._sends) > keep:
+            self._complete_oldest_send()
+
+    def post_recv(self, micro_batch: int, spec: Spec, from_prev: bool, kind: str) -> None:
+        """Post receives for micro-batch `micro_batch`'s message; `wait_recv` returns it."""
+        src = self.prev_rank if from_prev else self.next_rank
+        group = self._group(with_next=not from_prev, down=from_prev)
+        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in spec]
+        works = [tdist.irecv(t, src, group=group) for t in tensors]
+        for t in tensors:
+            self.meter.add("recv", nbytes(t), kind)
+        self._posted[from_prev].append((micro_batch, tensors, works))
+
+    def wait_recv(self, micro_batch: int, from_prev: bool) -> list[torch.Tensor]:
+        queue = self._posted[from_prev]
+        if not queue or queue[0][0] != micro_batch:
+            have = [i for i, _, _ in queue]
+            raise RuntimeError(f"stage {self.stage}: waiting for micro-batch {micro_batch} "
+                               f"{'activations' if from_prev else 'gradients'}, posted receives are {have}")
+        _, tensors, works = queue.popleft()
+        for w in works:
+            w.wait()
+        return tensors
+
+    def _complete_oldest_send(self) -> None:
+        _, works = self._sends.popleft()
+        for w in works:
+            w.wait()
+
+    def wait_sends(self) -> None:
+        """Complete every send in flight; no receive may still be posted (a schedule ends clean)."""
+        while self._sends:
+            self._complete_oldest_send()
+        left = {d: [i for i, _, _ in q] for d, q in self._posted.items() if q}
+        if left:
+            raise RuntimeError(f"stage {self.stage}: receives posted but never waited for: {left}")

@@ -82,9 +82,12 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
     wire dtype are set after construction (`configure_boundary`).
     """
 
-    def __init__(self, config: LlamaConfig, num_stages: int, world_size: int, seed: int = 0, hf_dir: str | None = None):
+    def __init__(self, config: LlamaConfig, num_stages: int, world_size: int, seed: int = 0, hf_dir: str | None = None,
+                 hf_state=None):
         self.llama_config = config
         self._hf_dir = hf_dir
+        self._hf_state = hf_state
+        """An in-memory LlamaForCausalLM state dict to load instead of `hf_dir` (the public API's model=)."""
         topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world_size // num_stages)
         super().__init__(
             layers=layer_specs(config),
@@ -104,7 +107,7 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
         return sizes.stage_parts(self.llama_config.num_hidden_layers, self.num_stages)
 
     def build_layers(self):
-        if self._hf_dir is None:
+        if self._hf_dir is None and self._hf_state is None:
             return super().build_layers()
         # Only this stage's layers are built, on the meta device, then filled with this
         # stage's tensors from the checkpoint: no rank ever materialises the whole model.
@@ -114,7 +117,11 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
             super().build_layers()
         layers = self.local_layers()
         convert.materialize(layers, torch.device("cpu"))
-        convert.load_hf_into_layers(self._hf_dir, self.llama_config, layers)
+        if self._hf_state is not None:
+            convert.load_state_into_layers(self._hf_state, self.llama_config, layers)
+            self._hf_state = None  # the caller's model keeps its tensors; this module keeps its copies
+        else:
+            convert.load_hf_into_layers(self._hf_dir, self.llama_config, layers)
 
     @property
     def replica_id(self) -> int:

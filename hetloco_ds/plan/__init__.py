@@ -10,9 +10,9 @@ Pure Python (no torch), so it runs anywhere and is testable on its own. By job:
 from .cli import format_fleet, format_prediction, main
 from .fleet import DEFAULT_RATIOS, DeviceGroup, FleetPlan, GroupPlan, load_fleet, min_stages, plan_fleet, stage_memory_bytes
 from .model import (PRESETS, TERMS, ModelShape, Prediction, Settings, explain, outer_payload_bytes, parse_rate, predict,
-                    resolve_model, stage_tensors)
+                    resolve_model, simulate_schedule, stage_tensors)
 
 __all__ = ["DEFAULT_RATIOS", "DeviceGroup", "FleetPlan", "GroupPlan", "ModelShape", "PRESETS", "Prediction", "Settings",
            "TERMS", "explain", "format_fleet", "format_prediction", "load_fleet", "main", "min_stages",
-           "outer_payload_bytes", "parse_rate", "plan_fleet", "predict", "resolve_model", "stage_memory_bytes",
-           "stage_tensors"]
+           "outer_payload_bytes", "parse_rate", "plan_fleet", "predict", "resolve_model", "simulate_schedule",
+           "stage_memory_bytes", "stage_tensors"]

@@ -25,12 +25,15 @@ def format_prediction(p: Prediction) -> str:
         ("device", f"{i['tflops']:g} TFLOP/s peak x MFU {i['mfu']:g} per stage"),
         ("batch", f"b={i['micro_batch']} x n_mb={i['n_mb']} micro-batches = {p.tokens_per_step} tokens/step/replica"),
         ("stage link", f"{fmt_rate(i['stage_bw'])}, latency {fmt_time(i['stage_latency'])}, "
-                       f"k/d = {p.k}/{p.model.d} (ratio {p.model.d / p.k:.4g}), overlap={i['overlap']}"),
+                       f"k/d = {p.k}/{p.model.d} (ratio {p.model.d / p.k:.4g}), schedule "
+                       f"{'overlapped' if i['overlap'] else 'blocking'}"),
         ("replica link", f"{fmt_rate(i['replica_bw'])}, latency {fmt_time(i['replica_latency'])}"),
         ("compute / micro-batch", f"{fmt_time(max(p.compute_time_microbatch))} (slowest stage)"),
         ("boundary / micro-batch", f"fwd {fmt_bytes(p.fwd_bytes_microbatch)} ({fmt_time(p.link_time_fwd)}), "
                                    f"bwd {fmt_bytes(p.bwd_bytes_microbatch)} ({fmt_time(p.link_time_bwd)})"),
-        ("stage link / step", fmt_bytes(p.stage_link_bytes_per_step)),
+        ("stage link / step", f"{fmt_bytes(p.stage_link_bytes_per_step)} activations; control "
+                              f"{fmt_bytes(p.control_bytes_per_step)}; embedding sync <= "
+                              f"{fmt_bytes(p.embedding_sync_bytes_per_outer_step)} per outer step"),
         ("outer payload / rank", f"{fmt_bytes(max(p.outer_payload_bytes))} (dense fp32: "
                                  f"{fmt_bytes(max(p.dense_outer_bytes))}); per replica "
                                  f"{fmt_bytes(p.outer_bytes_per_replica)}"),
@@ -93,7 +96,12 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
     ap.add_argument("--ratio", type=int, default=argparse.SUPPRESS, help="subspace ratio d/k (1 = uncompressed)")
     ap.add_argument("--act-bytes", type=int, default=argparse.SUPPRESS)
     ap.add_argument("--no-overlap", dest="overlap", action="store_false", default=argparse.SUPPRESS,
-                    help="transfers block compute (DeepSpeed's blocking p2p)")
+                    help="transfers block compute (DeepSpeed's blocking p2p); same as --schedule blocking")
+    ap.add_argument("--schedule", choices=("overlapped", "blocking"), default=None,
+                    help="the engine's pipeline schedule (hetloco.pipeline.schedule; default overlapped)")
+    ap.add_argument("--tied", action="store_true", help="the model ties its embedding and LM head")
+    ap.add_argument("--tied-embeddings", choices=("outer_step", "every_step"), default=argparse.SUPPRESS,
+                    help="how a tied model keeps its copies equal (hetloco.sparseloco.tied_embeddings)")
     ap.add_argument("--fleet", default=None, help="fleet JSON: plan it instead of predicting")
     ap.add_argument("--target", type=float, default=0.9, help="fleet: target compute utilisation")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON ('-' = stdout)")
@@ -105,6 +113,8 @@ def _model_from_args(a: argparse.Namespace) -> ModelShape:
     over = {"d": a.d, "n_layers": a.layers, "n_heads": a.heads, "n_kv_heads": a.kv_heads,
             "ffn": a.ffn, "vocab": a.vocab, "seq_len": a.seq_len}
     over = {k: v for k, v in over.items() if v is not None}
+    if a.tied:
+        over["tied"] = True
     if over:
         m = resolve_model(dataclasses.replace(m, name=f"{m.name}*", **over))
     return m
@@ -115,6 +125,8 @@ def settings_from_args(a: argparse.Namespace) -> Settings:
     given = {f.name: getattr(a, f.name) for f in dataclasses.fields(Settings) if hasattr(a, f.name)}
     if a.stages is None:
         given.pop("stages")
+    if a.schedule is not None:
+        given["overlap"] = a.schedule == "overlapped"
     return Settings(**given)
 
 

@@ -13,12 +13,25 @@ One inner step (one optimizer step of one replica, n_mb micro-batches of b x L t
 * boundary bytes per micro-batch (`sizes.boundary_nbytes`): forward b*L*k*act_bytes (+ the token
   ids when the boundary is compressed, for T_perp[x]), backward b*L*k*act_bytes. k = d / ratio.
 * links are full duplex (forward tensors go down one direction, gradients up the other), each
-  transfer pays `latency` once.
-* schedule (1F1B or GPipe, same count): (n_mb + S - 1) slots of the slowest stage.
-  - overlap=True: a transfer runs while the stage computes the next micro-batch, so
-    slot = max(t_compute, t_link) with t_link = max(fwd, bwd) bytes * 8 / bw + latency.
-  - overlap=False: every transfer blocks the stage (DeepSpeed's blocking p2p): n_mb transfers
-    each way on the critical path, time = (n_mb + S - 1) * t_compute + n_mb * (t_fwd + t_bwd).
+  transfer pays `latency` once; transfers on one link direction go one at a time, in order.
+* schedule: the engine's own instruction lists (`pipe.order.link_ops`), timed by an event
+  simulation (`simulate_schedule`): each stage runs its operations in order, a forward takes
+  1/3 and a backward 2/3 of its micro-batch compute, and a transfer starts once its sender has
+  sent, its receiver has posted the receive (gloo and NCCL are rendezvous transports) and the
+  link direction is free.
+  - overlap=True, the overlapped schedule (`hetloco.pipeline.schedule: overlapped`): sends and
+    posted receives do not block; a stage waits only for a message it needs that has not
+    arrived. With 3(S-1-s)+1 micro-batches in flight the steady state is one micro-batch per
+    max(t_compute, t_link), t_link = max(fwd, bwd) bytes * 8 / bw + latency; fill and drain
+    carry the transfers of the first and last micro-batch.
+  - overlap=False, DeepSpeed's TrainSchedule (`blocking`): a receive holds its stage until the
+    message has arrived; a send until the receiver has posted its receive, and then, because
+    each tensor of a message is its own rendezvous, until every tensor but the last has arrived:
+    a compressed boundary's forward message is [activations, ids], so its sender waits out the
+    activations; a one-tensor message lets its sender go once the transport has taken the data
+    (gloo over TCP: probed on shaped links, a blocking send returns as soon as the receive is
+    posted). At S = 2 either way gives (n_mb + 1) * t_compute + n_mb * (t_fwd + t_bwd);
+    bench/results/overlap_links.json checks S = 2 and 4, compressed and not.
 * outer sync every H inner steps: each stage group all-gathers its compact payloads
   (`sizes.stage_payload_nbytes`), every rank sending its payload to the M - 1 others,
   (M - 1) * (payload * 8 / bw + latency), receiving at the same time (full duplex). This assumes
@@ -29,7 +42,8 @@ One inner step (one optimizer step of one replica, n_mb micro-batches of b x L t
   disjoint links and run at the same time, so the slowest stage group sets the time. It blocks
   (no overlap with the inner loop) and is amortised as sync / H per inner step.
 * compute utilisation = compute time of the busiest stage / total time, with
-  total = (n_mb + S - 1) * slot + sync / H = compute + bubble + link stall + outer sync.
+  total = schedule + sync / H = compute + bubble + link stall + outer sync, where the bubble is
+  the schedule's time on infinitely fast links less the compute, and the stall the rest.
 """
 from __future__ import annotations
 
@@ -40,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .. import sizes
+from ..pipe.order import link_ops
 from ..presets import DEFAULT_VOCAB, PRESETS as SHAPE_PRESETS
 
 
@@ -64,6 +79,8 @@ class ModelShape:
     """Key/value heads (grouped-query attention); None = n_heads."""
     name: str = "custom"
     """Label used in reports."""
+    tied: bool = False
+    """tie_word_embeddings: the LM head is the embedding (its copy on the last stage has the same shape)."""
 
     @classmethod
     def preset(cls, name: str, vocab: int = DEFAULT_VOCAB) -> "ModelShape":
@@ -253,6 +270,12 @@ class Settings:
     """Override the model's sequence length."""
     link_efficiency: float = 1.0
     """Goodput / link rate on every link; TCP/IPv4 over Ethernet at MTU 1500 gives ~0.957."""
+    tied_embeddings: str = "outer_step"
+    """For a tied model: "outer_step" (the copies meet at outer steps, sparse) or "every_step"
+    (the dense V x d gradient all-reduced between the first and last stage every step)."""
+    embedding_sync: bool | None = None
+    """Whether outer steps share the sparse T_S aggregate (any replica compressed, embedding
+    adaptation on); None: when ratio > 1 or k < d."""
 
     def resolved(self, model: ModelShape) -> "Settings":
         """Rates parsed, every field checked (one error naming the bad value), k filled in."""
@@ -268,6 +291,8 @@ class Settings:
             raise ValueError(f"mfu must be in (0, 1], got {s.mfu!r}")
         if not (isinstance(s.link_efficiency, (int, float)) and 0 < s.link_efficiency <= 1):
             raise ValueError(f"link_efficiency must be in (0, 1], got {s.link_efficiency!r}")
+        if s.tied_embeddings not in ("outer_step", "every_step"):
+            raise ValueError(f"tied_embeddings must be 'outer_step' or 'every_step', got {s.tied_embeddings!r}")
         sizes.check_codec(s.chunk, s.topk, s.quant_bits, s.value_bytes)
         if s.k is None:
             try:
@@ -310,11 +335,18 @@ class Prediction:
     """One forward transfer on a stage link, latency included (0 when S = 1)."""
     link_time_bwd: float
     slot_time: float
-    """One schedule slot: max(compute, link) with overlap, compute + fwd + bwd without."""
+    """Steady-state time per micro-batch: max(compute, link) overlapped, compute + fwd + bwd blocking."""
     schedule_time: float
-    """(n_mb + S - 1) * slot."""
+    """The schedule's simulated time (`simulate_schedule`)."""
     stage_link_bytes_per_step: int
-    """Bytes one stage link carries per inner step, both directions together."""
+    """Activation bytes one stage link carries per inner step, both directions together."""
+    control_bytes_per_step: int
+    """Other bytes a replica's ranks send per inner step, as their meters count them (S ranks'
+    gradient-norm and step-record scalars; a tied model tied every step: its dense V x d gradient
+    from each of the first and last stage)."""
+    embedding_sync_bytes_per_outer_step: int
+    """At most this many bytes the replica's sparse embedding shares send per outer step (T_S's
+    aggregate when compressing, the tied head's when tied apart), each from its owner to S - 1 stages."""
     outer_payload_bytes: list[int]
     """Compressed outer-sync payload one rank contributes, per stage."""
     dense_outer_bytes: list[int]
@@ -340,6 +372,70 @@ class Prediction:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def simulate_schedule(schedule: str, stages: int, n_mb: int, fwd: Sequence[float], bwd: Sequence[float],
+                      t_down: float, t_up: float, hold_down: float = 0.0, hold_up: float = 0.0) -> float:
+    """Seconds of one training step's pipeline schedule (the module docstring's semantics).
+
+    `fwd[s]`, `bwd[s]`: one micro-batch's forward and backward on stage s; `t_down`, `t_up`: one
+    activation / gradient transfer on any stage link; `hold_down`, `hold_up`: how long after its
+    transfer starts a blocking send still holds its sender (the transfer of every tensor of the
+    message but the last)."""
+    S = stages
+    ops = [link_ops(schedule, S, s, n_mb) for s in range(S)]
+    pos, clock = [0] * S, [0.0] * S
+    sent: dict = {}      # (direction, link, i) -> time the sender handed it over
+    posted: dict = {}    # ... -> time the receiver posted (blocking: reached) its receive
+    arrival: dict = {}   # ... -> time the transfer ended
+    started: dict = {}   # ... -> time the transfer started
+    free: dict = {}      # (direction, link) -> time it is free
+    nxt: dict = {}       # (direction, link) -> next message index it carries
+
+    def resolve(direction: str, link: int) -> None:
+        key = (direction, link)
+        while True:
+            k = (direction, link, nxt.get(key, 0))
+            if k not in sent or k not in posted:
+                return
+            started[k] = start = max(sent[k], posted[k], free.get(key, 0.0))
+            arrival[k] = free[key] = start + (t_down if direction == "down" else t_up)
+            nxt[key] = k[2] + 1
+
+    where = {"isend_act": ("down", 0, "send"), "send_act": ("down", 0, "send"),
+             "post_act": ("down", -1, "post"), "recv_act": ("down", -1, "post"), "wait_act": ("down", -1, None),
+             "isend_grad": ("up", -1, "send"), "send_grad": ("up", -1, "send"),
+             "post_grad": ("up", 0, "post"), "recv_grad": ("up", 0, "post"), "wait_grad": ("up", 0, None)}
+    blocking_ops = {"send_act", "recv_act", "send_grad", "recv_grad", "wait_act", "wait_grad"}
+    while True:
+        progressed = False
+        for s in range(S):
+            while pos[s] < len(ops[s]):
+                op, i = ops[s][pos[s]]
+                if op == "F":
+                    clock[s] += fwd[s]
+                elif op == "B":
+                    clock[s] += bwd[s]
+                else:
+                    direction, offset, role = where[op]
+                    k = (direction, s + offset, i)
+                    if role is not None:
+                        (sent if role == "send" else posted).setdefault(k, clock[s])
+                        resolve(direction, s + offset)
+                    if op in blocking_ops:
+                        if k not in arrival:
+                            break
+                        if role == "send":
+                            hold = hold_down if direction == "down" else hold_up
+                            clock[s] = max(clock[s], started[k] + hold)
+                        else:
+                            clock[s] = max(clock[s], arrival[k])
+                pos[s] += 1
+                progressed = True
+        if all(pos[s] == len(ops[s]) for s in range(S)):
+            return max(clock)
+        if not progressed:
+            raise RuntimeError(f"{schedule} schedule deadlocks at {[ops[s][pos[s]] for s in range(S) if pos[s] < len(ops[s])]}")
 
 
 def _stage_link_times(fwd: int, bwd: int, s: Settings) -> tuple[float, float]:
@@ -369,16 +465,15 @@ def predict(model: str | ModelShape = "512M", settings: Settings | None = None, 
 
     fwd, bwd = sizes.boundary_nbytes(s.micro_batch, L, m.d, s.k, s.act_bytes, m.vocab) if s.stages > 1 else (0, 0)
     t_f, t_b = _stage_link_times(fwd, bwd, s)
-    if s.overlap:
-        slot = max(t_c, t_f, t_b)
-        bubble, stall = (s.stages - 1) * slot, s.n_mb * (slot - t_c)
-    else:
-        # Blocking sends: each of the n_mb micro-batches crosses the link once each way on the
-        # critical path; fill and drain add S - 1 compute slots (checked against shaped-link
-        # runs at S = 2, bench/results/shaped_links.json).
-        slot = t_c + t_f + t_b
-        bubble, stall = (s.stages - 1) * t_c, s.n_mb * (t_f + t_b)
-    schedule = s.n_mb * t_c + bubble + stall
+    kind = "overlapped" if s.overlap else "blocking"
+    # A backward pass is twice a forward's FLOPs (6P = 2P forward + 4P backward).
+    f_s, b_s = [t / 3 for t in t_mb], [2 * t / 3 for t in t_mb]
+    # A compressed forward message is [activations, ids]: a blocking sender waits out the activations.
+    hold = t_b if (fwd > bwd and not s.overlap) else 0.0
+    schedule = simulate_schedule(kind, s.stages, s.n_mb, f_s, b_s, t_f, t_b, hold_down=hold)
+    link_free = simulate_schedule(kind, s.stages, s.n_mb, f_s, b_s, 0.0, 0.0)
+    bubble, stall = link_free - s.n_mb * t_c, schedule - link_free
+    slot = max(t_c, t_f, t_b) if s.overlap else t_c + t_f + t_b
 
     payload = [outer_payload_bytes(ts, s.topk, s.chunk, s.quant_bits, s.value_bytes) for ts in tensors]
     dense = [4 * sum(math.prod(x) for _, x in ts) for ts in tensors]
@@ -387,6 +482,19 @@ def predict(model: str | ModelShape = "512M", settings: Settings | None = None, 
         rate = s.replica_bw * s.link_efficiency
         sync = max((s.replicas - 1) * (p * 8 / rate + s.replica_latency) for p in payload)
 
+    # What else crosses the stage links (see the Prediction fields).
+    V, d = m.vocab, m.d
+    control = s.stages * sizes.step_control_nbytes(s.stages)
+    tied_apart = m.tied and s.stages > 1 and s.tied_embeddings == "outer_step"
+    if m.tied and s.stages > 1 and not tied_apart:
+        control += 2 * V * d * 4  # an fp32 all-reduce between the first and the last stage
+        rate = s.stage_bw * s.link_efficiency
+        stall += V * d * 4 * 8 / rate + s.stage_latency  # two ranks: each sends the whole tensor once
+    shares = int(s.embedding_sync if s.embedding_sync is not None else s.k < m.d) + int(tied_apart)
+    share = sizes.sparse_share_max_nbytes((V, d), s.replicas, s.chunk, s.topk) if s.stages > 1 else 0
+    embedding_sync = shares * share * (s.stages - 1)
+    if s.stages > 1:
+        sync += shares * (share * 8 / (s.stage_bw * s.link_efficiency) + s.stage_latency)
     breakdown = {"compute": s.n_mb * t_c, "pipeline bubble": bubble, "stage-link stall": stall,
                  "outer sync": sync / s.H}
     total = sum(breakdown.values())
@@ -403,6 +511,7 @@ def predict(model: str | ModelShape = "512M", settings: Settings | None = None, 
         tokens_per_step=tok_mb * s.n_mb, flops_per_microbatch=flops, compute_time_microbatch=t_mb,
         fwd_bytes_microbatch=fwd, bwd_bytes_microbatch=bwd, link_time_fwd=t_f, link_time_bwd=t_b,
         slot_time=slot, schedule_time=schedule, stage_link_bytes_per_step=s.n_mb * (fwd + bwd),
+        control_bytes_per_step=control, embedding_sync_bytes_per_outer_step=embedding_sync,
         outer_payload_bytes=payload, dense_outer_bytes=dense,
         outer_bytes_per_replica=sum(payload), outer_sync_time=sync, breakdown=breakdown,
         total_time=total, utilisation=breakdown["compute"] / total,

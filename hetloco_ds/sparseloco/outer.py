@@ -125,13 +125,18 @@ PRESETS: dict[str, dict] = {
                     aggregation="selected_count", norm_clip="median", topk=32, chunk_size=4096,
                     error_decay=0.95, outer_lr=1.0),
     # DiLoCo (Douillard et al. 2023): dense pseudo-gradients, outer Nesterov SGD lr 0.7, momentum 0.9.
-    "diloco": dict(aggregation="dense", outer_lr=0.7, outer_momentum=0.9),
+    "diloco": dict(aggregation="dense", outer_lr=0.7, outer_momentum=0.9, norm_clip="none"),
+    # The paper's eq. (2) as written: the sum of the sparse pseudo-gradients over M, no clip.
+    "paper": dict(aggregation="mean", norm_clip="none", chunking="tiles", topk_rule="scaled", quant_rounding="floor",
+                  quant_std="population", outer_momentum=0.0),
 }
 
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """The outer step's settings (field names match `config.SparseLoCoConfig`)."""
+    """The outer step's settings (field names match `config.SparseLoCoConfig`). Its own defaults
+    are the paper's equations as written (PRESETS["paper"]); a run's defaults are the config's,
+    chosen by measurement (README, "Aggregation")."""
 
     error_decay: float = 0.95
     """beta in e = beta * e + delta."""

@@ -6,9 +6,11 @@ tensor: two small interfaces the method talks to, with the implementations besid
   `elastic` (torchft) is a group whose members change between outer steps; `LocalExchange`
   is the simulator's, where all replicas live in one process.
 * `StageLink`: what the method sends across a replica's own stage links outside the pipeline
-  schedule - one tensor from the first stage to every stage (the T_perp set-up, the sparse
-  T_S aggregate of eqs. 3-4). `static.PipeStageLink` broadcasts over the pipe group;
-  `LocalStageLink` hands the tensor over in memory.
+  schedule - one tensor from the first (or the last) stage to every stage (the T_perp set-up,
+  the sparse T_S aggregate of eqs. 3-4, the tied head's sparse aggregate).
+  `static.PipeStageLink` broadcasts over the pipe group; `LocalStageLink` hands the tensor
+  over in memory, which is why an owner `offer`s its sparse tensor first: the simulator runs
+  one stage at a time, so every owner offers before any stage shares.
 
 The method (`hetloco_ds.algorithm`) imports only this module; it never sees a process group.
 """
@@ -41,14 +43,23 @@ class ReplicaTransport(Protocol):
 class StageLink(Protocol):
     is_first: bool
     """Whether this stage is the replica's first (the one that holds T_S and sends)."""
+    is_last: bool
+    """Whether this stage is the replica's last (the one that holds a tied head)."""
 
-    def share_dense(self, tensor: torch.Tensor | None, shape: tuple[int, ...], kind: str = "control") -> torch.Tensor:
-        """The first stage's `tensor` (others pass None) on every stage of the replica; its
-        bytes are counted as `kind`."""
+    def share_dense(self, tensor: torch.Tensor | None, shape: tuple[int, ...], kind: str = "control",
+                    source: str = "first") -> torch.Tensor:
+        """The `source` stage's `tensor` ("first" or "last"; the others pass None) on every stage
+        of the replica; its bytes are counted as `kind`."""
+
+    def offer(self, tensor: torch.Tensor, source: str) -> None:
+        """An owner's tensor, before any stage of the replica calls `share_sparse` or
+        `share_dense` for it."""
 
     def share_sparse(self, tensor: torch.Tensor | None, shape: tuple[int, ...],
-                     kind: str = "embedding_sync") -> torch.Tensor:
-        """As `share_dense` for a mostly-zero tensor: only its non-zeros travel."""
+                     kind: str = "embedding_sync", source: str = "first") -> torch.Tensor:
+        """As `share_dense` for a mostly-zero tensor, from the `source` stage ("first" or
+        "last"; the others pass None): only its non-zeros travel. Every stage of the replica
+        calls it at the same point, for the same sources in the same order."""
 
 
 class LocalExchange:
@@ -62,29 +73,36 @@ class LocalExchange:
 
 
 class LocalStageLink:
-    """A replica's stages in one process: the first stage's tensor is handed to the others.
+    """A replica's stages in one process: the owner's tensor is handed to the others.
 
-    The first stage must share before the others ask (the simulator walks stages in order)."""
+    A dense tensor: the first stage must share before the others ask (the simulator walks
+    stages in order). A sparse one: its owner offers it first (see the module docstring)."""
 
-    def __init__(self, is_first: bool, shared: dict):
-        self.is_first = is_first
+    def __init__(self, is_first: bool, shared: dict, is_last: bool = False):
+        self.is_first, self.is_last = is_first, is_last
         self._shared = shared  # one dict per replica, common to its stages' links
 
-    def _share(self, tensor, key):
-        if self.is_first:
+    def _share(self, tensor, key, owner: bool):
+        if owner:
             self._shared[key] = tensor
             return tensor
         if key not in self._shared:
-            raise RuntimeError("a later stage asked for a tensor the first stage has not shared yet")
+            raise RuntimeError(f"a stage asked for a tensor ({key}) its owner has not shared yet")
         return self._shared[key]
 
-    def share_dense(self, tensor, shape, kind="control"):
-        return self._share(tensor, "dense")
+    def _owns(self, source: str) -> bool:
+        return self.is_first if source == "first" else self.is_last
 
-    def share_sparse(self, tensor, shape, kind="embedding_sync"):
-        return self._share(tensor, "sparse")
+    def share_dense(self, tensor, shape, kind="control", source="first"):
+        return self._share(tensor, ("dense", source), self._owns(source))
+
+    def offer(self, tensor, source):
+        self._shared[("sparse", source)] = self._shared[("dense", source)] = tensor
+
+    def share_sparse(self, tensor, shape, kind="embedding_sync", source="first"):
+        return self._share(tensor, ("sparse", source), self._owns(source))
 
     @staticmethod
     def for_replica(stages: int) -> list["LocalStageLink"]:
         shared: dict = {}
-        return [LocalStageLink(s == 0, shared) for s in range(stages)]
+        return [LocalStageLink(s == 0, shared, s == stages - 1) for s in range(stages)]

@@ -77,50 +77,60 @@ class GroupTransport:
 
 
 class PipeStageLink:
-    """Shares a tensor from a replica's first stage with its other stages over the pipe group.
+    """Shares a tensor from a replica's first (or last) stage with its other stages over the pipe group.
 
-    Every stage of the replica calls the same `share_*` at the same point, the first with the
+    Every stage of the replica calls the same `share_*` at the same point, the owner with the
     tensor and the others with None (a broadcast: all ranks of the group must take part).
+    `src` and `last_src` are the global ranks of the replica's first and last stages.
     """
 
-    def __init__(self, group, src: int, is_first: bool, num_stages: int, device, meter: ByteMeter):
+    def __init__(self, group, src: int, is_first: bool, num_stages: int, device, meter: ByteMeter,
+                 last_src: int | None = None, is_last: bool = False):
         self.group, self.src, self.is_first = group, src, is_first
+        self.last_src, self.is_last = last_src, is_last
         self.num_stages, self.device, self.meter = num_stages, device, meter
 
-    def _count(self, n: int, kind: str) -> None:
-        if self.is_first:
+    def _count(self, n: int, kind: str, owner: bool | None = None) -> None:
+        if self.is_first if owner is None else owner:
             self.meter.add("sent", n * (self.num_stages - 1), kind)
         else:
             self.meter.add("recv", n, kind)
 
-    def share_dense(self, tensor: torch.Tensor | None, shape: tuple[int, ...], kind: str = "control") -> torch.Tensor:
-        out = tensor.detach().clone() if self.is_first else torch.empty(shape, device=self.device)
+    def offer(self, tensor: torch.Tensor, source: str) -> None:
+        """Nothing to do: the owner passes its tensor to `share_sparse` itself."""
+
+    def share_dense(self, tensor: torch.Tensor | None, shape: tuple[int, ...], kind: str = "control",
+                    source: str = "first") -> torch.Tensor:
+        owner = self.is_first if source == "first" else self.is_last
+        out = tensor.detach().clone() if owner else torch.empty(shape, device=self.device)
         if self.num_stages > 1:
-            tdist.broadcast(out, src=self.src, group=self.group)
-            self._count(nbytes(out), kind)
+            tdist.broadcast(out, src=self.src if source == "first" else self.last_src, group=self.group)
+            self._count(nbytes(out), kind, owner)
         return out
 
     def share_sparse(self, tensor: torch.Tensor | None, shape: tuple[int, ...],
-                     kind: str = "embedding_sync") -> torch.Tensor:
+                     kind: str = "embedding_sync", source: str = "first") -> torch.Tensor:
         """The non-zeros as (int32 flat indices, values): the decoded average of M top-k payloads
         has at most M*k entries per chunk."""
         if self.num_stages == 1:
             return tensor
+        owner = self.is_first if source == "first" else self.is_last
+        src = self.src if source == "first" else self.last_src
         count = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if self.is_first:
+        if owner:
             flat = tensor.reshape(-1)
             idx = flat.nonzero().reshape(-1).to(torch.int32)
             vals = flat[idx.long()]
             count[0] = idx.numel()
-        tdist.broadcast(count, src=self.src, group=self.group)
+        tdist.broadcast(count, src=src, group=self.group)
         n = int(count.item())
-        if not self.is_first:
+        if not owner:
             idx = torch.empty(n, dtype=torch.int32, device=self.device)
             vals = torch.empty(n, dtype=torch.float32, device=self.device)
-        tdist.broadcast(idx, src=self.src, group=self.group)
-        tdist.broadcast(vals, src=self.src, group=self.group)
-        self._count(nbytes(count) + nbytes(idx) + nbytes(vals), kind)
-        if self.is_first:
+        tdist.broadcast(idx, src=src, group=self.group)
+        tdist.broadcast(vals, src=src, group=self.group)
+        self._count(nbytes(count) + nbytes(idx) + nbytes(vals), kind, owner)
+        if owner:
             return tensor
         out = torch.zeros(shape, device=self.device).reshape(-1)
         out[idx.long()] = vals

@@ -1,0 +1,154 @@
+"""A tied model's loss: the embedding and head copies tied apart between outer steps vs tied exactly.
+
+    python bench/tied_embeddings.py [--steps 300] [--seeds 0,1] [--model tiny] [--out bench/results]
+
+`hetloco-ds simulate` (the simulator computes what the engine computes: tests/test_simulate.py)
+on the packaged CPU config (configs/cpu_tiny.json: M = 2 replicas, S = 2 stages, replica 1
+compressed at ratio 8, H = 20, micro-batch 8, seq 128, AdamW lr 2e-3 with warm-up and cosine
+decay to `--steps`) and the `--model` preset with tie_word_embeddings, for each seed:
+
+  every_step   hetloco.sparseloco.tied_embeddings = "every_step": the two copies' gradients are
+               summed every inner step (exact tying; on the engine a dense V x d all-reduce
+               between the first and last stage every step)
+  outer_step   "outer_step" (the default): each copy trains on its own gradient with its own
+               AdamW state; at every outer step both become theta_prev - (avg_embedding + avg_head)
+  outer_mean   not in the engine, a patch of this script only: the same with the mean of the two
+               aggregates instead of their sum; recorded because it is the other natural choice
+
+Reported per row and seed: validation loss (the same held-out batches, every replica through its
+own pipeline, averaged), the final train loss (mean over the last H steps), and the relative
+difference to every_step of the same seed. Writes tied_embeddings.json.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import textwrap
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def _patch_mean() -> None:
+    """StageAlgorithm.sync_embeddings with (avg + head) / 2 instead of avg + head."""
+    import torch
+
+    from hetloco_ds import algorithm
+
+    src = textwrap.dedent(inspect.getsource(algorithm.StageAlgorithm.sync_embeddings))
+    assert "avg = avg + head" in src
+    src = src.replace("avg = avg + head", "avg = (avg + head) * 0.5").replace("@torch.no_grad()\n", "")
+    ns: dict = {}
+    exec(src, algorithm.__dict__, ns)
+    algorithm.StageAlgorithm.sync_embeddings = torch.no_grad()(ns["sync_embeddings"])
+
+
+def one(row: str, seed: int, steps: int, model: str) -> dict:
+    """One simulation in this process (rows run in separate processes: the mean row patches)."""
+    import torch
+
+    from hetloco_ds import data
+    from hetloco_ds.config import load_config
+    from hetloco_ds.presets import model_config_for
+    from hetloco_ds.simulate import Variant, simulate_variant
+
+    torch.set_num_threads(1)
+    if row == "outer_mean":
+        _patch_mean()
+    run = load_config(None)
+    run.scheduler["params"]["total_num_steps"] = steps
+    tok = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size, progress=False)
+    cfg = model_config_for(model, len(tok))
+    cfg.tie_word_embeddings = True
+    corpus = data.load_corpus(None, tok, run.hetloco.train.seq_len, progress=False)
+    v = Variant(name=row, ratio=run.hetloco.subspace.ratio, compressed=1, seed=seed,
+                tied_embeddings="every_step" if row == "every_step" else "outer_step")
+    t0 = time.perf_counter()
+    r = simulate_variant(run, v, cfg, corpus, 2, run.stages, steps, torch.device("cpu"), progress=False)
+    return {"row": row, "seed": seed, "val_loss": r["val_loss"], "val_losses": r["val_losses"],
+            "final_train_loss": r["final_train_loss"], "train_losses": [round(x, 5) for x in r["train_losses"]],
+            "seconds": time.perf_counter() - t0,
+            "model": {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings")}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--rows", default="every_step,outer_step,outer_mean")
+    ap.add_argument("--parallel", type=int, default=2, help="simulations at once")
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: ROW:SEED
+    args = ap.parse_args(argv)
+    if args.one:
+        row, seed = args.one.split(":")
+        print(json.dumps(one(row, int(seed), args.steps, args.model)), flush=True)
+        return 0
+    import subprocess
+
+    jobs = [(r, int(s)) for s in args.seeds.split(",") for r in args.rows.split(",")]
+    env = dict(os.environ, TQDM_DISABLE="1", HETLOCO_QUIET="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
+    # Tokenizer and corpus cache once, before the simulations read them side by side.
+    subprocess.run([sys.executable, "-c", "from hetloco_ds import data; from hetloco_ds.config import load_config; "
+                    "t = data.default_tokenizer(vocab_size=load_config(None).hetloco.train.vocab_size, progress=False); "
+                    "data.load_corpus(None, t, load_config(None).hetloco.train.seq_len, progress=False)"],
+                   env=env, check=True, capture_output=True)
+    t0, load0 = time.time(), os.getloadavg()
+    results, running = [], []
+    while jobs or running:
+        while jobs and len(running) < args.parallel:
+            row, seed = jobs.pop(0)
+            cmd = [sys.executable, __file__, "--one", f"{row}:{seed}", "--steps", str(args.steps), "--model", args.model]
+            running.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        p = running.pop(0)
+        out, err = p.communicate(timeout=7200)
+        if p.returncode != 0:
+            raise RuntimeError(f"{p.args}: {err[-2000:]}")
+        res = json.loads(out.strip().splitlines()[-1])
+        results.append(res)
+        print(f"{res['row']:>11} seed {res['seed']}: val {res['val_loss']:.4f} train {res['final_train_loss']:.4f} "
+              f"({res['seconds']:.0f} s)", flush=True)
+    base = {r["seed"]: r["val_loss"] for r in results if r["row"] == "every_step"}
+    for r in results:
+        r["val_vs_every_step_pct"] = 100 * (r["val_loss"] - base[r["seed"]]) / base[r["seed"]] if r["seed"] in base else None
+    rows = sorted({r["row"] for r in results}, key=args.rows.split(",").index)
+    table = {row: {"val_loss_mean": statistics.fmean(r["val_loss"] for r in results if r["row"] == row),
+                   "val_vs_every_step_pct": [round(r["val_vs_every_step_pct"], 3) for r in results
+                                             if r["row"] == row and r["val_vs_every_step_pct"] is not None]}
+             for row in rows}
+    report = {
+        "what": "simulated validation loss of a tied model: copies tied apart between outer steps vs exactly; "
+                "bench/tied_embeddings.py's docstring defines every number",
+        "command": "python bench/tied_embeddings.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": {"cpu": platform.processor(), "cores": os.cpu_count(), "loadavg_at_start": load0,
+                    "loadavg_at_end": os.getloadavg()},
+        "settings": {"config": "hetloco_ds/configs/cpu_tiny.json", "model": args.model, "steps": args.steps,
+                     "replicas": 2, "stages": 2, "compressed_replicas": [1]},
+        "summary": table,
+        "results": results,
+        "total_seconds": round(time.time() - t0, 1),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "tied_embeddings.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    for row, t in table.items():
+        print(f"{row:>11}: mean val {t['val_loss_mean']:.4f}; vs every_step {t['val_vs_every_step_pct']} %")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""`hetloco-ds train --link ...`: the job on shaped links, ending with measured vs planned."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hetloco_ds import netlab
+
+OK, WHY = netlab.available()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 64, "max_position_embeddings": 64}
+LINE = re.compile(r"\[hetloco\] rehearsal \(stage 2 Mbit/s, replica 20 Mbit/s, overlapped schedule, M=2 x S=2\): "
+                  r"step ([0-9.e+-]+) s measured vs ([0-9.e+-]+) s planned \(x([0-9.]+)\); compute utilisation "
+                  r"(\d+)% measured vs (\d+)% planned")
+
+
+def _files(tmp_path):
+    with open(os.path.join(REPO, "hetloco_ds", "configs", "cpu_tiny.json")) as f:
+        cfg = json.load(f)
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    cfg["gradient_accumulation_steps"] = 4
+    cfg["hetloco"]["sparseloco"]["inner_steps"] = 3
+    cfg["hetloco"]["subspace"] = {"ratio": 4, "compressed_replicas": [1]}
+    cfg["hetloco"]["train"].update(seq_len=32, vocab_size=512, eval_interval=0, eval_batches=1)
+    cfg["scheduler"]["params"].update(total_num_steps=6, warmup_num_steps=2)
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.json").write_text(json.dumps(MODEL))
+    return ["--config", str(tmp_path / "cfg.json"), "--model-config", str(tmp_path / "model.json")]
+
+
+def _train(args, env, timeout=400):
+    return subprocess.run([sys.executable, "-m", "hetloco_ds.cli", "train", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+@pytest.mark.skipif(not OK, reason=f"shaped namespaces unavailable: {WHY}")
+def test_rehearsal_runs_the_job_on_shaped_links_and_compares_with_the_plan(tmp_path, tmp_path_factory):
+    """2 replicas x 2 stages, replica 1 compressed, stage links at 2 Mbit/s and replica links at
+    20 Mbit/s: the job trains and exports as without --link, and its last line compares the
+    measured step time and utilisation with plan's; at this rate the links dominate, so the
+    two agree to within 2x even on a loaded machine. Breaks if the ranks do not run in their
+    namespaces, if the summary is missing, or if the plan misses the links by far."""
+    env = dict(os.environ, HETLOCO_CACHE=str(tmp_path_factory.getbasetemp() / "hetloco-cache"),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    out = tmp_path / "out"
+    before = set(netlab.harness_namespaces())
+    proc = _train([*_files(tmp_path), "--nproc", "4", "--steps", "6", "--out", str(out),
+                   "--link", "stage=2mbit", "--link", "replica=20mbit"], env)
+    left = set(netlab.harness_namespaces()) - before
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    print(last)
+    m = LINE.fullmatch(last)
+    assert m, last
+    measured, planned, ratio = float(m[1]), float(m[2]), float(m[3])
+    assert 0.5 <= measured / planned <= 2.0, last
+    assert (out / "hf" / "config.json").exists()
+    # The run's namespaces are gone (others' may exist: their creators are still alive).
+    assert not [n for n in left if not netlab._pid_alive(int(n[len(netlab.PREFIX):].split("-")[0]))], left
+
+
+def test_rehearsal_without_tc_fails_with_one_line_before_any_rank_starts(tmp_path):
+    """With `tc` missing from PATH (or without root), --link stops at once with one line that
+    names what is missing, exit 2, and nothing written. A bad --link says which one."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("ip",):
+        found = shutil.which(tool)
+        if found:
+            os.symlink(found, bin_dir / tool)
+    env = dict(os.environ, PATH=str(bin_dir))
+    out = tmp_path / "out"
+    proc = _train([*_files(tmp_path), "--nproc", "4", "--out", str(out), "--link", "stage=1G"], env, timeout=120)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    if os.geteuid() == 0:
+        assert "`tc`" in lines[0] and "not found" in lines[0], lines[0]
+    else:
+        assert "root" in lines[0], lines[0]
+    assert not out.exists()
+    bad = _train([*_files(tmp_path), "--out", str(out), "--link", "stage=fast"], dict(os.environ), timeout=120)
+    assert bad.returncode == 2 and "stage=fast" not in bad.stdout and "fast" in bad.stderr
+    assert len([l for l in bad.stderr.splitlines() if l.strip()]) == 1, bad.stderr
+    assert not out.exists()

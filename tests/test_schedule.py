@@ -1,0 +1,166 @@
+"""The overlapped pipeline schedule: DeepSpeed's order where it should be, no deadlock, same bits."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from distributed import build_from_hf, run_ranks
+
+SEQ = 16
+VOCAB = 96
+
+
+def _instructions(schedule) -> list:
+    return [cmd for step in schedule for cmd in step]
+
+
+@pytest.mark.parametrize("stages", range(1, 9))
+@pytest.mark.parametrize("micro_batches", [1, 2, 5, 12])
+def test_blocking_ops_are_deepspeeds_train_schedule(stages, micro_batches):
+    """order.link_ops("blocking") is DeepSpeed's TrainSchedule instruction for instruction (its
+    sends, receives and passes, on the same buffers), so the cost model times the schedule the
+    engine runs. Breaks if DeepSpeed changes its 1F1B order or our copy of it drifts."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from hetloco_ds.pipe.order import compute_order, link_ops
+
+    names = {ds.ForwardPass: "F", ds.BackwardPass: "B", ds.SendActivation: "send_act",
+             ds.RecvActivation: "recv_act", ds.SendGrad: "send_grad", ds.RecvGrad: "recv_grad"}
+    for s in range(stages):
+        sched = ds.TrainSchedule(micro_batches, stages, s)
+        theirs = [(names[type(c)], c.buffer_id) for c in _instructions(sched) if type(c) in names]
+        ops = link_ops("blocking", stages, s, micro_batches)
+        assert [(op, i % sched.num_pipe_buffers()) for op, i in ops] == theirs
+        assert [(op, i) for op, i in ops if op in "FB"] == compute_order("blocking", stages, s, micro_batches)
+
+
+def _run_streams(streams: list[list]) -> list[list[tuple[str, int]]]:
+    """Execute every stage's instruction stream with instant links: a wait blocks until the
+    peer has issued the matching send, and must follow its own posted receive. Returns
+    each stage's compute order; raises on deadlock or a message out of order."""
+    from hetloco_ds.pipe import schedule as ps
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
+
+    S = len(streams)
+    pos = [0] * S
+    sent = {("act", s): [] for s in range(S)} | {("grad", s): [] for s in range(S)}  # by receiver
+    posted = {("act", s): [] for s in range(S)} | {("grad", s): [] for s in range(S)}
+    waited = {("act", s): 0 for s in range(S)} | {("grad", s): 0 for s in range(S)}
+    done = [[] for _ in range(S)]
+    while any(pos[s] < len(streams[s]) for s in range(S)):
+        progressed = False
+        for s in range(S):
+            while pos[s] < len(streams[s]):
+                cmd = streams[s][pos[s]]
+                if isinstance(cmd, ps.PostRecvActivation):
+                    posted[("act", s)].append(cmd.micro_batch)
+                elif isinstance(cmd, ps.PostRecvGrad):
+                    posted[("grad", s)].append(cmd.micro_batch)
+                elif isinstance(cmd, (ps.SendActivationAsync, ps.SendGradAsync)):
+                    key = ("act", s + 1) if isinstance(cmd, ps.SendActivationAsync) else ("grad", s - 1)
+                    sent[key].append(cmd.micro_batch)  # non-blocking: moves once the receive is posted
+                elif isinstance(cmd, (ps.WaitRecvActivation, ps.WaitRecvGrad)):
+                    key = ("act", s) if isinstance(cmd, ps.WaitRecvActivation) else ("grad", s)
+                    if len(sent[key]) <= waited[key]:
+                        break  # blocked
+                    assert sent[key][waited[key]] == cmd.micro_batch
+                    assert cmd.micro_batch in posted[key], f"stage {s} waits for {key} {cmd.micro_batch} unposted"
+                    waited[key] += 1
+                elif isinstance(cmd, ForwardPass):
+                    done[s].append(("F", cmd.buffer_id))
+                elif isinstance(cmd, BackwardPass):
+                    done[s].append(("B", cmd.buffer_id))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise AssertionError(f"deadlock at {[str(streams[s][pos[s]]) for s in range(S) if pos[s] < len(streams[s])]}")
+    for key, n in waited.items():
+        assert n == len(posted[key]) == len(sent[key]), (key, n, posted[key], sent[key])
+    return done
+
+
+@pytest.mark.parametrize("stages", range(2, 9))
+@pytest.mark.parametrize("micro_batches", [1, 3, 8, 32])
+def test_overlapped_schedule_never_deadlocks_and_backwards_run_in_order(stages, micro_batches):
+    """Every stage's overlapped stream, run against its neighbours: each wait follows its posted
+    receive and is eventually met, in message order, nothing is left posted, and each
+    stage runs backward passes in micro-batch order (the gradient sum order of the blocking
+    schedule). Breaks on a receive posted too late or a wait that comes too early (deadlock)."""
+    from hetloco_ds.pipe.order import compute_order, depth
+    from hetloco_ds.pipe.schedule import OverlappedTrainSchedule
+
+    streams = [_instructions(OverlappedTrainSchedule(micro_batches, stages, s)) for s in range(stages)]
+    done = _run_streams(streams)
+    for s in range(stages):
+        order = compute_order("overlapped", stages, s, micro_batches)
+        w = depth("overlapped", stages, s, micro_batches)
+        assert done[s] == [(k, i % w) for k, i in order]
+        assert [i for k, i in order if k == "B"] == list(range(micro_batches))
+        assert w == min(micro_batches, 3 * (stages - 1 - s) + 1)
+
+
+# ---------------------------------------------------------------------------- processes
+def _config(schedule: str, tied_embeddings: str | None = None, stages: int = 2, compressed=(1,)) -> dict:
+    sparseloco = {"inner_steps": 2, "topk": 32, "error_decay": 0.95, "outer_lr": 1.0}
+    if tied_embeddings is not None:
+        sparseloco["tied_embeddings"] = tied_embeddings
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        "gradient_clipping": 1.0,
+        "pipeline": {"stages": stages},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "hetloco": {
+            "sparseloco": sparseloco,
+            "subspace": {"ratio": 4, "compressed_replicas": compressed if compressed == "all" else list(compressed)},
+            "pipeline": {"schedule": schedule},
+            "train": {"seq_len": SEQ},
+        },
+    }
+
+
+def _batches(replica: int, step: int):
+    g = torch.Generator().manual_seed(1000 * replica + step)
+    ids = torch.randint(0, VOCAB, (3, 2, SEQ), generator=g)
+    return [(m, m) for m in ids]
+
+
+def _digest(module) -> str:
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _both_schedules_body(rank, cases, steps):
+    """Per case, train `steps` steps under each schedule in turn, from the same checkpoint and batches."""
+    out = {}
+    for name, hf_dir, tied_embeddings, stages in cases:
+        for schedule in ("blocking", "overlapped"):
+            cfg = _config(schedule, tied_embeddings, stages, (1,) if stages == 2 else "all")
+            engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
+            rows = []
+            for step in range(1, steps + 1):
+                rec = engine.train_batch(iter(_batches(engine.replica, step)))
+                rows.append((rec.loss, _digest(module), rec.outer is not None,
+                             rec.bytes["activation"], rec.bytes["activation_grad"]))
+            out[name, schedule] = rows
+    return out
+
+
+def test_overlapped_and_blocking_schedules_train_bitwise_alike(hf_untied, hf_tied):
+    """2 replicas x 2 stages, replica 1 compressed (ratio 4), 3 micro-batches a step, through an
+    outer step: every step's replica loss, every stage's parameters (hash of the bits) and the
+    stage-link bytes are the same under both schedules, for an untied model and a tied one
+    (either way of tying); and for 4 stages of one compressed replica (tied apart). Breaks if
+    the overlapped schedule reorders gradient accumulation, hands a micro-batch the wrong
+    message or buffer, or drops or duplicates a transfer."""
+    cases = [("untied", hf_untied, None, 2), ("tied apart", hf_tied, "outer_step", 2),
+             ("tied exactly", hf_tied, "every_step", 2), ("S=4 tied apart", hf_tied, "outer_step", 4)]
+    results = run_ranks(_both_schedules_body, 4, cases, 3)
+    for r in results:
+        for name, *_ in cases:
+            assert any(row[2] for row in r[name, "blocking"])  # an outer step happened
+            assert r[name, "overlapped"] == r[name, "blocking"], name
