@@ -69,12 +69,12 @@ def one(row: str, seed: int, steps: int, model: str) -> dict:
     cfg.tie_word_embeddings = True
     corpus = data.load_corpus(None, tok, run.hetloco.train.seq_len, progress=False)
     v = Variant(name=row, ratio=run.hetloco.subspace.ratio, compressed=1, seed=seed,
-                tied_embeddings="every_step" if row == "every_step" else "outer_step")
+                sparseloco={"tied_embeddings": "every_step" if row == "every_step" else "outer_step"})
     t0 = time.perf_counter()
     r = simulate_variant(run, v, cfg, corpus, 2, run.stages, steps, torch.device("cpu"), progress=False)
     return {"row": row, "seed": seed, "val_loss": r["val_loss"], "val_losses": r["val_losses"],
             "final_train_loss": r["final_train_loss"], "train_losses": [round(x, 5) for x in r["train_losses"]],
-            "seconds": time.perf_counter() - t0,
+            "seconds": time.perf_counter() - t0, "sparseloco": v.hetloco(run.hetloco, 2).sparseloco.model_dump(),
             "model": {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "vocab_size", "tie_word_embeddings")}}
 
 
