@@ -56,7 +56,8 @@ class CheckpointError(RuntimeError):
 def collect_rank_state(engine, data_position: int) -> dict:
     """What this rank needs, beyond DeepSpeed's files, to continue exactly where it stopped:
     its own AdamW moments (DeepSpeed keeps replica 0's only), the SparseLoCo error buffers and
-    theta at the last sync, T_perp, the LR schedule, step counters and the data position."""
+    theta at the last sync, T_perp, the LR schedule, step counters, the data position and, in
+    elastic mode, the transport's state (torchft's step counter and the fleet's history)."""
     return {
         "local_steps": engine.local_steps,
         "data_position": data_position,
@@ -65,6 +66,8 @@ def collect_rank_state(engine, data_position: int) -> dict:
         "algorithm": engine.algorithm.state_dict(),
         "meter": engine.meter.snapshot(),
         "client_state": getattr(engine, "client_state", {}),
+        # elastic mode: the transport's committed-step counter and history (static: nothing)
+        "transport": engine.transport.state_dict() if hasattr(engine.transport, "state_dict") else None,
     }
 
 
@@ -79,6 +82,8 @@ def restore_rank_state(engine, state: dict) -> int:
     engine.meter.total = state["meter"]
     engine.meter.since_mark()
     engine.client_state = state.get("client_state", {})
+    if state.get("transport") is not None and hasattr(engine.transport, "load_state_dict"):
+        engine.transport.load_state_dict(state["transport"])
     return state["data_position"]
 
 

@@ -24,10 +24,23 @@ def _train_parser(sub) -> None:
                    help="continue the run in --out from its newest complete checkpoint, with its own config, model "
                         "and data unless given (they must then match)")
     p.add_argument("--overwrite", action="store_true", help="replace the run that --out already holds")
-    p.add_argument("--nproc", type=int, help="spawn this many local ranks (default: 2 x pipeline stages when not under a launcher)")
+    p.add_argument("--nproc", type=int, help="spawn this many local ranks (default: 2 x pipeline stages when not under a "
+                                             "launcher; one replica's stages with --lighthouse)")
     p.add_argument("--link", action="append", metavar="CLASS=RATE",
                    help="rehearse on emulated links (Linux, root): shape stage or replica links, e.g. --link stage=100mbit "
                         "--link replica=1G; ends with measured vs planned step time (hetloco_ds.rehearse)")
+    e = p.add_argument_group("elastic mode", "each replica its own job, meeting at the outer sync through a torchft "
+                                             "lighthouse (README: Elastic replicas)")
+    e.add_argument("--lighthouse", metavar="ADDR", help="join the fleet of this lighthouse (http://HOST:PORT, printed by "
+                                                        "`hetloco-ds lighthouse`) as one replica; writes OUT/replica-ID")
+    e.add_argument("--replica-id", type=int, metavar="ID", help="this replica's id in 0..hetloco.elastic.max_replicas-1 "
+                                                               "(picks its data shard)")
+    e.add_argument("--secret-file", help="file (mode 600) holding the fleet's shared secret (default: "
+                                         "$HETLOCO_FLEET_SECRET; never on the command line)")
+    e.add_argument("--bind", default="127.0.0.1", help="address this replica listens on (default 127.0.0.1)")
+    e.add_argument("--advertise", help="address other replicas reach this one at (default: --bind)")
+    e.add_argument("--elastic", action="store_true",
+                   help="on this machine: start a lighthouse and --nproc / stages replicas, each its own job")
 
 
 def _export_parser(sub) -> None:
@@ -40,7 +53,7 @@ def _export_parser(sub) -> None:
 
 
 def _default_nproc(targs) -> int:
-    """2 x stages for a new run; the run's own world size for --resume."""
+    """2 x stages for a new run (one replica of a fleet: its stages); the run's own world size for --resume."""
     from . import rundir
     from .config import default_config_path, parse_config
     from .train import _read_json, config_path
@@ -50,7 +63,7 @@ def _default_nproc(targs) -> int:
         if config_path(targs) is None:
             return record["world_size"]
     path = config_path(targs) or default_config_path()
-    return 2 * parse_config(_read_json(path), path).stages
+    return (1 if targs.fleet is not None else 2) * parse_config(_read_json(path), path).stages
 
 
 def _train(args) -> int:
@@ -60,6 +73,7 @@ def _train(args) -> int:
     from .config import ConfigError
     from .rundir import state_dir
     from .launch import spawn, under_launcher
+    from .fleet import FleetArgs, replica_dir
     from .train import ENV_JOB, ENV_OWNED, ENV_TAG, EXIT_BAD_INPUT, TrainArgs, default_out, main_rank, own_run, plan_run
 
     def fail(message: str) -> int:
@@ -68,21 +82,43 @@ def _train(args) -> int:
 
     if args.steps < 0:
         return fail(f"--steps {args.steps} must be >= 0")
+    fleet_args = None
+    if args.elastic and (args.lighthouse is not None or args.replica_id is not None):
+        return fail("--elastic starts its own lighthouse and replicas; --lighthouse / --replica-id run one replica "
+                    "of a fleet: pass one or the other")
+    if (args.lighthouse is None) != (args.replica_id is None) and not args.elastic:
+        return fail("elastic mode needs both --lighthouse ADDR and --replica-id ID")
+    if args.lighthouse is not None or args.elastic:
+        fleet_args = FleetArgs(lighthouse=args.lighthouse or "", replica=args.replica_id or 0,
+                               secret_file=args.secret_file, bind=args.bind, advertise=args.advertise)
+    elif args.secret_file is not None or args.advertise is not None:
+        return fail("--secret-file / --advertise are for elastic mode (--lighthouse or --elastic)")
     targs = TrainArgs(config=args.config, model=args.model, model_config=args.model_config, data=args.data,
                       out=args.out, steps=args.steps, resume=args.resume, overwrite=args.overwrite,
-                      text_field=args.text_field, tokenizer=args.tokenizer, dtype=args.dtype)
+                      text_field=args.text_field, tokenizer=args.tokenizer, dtype=args.dtype, fleet=fleet_args)
     if args.link:  # a rehearsal on shaped links: check it can run before anything else
         from . import rehearse
 
+        if fleet_args is not None:
+            return fail("--link rehearses one static job; elastic replicas (--lighthouse, --elastic) are not shaped")
         if (why := rehearse.problem(args.link, under_launcher())) is not None:
             return fail(why)
     if under_launcher():
         if args.nproc is not None:
             return fail(f"--nproc {args.nproc} is for starting ranks without a launcher; this process is already "
                         f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} under one")
+        if args.elastic:
+            return fail("--elastic starts its own jobs; under a launcher run one replica with --lighthouse")
+        if fleet_args is not None and targs.out is not None:
+            targs.out = replica_dir(targs.out, fleet_args.replica)
         return main_rank(targs)
     if targs.out is None:
         targs.out = default_out()
+    fleet_out = targs.out
+    if args.elastic:
+        return _train_fleet(args, targs, fail)
+    if fleet_args is not None:
+        targs.out = replica_dir(fleet_out, fleet_args.replica)
     try:
         nproc = args.nproc if args.nproc is not None else _default_nproc(targs)
         # Every check, once, before any rank starts or anything is written.
@@ -92,13 +128,14 @@ def _train(args) -> int:
         lock = own_run(plan)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         return fail(str(err))
-    argv = ["train", "--out", targs.out, "--steps", str(args.steps)]
-    for flag, value in (("--config", args.config), ("--model", args.model), ("--model-config", args.model_config),
-                        ("--data", args.data), ("--text-field", args.text_field), ("--tokenizer", args.tokenizer),
-                        ("--dtype", args.dtype)):
-        if value is not None:
-            argv += [flag, value]
+    argv = ["train", "--out", fleet_out, "--config", args.config, *_job_flags(args)]
+    if args.config is None:
+        argv[3:5] = []
     argv += [flag for flag, on in (("--resume", args.resume), ("--overwrite", args.overwrite)) if on]
+    if fleet_args is not None:
+        argv += ["--lighthouse", args.lighthouse, "--replica-id", str(args.replica_id), "--bind", args.bind]
+        argv += [x for flag, v in (("--secret-file", args.secret_file), ("--advertise", args.advertise))
+                 if v is not None for x in (flag, v)]
     env = dict(os.environ, **{ENV_OWNED: "1", ENV_JOB: uuid.uuid4().hex[:12]})
     if plan.resume is not None:
         env[ENV_TAG] = plan.resume.tag
@@ -109,6 +146,27 @@ def _train(args) -> int:
     finally:
         shutil.rmtree(state_dir(targs.out, "heartbeat"), ignore_errors=True)  # the job is over
         lock.release()
+
+
+def _job_flags(args) -> list[str]:
+    """--steps and the inputs' flags, as every rank of the job gets them."""
+    argv = ["--steps", str(args.steps)]
+    for flag, value in (("--model", args.model), ("--model-config", args.model_config), ("--data", args.data),
+                        ("--text-field", args.text_field), ("--tokenizer", args.tokenizer), ("--dtype", args.dtype)):
+        if value is not None:
+            argv += [flag, value]
+    return argv
+
+
+def _train_fleet(args, targs, fail) -> int:
+    """`--elastic`: a lighthouse and --nproc / stages replica jobs on this machine (fleet.launch)."""
+    from . import fleet
+    from .config import ConfigError
+
+    try:
+        return fleet.launch(targs, args.nproc, _job_flags(args))
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        return fail(str(err))
 
 
 def _export(args) -> int:

@@ -155,6 +155,28 @@ class TrainConfig(_Section):
     every replica's update was non-finite; 0 never stops."""
 
 
+class ElasticSection(_Section):
+    """Elastic mode (`--lighthouse` / `--elastic`): every replica its own job, meeting at the outer
+    sync through torchft (README, "Elastic replicas"). Ignored by the static mode."""
+
+    max_replicas: int | None = Field(None, ge=1)
+    """N, the fleet's size: replica ids are 0..N-1, and replica m trains on data shard m of N (the
+    static run's replica m when N = M). `--elastic` fills it with --nproc / pipeline.stages when null."""
+    timeout: float = Field(30.0, gt=0)
+    """Seconds each collective of an outer-sync attempt, each store wait and a state transfer may take;
+    a peer that dies inside the exchange costs the others at most about this (then one retry)."""
+    quorum_timeout: float = Field(300.0, gt=0)
+    """Seconds a replica waits at an outer boundary for the lighthouse's quorum before that attempt fails."""
+    join_timeout: float = Field(60.0, gt=0)
+    """Lighthouse started by `--elastic`: seconds the replicas at a boundary wait for a live replica that has
+    not reached it (a hung or much slower one) before going on without it (`hetloco-ds lighthouse --join-timeout`)."""
+    heartbeat_timeout: float = Field(5.0, gt=0)
+    """Lighthouse started by `--elastic`: seconds without a heartbeat after which a replica counts as dead
+    (`hetloco-ds lighthouse --heartbeat-timeout`)."""
+    max_attempts: int = Field(20, ge=1)
+    """Failed exchange attempts in a row (each with a new quorum) before an outer step gives up with an error."""
+
+
 class PipelineConfig(_Section):
     schedule: Literal["overlapped", "blocking"] = "overlapped"
     """overlapped: stage-link transfers run beside the compute (receives posted ahead, sends in the
@@ -167,6 +189,7 @@ class HetlocoConfig(_Section):
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    elastic: ElasticSection = Field(default_factory=ElasticSection)
 
 
 @dataclass(frozen=True)
@@ -433,22 +456,33 @@ def check_topology(world_size: int, stages: int, source: str, num_layers: int | 
     return world_size // stages
 
 
-def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int) -> int:
+def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int, elastic: bool = False) -> int:
     """Every check that needs the world size or the model: run once where the job is launched.
 
-    Returns the number of replicas M."""
+    Returns the number of replicas M; `elastic`: the job is one replica of a fleet of
+    hetloco.elastic.max_replicas, whose size is returned."""
     M = check_topology(world_size, run.stages, run.source, num_layers)
+    made = f"{world_size} ranks / pipeline.stages = {run.stages} make"
+    if elastic:
+        if M != 1:
+            raise ConfigError(f"an elastic replica is one pipeline of pipeline.stages = {run.stages} ranks; "
+                              f"this job has {world_size} (--nproc {run.stages}, or one replica per launch)")
+        M = run.hetloco.elastic.max_replicas
+        if M is None:
+            raise ConfigError(f"{run.source}: hetloco.elastic.max_replicas is not set: the fleet's size N fixes "
+                              "the replica ids 0..N-1 and their data shards")
+        made = f"hetloco.elastic.max_replicas = {M} makes"
     sub = run.hetloco.subspace
     where = f"{run.source}: hetloco.subspace"
     if isinstance(sub.compressed_replicas, list):
         missing = [m for m in sub.compressed_replicas if not 0 <= m < M]
         if missing:
             raise ConfigError(f"{where}.compressed_replicas = {sub.compressed_replicas} names replica {missing[0]}, "
-                              f"but {world_size} ranks / pipeline.stages = {run.stages} make replicas 0..{M - 1}")
+                              f"but {made} replicas 0..{M - 1}")
     missing = [m for m in sub.replica_ratios if not 0 <= m < M]
     if missing:
         raise ConfigError(f"{where}.replica_ratios = {sub.replica_ratios} names replica {missing[0]}, "
-                          f"but {world_size} ranks / pipeline.stages = {run.stages} make replicas 0..{M - 1}")
+                          f"but {made} replicas 0..{M - 1}")
     for m in range(M):
         ratio = sub.ratio_for(m, M)
         if hidden_size % ratio != 0:

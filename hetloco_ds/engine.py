@@ -69,14 +69,17 @@ class HetlocoEngine(PipelineEngineAdapter):
         pipe_schedule.WaitSends: "wait_sends",
     }
 
-    def __init__(self, *args, run: RunConfig, seq_len: int, **kwargs):
+    def __init__(self, *args, run: RunConfig, seq_len: int, replica: tuple[int, int] | None = None,
+                 transport=None, **kwargs):
+        """`replica`: (this replica's id, the fleet's size) when the job is one replica of an elastic
+        fleet (default: DeepSpeed's data-parallel id and size). `transport`: engine -> ReplicaTransport,
+        called once the stage's algorithm is set up (default: the static GroupTransport)."""
         self.run = run
         self.hetloco = hetloco = run.hetloco
         self.seq_len = seq_len
         self.meter = ByteMeter()
         super().__init__(*args, **kwargs)
-        self.replica = self.grid.data_parallel_id
-        self.num_replicas = self.grid.data_parallel_size
+        self.replica, self.num_replicas = replica or (self.grid.data_parallel_id, self.grid.data_parallel_size)
         self.dp_group = self.grid.get_data_parallel_group()
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
@@ -85,7 +88,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         groups = None
         if self.schedule == "overlapped" and self.num_stages > 1:
             replicas = [[self.grid.stage_to_global(s, data=m) for s in range(self.num_stages)]
-                        for m in range(self.num_replicas)]
+                        for m in range(self.grid.data_parallel_size)]  # this job's pipelines
             groups = DirectedGroups(replicas, self.global_rank, self.device, self.meter)
         self.links = StageLinks(
             self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
@@ -97,7 +100,6 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.stage_link = PipeStageLink(self.pipe_group, self.grid.stage_to_global(0), self.is_first_stage(),
                                         self.num_stages, self.device, self.meter,
                                         self.grid.stage_to_global(self.num_stages - 1), self.is_last_stage())
-        self.transport = GroupTransport(self.dp_group, self.meter)
         cfg = self.module.llama_config
         self.algorithm = StageAlgorithm(
             self.trainable_params(), hetloco, replica=self.replica, num_replicas=self.num_replicas,
@@ -108,6 +110,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.module.configure_boundary(self.algorithm.basis, torch.bfloat16 if run.bf16 else torch.float32)
         self.algorithm.setup(self.stage_link)
         self.module.codec.perp = self.algorithm.perp
+        self.transport = GroupTransport(self.dp_group, self.meter) if transport is None else transport(self)
         self.meter.since_mark()
 
     def _count_deepspeed_init_traffic(self) -> None:
@@ -304,6 +307,9 @@ class HetlocoEngine(PipelineEngineAdapter):
     def outer_step(self) -> dict:
         """SparseLoCo outer step for this stage, inside this stage's data-parallel group."""
         start = time.perf_counter()
+        begin = getattr(self.transport, "begin", None)
+        if begin is not None:  # elastic: this boundary's quorum, which may replace the stage's synced state
+            begin()
         result = self.algorithm.outer_step(self.transport, self.stage_link)
         if result.excluded and self.global_rank == 0:
             print(f"[hetloco] WARNING outer step {result.outer_step}: replicas {list(result.excluded)} had a "
@@ -315,6 +321,7 @@ class HetlocoEngine(PipelineEngineAdapter):
             "payload_bytes": result.payload_bytes,
             "excluded": _ids(result.excluded),
             "contributors": _ids(result.contributors),
+            **getattr(self.transport, "outer_fields", dict)(),
         }
 
     # ------------------------------------------------------------- validation
@@ -345,15 +352,17 @@ class HetlocoEngine(PipelineEngineAdapter):
         loss = self.evaluate(data_iter, num_micro_batches or self.micro_batches)
         return self._from_last_stage([loss or 0.0])[0].float()
 
-    def validation_losses(self, data_iter, micro_batches: int) -> list[float]:
-        """Every replica's loss over the same held-out batches, each through its own pipeline (a
-        compressed replica through its compressed boundaries), as the paper averages validation;
-        the same list on every rank. Every rank calls it at the same step."""
+    def validation_losses(self, data_iter, micro_batches: int) -> dict[int, float]:
+        """{replica: loss} of every replica of this job over the same held-out batches, each
+        through its own pipeline (a compressed replica through its compressed boundaries), as the
+        paper averages validation; the same on every rank. Every rank calls it at the same step.
+        An elastic replica is its own job: only its own loss."""
         loss = self.evaluate(data_iter, micro_batches)
-        losses = [0.0] * self.num_replicas
+        here, me = self.grid.data_parallel_size, self.grid.data_parallel_id
+        losses = [0.0] * here
         if self.is_last_stage():
-            losses[self.replica] = loss
-            if self.num_replicas > 1:
+            losses[me] = loss
+            if here > 1:
                 # The replicas' last stages sum their one-hot vectors; then each broadcasts the
                 # list over its own pipe group: two collectives, in this order on every rank.
                 t = torch.tensor(losses, dtype=torch.float64, device=self.device)
@@ -361,7 +370,9 @@ class HetlocoEngine(PipelineEngineAdapter):
                 self.meter.add("sent", nbytes(t), "control")
                 self.meter.add("recv", nbytes(t), "control")
                 losses = t.tolist()
-        return self._from_last_stage(losses).tolist()
+        values = self._from_last_stage(losses).tolist()
+        ids = list(range(here)) if here == self.num_replicas else [self.replica]
+        return dict(zip(ids, values))
 
     # ------------------------------------------------------------- checkpoints and export
     def save_checkpoint(self, save_dir, tag=None, client_state=None, data_position: int = 0, keep: int = 0, **_):

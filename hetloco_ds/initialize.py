@@ -31,8 +31,9 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend=backend)
 
 
-def build_engine(run: RunConfig, module, seq_len: int):
-    """A HetlocoEngine over an already built HetlocoPipelineModule."""
+def build_engine(run: RunConfig, module, seq_len: int, replica: tuple[int, int] | None = None, transport=None):
+    """A HetlocoEngine over an already built HetlocoPipelineModule (`replica`, `transport`: elastic
+    mode, see HetlocoEngine)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from .engine import HetlocoEngine
@@ -56,6 +57,8 @@ def build_engine(run: RunConfig, module, seq_len: int):
         config_class=DeepSpeedConfig(ds, mpu),
         run=run,
         seq_len=seq_len,
+        replica=replica,
+        transport=transport,
     )
     return engine
 

@@ -4,6 +4,8 @@ Each rank is a fresh `python -m hetloco_ds.cli ...` process with the environment
 `deepspeed` launcher and `torchrun` would give it. When a rank fails, the others are stopped
 at once (a stopped, SIGSTOPped one included), so a crash never leaves peers waiting in a
 collective; a rank that died by a signal is named in one line, since it could not say so itself.
+`spawn_groups` runs several such jobs side by side (`--elastic`: one per replica), where a
+failure stops only its own job.
 """
 from __future__ import annotations
 
@@ -42,13 +44,11 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "hetloco-ds train") -> int:
-    """Run `python -m hetloco_ds.cli *argv` as `nproc` ranks; returns the first failing rank's exit
-    code (128 + N for a rank killed by signal N), or 0."""
+def _start(nproc: int, argv: list[str], env: dict | None, threads: int) -> list[subprocess.Popen]:
+    """`nproc` ranks of `python -m hetloco_ds.cli *argv`, one job (its own MASTER_PORT)."""
     port = free_port()
     procs = []
     base = dict(os.environ if env is None else env)
-    threads = max(1, (os.cpu_count() or 1) // nproc)
     for rank in range(nproc):
         rank_env = dict(base)
         rank_env.update(
@@ -59,6 +59,17 @@ def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "het
         if rank != 0:
             rank_env["HETLOCO_QUIET"] = "1"
         procs.append(subprocess.Popen([sys.executable, "-m", "hetloco_ds.cli", *argv], env=rank_env))
+    return procs
+
+
+def _died(rank: int, proc: subprocess.Popen, rc: int) -> str:
+    return f"rank {rank} (pid {proc.pid}) died with {signal.Signals(-rc).name}"
+
+
+def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "hetloco-ds train") -> int:
+    """Run `python -m hetloco_ds.cli *argv` as `nproc` ranks; returns the first failing rank's exit
+    code (128 + N for a rank killed by signal N), or 0."""
+    procs = _start(nproc, argv, env, max(1, (os.cpu_count() or 1) // nproc))
     first: tuple[int, int] | None = None
     try:
         running = set(range(nproc))
@@ -80,8 +91,45 @@ def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "het
         return 0
     rank, rc = first
     if rc < 0:
-        sig = signal.Signals(-rc).name
-        print(f"{name}: error: rank {rank} (pid {procs[rank].pid}) died with {sig}; stopped the other ranks",
-              file=sys.stderr, flush=True)
+        print(f"{name}: error: {_died(rank, procs[rank], rc)}; stopped the other ranks", file=sys.stderr,
+              flush=True)
         return 128 - rc
     return rc
+
+
+def spawn_groups(groups: dict, tick=None, ended=None) -> dict:
+    """Several independent jobs at once (an elastic fleet's replicas): `groups` maps a name to
+    (nproc, argv, env) as `spawn` takes them. A job whose rank fails is stopped alone, and
+    `ended(name, line)` is told (line: what failed, or None when the job finished); the others go
+    on. `tick(running names)` is called while they run. Returns {name: exit code} (128 + N for a
+    rank killed by signal N)."""
+    total = sum(n for n, _, _ in groups.values())
+    threads = max(1, (os.cpu_count() or 1) // total)
+    procs = {g: _start(n, argv, env, threads) for g, (n, argv, env) in groups.items()}
+    codes: dict = {}
+    try:
+        while len(codes) < len(procs):
+            for g, ranks in procs.items():
+                if g in codes:
+                    continue
+                polled = [p.poll() for p in ranks]
+                bad = [(r, rc) for r, rc in enumerate(polled) if rc not in (None, 0)]
+                if bad:
+                    rank, rc = bad[0]
+                    _stop(ranks)
+                    codes[g] = 128 - rc if rc < 0 else rc
+                    what = _died(rank, ranks[rank], rc) if rc < 0 else f"rank {rank} exited with code {rc}"
+                    if ended is not None:
+                        ended(g, f"{what}; stopped its other ranks")
+                elif all(rc == 0 for rc in polled):
+                    codes[g] = 0
+                    if ended is not None:
+                        ended(g, None)
+            if tick is not None:
+                tick({g for g in procs if g not in codes})
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for g, ranks in procs.items():
+            _stop(ranks)
+            codes.setdefault(g, 130)
+    return codes

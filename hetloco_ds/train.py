@@ -8,7 +8,11 @@ for a resumed one the metrics rows past the checkpoint dropped. Nothing is writt
 have passed, so a bad invocation exits 2 having written nothing.
 
 Exit codes: 0 done, 1 a failure while running (a full disk, a lost rank), 2 bad input, 3 every
-replica went non-finite (the last good checkpoint stays `latest`), 4 a rank stalled (watchdog).
+replica went non-finite (the last good checkpoint stays `latest`), 4 a rank stalled (watchdog),
+5 an elastic replica refused by its fleet (another secret, or a config the fleet cannot sum with).
+
+Elastic mode (`args.fleet`, see fleet.py): the job is one replica of a fleet, its run directory
+OUT/replica-<id>; its outer sync goes through torchft instead of the static world.
 """
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ import uuid
 
 import torch
 
-from . import checkpoint, rundir
+from . import checkpoint, fleet, rundir
 from .config import ConfigError, RunConfig, check_run, check_topology, default_config_path, parse_config
+from .fleet import EXIT_REFUSED, FleetArgs
 from .presets import model_config_for
 from .watchdog import EXIT_STALLED, Watchdog
 
@@ -53,6 +58,8 @@ class TrainArgs:
     text_field: str | None = None
     tokenizer: str | None = None
     dtype: str | None = None
+    fleet: FleetArgs | None = None
+    """Elastic mode: this job is one replica of a fleet; `out` is then the replica's directory."""
 
 
 @dataclasses.dataclass
@@ -71,6 +78,8 @@ class RunPlan:
     hf_dir: str | None
     """Weights to load while building; None when a checkpoint brings them (resume) or none (fresh model)."""
     resume: checkpoint.Pick | None
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
+    """Elastic mode: the fleet's secret."""
 
     @property
     def ckpt_dir(self) -> str:
@@ -194,10 +203,13 @@ def _load_tokenizer(directory: str):
         raise ConfigError(f"cannot load a tokenizer from {directory}: {type(err).__name__}: {detail}") from None
 
 
-def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
+def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dict, str] | None = None,
+             secret: bytes | None = None) -> RunPlan:
     """Every check, reading only; raises ConfigError (or another ValueError) with one line.
 
-    `owned`: our launcher already took the run directory, so it is not judged as someone else's."""
+    `owned`: our launcher already took the run directory, so it is not judged as someone else's.
+    `config`: (raw config, its path) in place of reading --config (`--elastic` plans the fleet's
+    config before writing it). `secret`: the fleet secret, when not read from --secret-file / env."""
     from . import convert, data
 
     if world < 1:
@@ -217,13 +229,16 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
     args = dataclasses.replace(args, text_field=args.text_field or "text")
 
     path = config_path(args)
-    if path is None and record is not None:
+    if config is not None:
+        raw, source = config
+    elif path is None and record is not None:
         raw, source = record["config"], os.path.join(out, rundir.RUN_CONFIG)
     else:
         source = path or default_config_path()
         raw = _read_json(source)
     run = parse_config(raw, source)
     if record is not None:
+        _check_resumed_fleet(args, record, out)
         then = parse_config(record["config"], os.path.join(out, rundir.RUN_CONFIG))
         diffs = rundir.config_differences(run, then)
         if diffs:
@@ -245,7 +260,10 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
     else:
         llama_config, tokenizer, args = _model_and_tokenizer(args, run)
         hf_dir = args.model
-    M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers)
+    M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers, elastic=args.fleet is not None)
+    if args.fleet is not None:
+        fleet.check_replica(args.fleet, run)
+        secret = secret or fleet.read_secret(args.fleet)
     if len(tokenizer) > llama_config.vocab_size:
         raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {llama_config.vocab_size}")
     corpus = data.load_corpus(args.data, tokenizer, seq_len, text_field=args.text_field)
@@ -260,7 +278,19 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False) -> RunPlan:
             resume = checkpoint.pick(os.path.join(out, rundir.CHECKPOINTS), world)
         except checkpoint.CheckpointError as err:
             raise ConfigError(f"--resume: {err}") from None
-    return RunPlan(args, run, raw, llama_config, tokenizer, corpus, world, M, hf_dir, resume)
+    return RunPlan(args, run, raw, llama_config, tokenizer, corpus, world, M, hf_dir, resume, secret)
+
+
+def _check_resumed_fleet(args: TrainArgs, record: dict, out: str) -> None:
+    """--resume continues a replica as the same replica, and a static run as a static run."""
+    then = record.get("fleet")
+    if then is None and args.fleet is not None:
+        raise ConfigError(f"--resume: {out} holds a static run; resume it without --lighthouse")
+    if then is not None and args.fleet is None:
+        raise ConfigError(f"--resume: {out} holds replica {then['replica']} of an elastic fleet; resume it with "
+                          f"--lighthouse ADDR --replica-id {then['replica']}")
+    if then is not None and then["replica"] != args.fleet.replica:
+        raise ConfigError(f"--resume: {out} holds replica {then['replica']}, not --replica-id {args.fleet.replica}")
 
 
 def prepare_inputs(args: TrainArgs, world_size: int):
@@ -298,6 +328,7 @@ def own_run(plan: RunPlan) -> rundir.RunLock:
                 "world_size": plan.world, "stages": plan.run.stages, "replicas": plan.replicas,
                 "model": plan.llama_config.to_dict(), "data_description": plan.corpus.description,
                 "ds": plan.run.ds, "hetloco": plan.run.hetloco.model_dump(),
+                "fleet": None if a.fleet is None else {"replica": a.fleet.replica, "max_replicas": plan.replicas},
             })
     except BaseException:
         lock.release()
@@ -327,7 +358,7 @@ def _all_replicas_nonfinite(engine, rec) -> bool:
     from deepspeed import comm as dist
 
     if rec.outer is not None:
-        bad, op = len(rec.outer["excluded"]) == engine.num_replicas, dist.ReduceOp.MAX
+        bad, op = bool(rec.outer["excluded"]) and not rec.outer["contributors"], dist.ReduceOp.MAX
     else:
         bad, op = not math.isfinite(rec.loss), dist.ReduceOp.MIN
     flag = torch.tensor([1.0 if bad else 0.0], device=engine.device)
@@ -391,7 +422,8 @@ def run_rank(args: TrainArgs) -> int:
     if args.out is None:  # one default for all ranks, whatever their clocks say
         box = [default_out()]
         dist.broadcast_object_list(box, src=0)
-        args = dataclasses.replace(args, out=box[0])
+        out = box[0] if args.fleet is None else fleet.replica_dir(box[0], args.fleet.replica)
+        args = dataclasses.replace(args, out=out)
 
     plan = _plan_on_every_rank(args, world, rank, local_rank, owned)
     if plan is None:
@@ -432,12 +464,19 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
     args, run, corpus = plan.args, plan.run, plan.corpus
     out, ckpt_dir = args.out, plan.ckpt_dir
     train_cfg = run.hetloco.train
+    from .transport.auth import FleetRefused
+
     watchdog = Watchdog(rundir.state_dir(out, "heartbeat", job), rank, world, train_cfg.watchdog_timeout).start()
-    writer = progress = None
+    writer = progress = engine = None
+    elastic = args.fleet is not None
     try:
         torch.manual_seed(train_cfg.seed)
         module = build_module(run, plan.llama_config, hf_dir=plan.hf_dir)
-        engine = build_engine(run, module, seq_len=train_cfg.seq_len)
+        replica = {}
+        if elastic:
+            replica = dict(replica=(args.fleet.replica, plan.replicas),
+                           transport=fleet.transport_factory(run, plan.llama_config, args.fleet, plan.secret, watchdog))
+        engine = build_engine(run, module, seq_len=train_cfg.seq_len, **replica)
         M = engine.num_replicas
 
         position, resumed_at = 0, None
@@ -448,12 +487,19 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
         micro = engine.micro_batch_size
         batches = data.ReplicaBatches(corpus.train, engine.replica, M, micro, seed=train_cfg.seed, position=position)
         needs_data = engine.is_first_stage() or engine.is_last_stage()
+        if elastic:
+            with watchdog.busy("waiting for the fleet to start"):
+                fleet.wait_for_start(args.fleet.replica, rank, run.hetloco.elastic.quorum_timeout)
 
         H = run.hetloco.sparseloco.inner_steps if run.hetloco.sparseloco.enabled else 1
         metrics_path = os.path.join(out, rundir.METRICS)
         facts = RunFacts.from_engine(engine)
+        if elastic:  # each replica's metrics are its own: its tokens/s, not the fleet's
+            facts = dataclasses.replace(facts, num_replicas=1)
         writer = MetricsWriter(metrics_path if engine.is_last_stage() else None, facts)
-        progress = Progress(total=args.steps, initial=engine.local_steps, enabled=(rank == 0), monitor=engine.monitor,
+        # `--elastic` runs every replica in one terminal: one bar, replica 0's (the others are HETLOCO_QUIET).
+        bar = rank == 0 and not (elastic and os.environ.get("HETLOCO_QUIET"))
+        progress = Progress(total=args.steps, initial=engine.local_steps, enabled=bar, monitor=engine.monitor,
                             facts=facts)
         eval_every = train_cfg.eval_interval
         next_eval = (engine.local_steps // eval_every + 1) * eval_every if eval_every else None
@@ -468,13 +514,14 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
             with watchdog.busy(f"validation at step {step}"):
                 # Every replica evaluates through its own pipeline (a compressed one through its
                 # compressed boundaries) on the same held-out batches; the row has each loss and
-                # their mean, as the paper averages validation over the data-parallel replicas.
+                # their mean, as the paper averages validation over the data-parallel replicas. An
+                # elastic replica (its own job) knows and writes only its own.
                 losses = engine.validation_losses(validation_batches(corpus.val, micro) if needs_data else None,
                                                   train_cfg.eval_batches)
-                mean = sum(losses) / len(losses)
-                if engine.is_last_stage() and engine.replica == 0:
-                    writer.write({"kind": "validation", "step": step, "replica": 0, "loss": mean, "replica_losses": losses,
-                                  "time": time.time()})
+                mean = sum(losses.values()) / len(losses)
+                if engine.is_last_stage() and (elastic or engine.replica == 0):
+                    writer.write({"kind": "validation", "step": step, "replica": engine.replica, "loss": mean,
+                                  "replica_losses": [losses[m] for m in sorted(losses)], "time": time.time()})
                 progress.validation(step, mean)
 
         def save(step: int) -> None:
@@ -487,7 +534,9 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
             # validation see the synced model even when steps is not a multiple of H.
             last = engine.local_steps + 1 == args.steps
             rec = engine.train_step(batches if needs_data else None, force_outer=last)
-            watchdog.progress(f"step {rec.step}", rec.seconds)
+            # An elastic replica's wait for its fleet is not a slow step (it would widen the limit).
+            waited = rec.outer["seconds"] if elastic and rec.outer is not None else 0.0
+            watchdog.progress(f"step {rec.step}", rec.seconds - waited)
             at_boundary = rec.outer is not None or not engine.algorithm.sparseloco
             writer.step(rec)
             progress.update(rec)
@@ -518,8 +567,17 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
                 print(f"[hetloco] exported Hugging Face model to {os.path.join(out, rundir.EXPORT)}", flush=True)
             dist.barrier()
         return 0
+    except FleetRefused as err:
+        # Every stage of the replica may be refused at once: one line for the job.
+        if fleet.claim_refusal(rundir.state_dir(out, "heartbeat", job)):
+            print(f"hetloco-ds train: error: {_first_line(err)}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(QUIET_EXIT_DELAY_S)
+        return EXIT_REFUSED
     finally:
         watchdog.stop()
+        if engine is not None and hasattr(engine.transport, "close"):
+            engine.transport.close()
         if progress is not None:
             progress.close()
         if writer is not None:
@@ -573,4 +631,4 @@ def main_rank(args: TrainArgs) -> int:
 
 
 __all__ = ["TrainArgs", "RunPlan", "plan_run", "own_run", "run_rank", "main_rank", "validation_batches",
-           "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_STALLED"]
+           "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_STALLED", "EXIT_REFUSED"]

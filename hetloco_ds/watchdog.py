@@ -11,7 +11,8 @@ monotonic clock, so clocks of different hosts never have to agree.
   still beats: it is stuck (a deadlock, a collective no peer will join). Twice the heartbeat
   limit, so that when one rank goes silent it is named, not the peers left waiting for it.
   Known long operations (start-up and the first step, checkpoints, validation, the export) are
-  `busy` phases, allowed ten times as long.
+  `busy` phases, allowed ten times as long. A `waiting` phase (an elastic replica waiting for its
+  fleet at the outer sync, where every wait ends by its own timeout) is not judged on progress.
 
 The first rank to see a stall claims `stalled` in the job directory (O_EXCL, so one line is
 printed for the job), prints the line and exits with EXIT_STALLED; the launcher stops the rest.
@@ -42,6 +43,7 @@ class Watchdog:
         self._progress = 0
         self._where = "starting"
         self._busy = True  # start-up and the first step (which may compile) are busy
+        self._waiting = False
         self._slowest = 0.0
         self._beats = 0
         self._done = False
@@ -81,6 +83,20 @@ class Watchdog:
                 self._progress += 1
                 self._where, self._busy = f"finished {where}", before
 
+    @contextlib.contextmanager
+    def waiting(self, where: str):
+        """A wait bounded elsewhere (the elastic quorum: hetloco.elastic timeouts): while in it this
+        rank is judged by its heartbeats only, so waiting for other replicas never ends the job."""
+        with self._lock:
+            self._progress += 1
+            self._where, self._waiting = f"in {where}", True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._progress += 1
+                self._where, self._waiting = f"finished {where}", False
+
     def stop(self) -> None:
         """Stop beating, leaving a last heartbeat that says this rank is done (not stalled)."""
         self._stop.set()
@@ -101,7 +117,8 @@ class Watchdog:
         with self._lock:
             self._beats += 1
             me = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "beat": self._beats,
-                  "progress": self._progress, "where": self._where, "busy": self._busy, "slowest": self._slowest,
+                  "progress": self._progress, "where": self._where, "busy": self._busy, "waiting": self._waiting,
+                  "slowest": self._slowest,
                   "done": self._done}
         tmp = self._path(self.rank) + ".tmp"
         with open(tmp, "w") as f:
@@ -135,7 +152,7 @@ class Watchdog:
                                          f"no heartbeat for {now - seen['beat_t']:.0f} s (last: {seen['where']})"))
                 continue
             allowed = limit * (BUSY_FACTOR if seen["busy"] else 1)
-            if now - seen["progress_t"] > allowed:
+            if now - seen["progress_t"] > allowed and not seen.get("waiting"):
                 stalled.append((1, rank, f"rank {rank} (pid {seen['pid']} on {seen['host']}) made no progress for "
                                          f"{now - seen['progress_t']:.0f} s (last: {seen['where']}; limit {allowed:.0f} s)"))
         if not stalled:

@@ -27,7 +27,9 @@ from hetloco_ds.transport.elastic import ElasticConfig, ElasticTransport, replic
 
 SHAPES = {0: [(8, 8), (16,), (5, 8)], 1: [(8, 8), (12,)]}
 CFG = OuterConfig(chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7)
+CLIPPED = OuterConfig(chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7, norm_clip="median")
 INNER = 4
+SCALE = 1000.0
 
 
 def initial_params(stage: int) -> list[torch.Tensor]:
@@ -50,11 +52,19 @@ def digest(params) -> str:
     return hashlib.sha256(b"".join(p.contiguous().numpy().tobytes() for p in params)).hexdigest()
 
 
-def simulate(schedule: list[tuple[str, ...]], names: list[str], stage: int) -> list[str]:
+def scale_delta(params, theta_prev) -> None:
+    """A replica gone wild: its pseudo-gradient theta_prev - theta becomes SCALE times as large."""
+    for p, t in zip(params, theta_prev):
+        p.copy_(t + SCALE * (p - t))
+
+
+def simulate(schedule: list[tuple[str, ...]], names: list[str], stage: int, cfg: OuterConfig = CFG,
+             scaled: tuple[str, int] | None = None) -> list[str]:
     """Parameter digest after each outer step when step k applies the payloads of `schedule[k]`.
 
     A replica absent at step k and present at k+1 joined at k: it was healed (synced state, zero error
-    buffer) and from k+1 on runs its own inner steps like the others.
+    buffer) and from k+1 on runs its own inner steps like the others. `scaled`: (replica, step) whose
+    pseudo-gradient is scaled by SCALE.
     """
     theta = initial_params(stage)
     reps: dict[str, tuple[list, SparseLoCoState]] = {}
@@ -65,11 +75,13 @@ def simulate(schedule: list[tuple[str, ...]], names: list[str], stage: int) -> l
                 reps.pop(n, None)
             elif n not in reps:
                 p = [t.clone() for t in theta]
-                reps[n] = (p, SparseLoCoState(p, CFG))
+                reps[n] = (p, SparseLoCoState(p, cfg))
         payloads = {}
         for n in sorted(members):
             p, st = reps[n]
             inner_steps(p, n, stage, k)
+            if scaled == (n, k):
+                scale_delta(p, st.theta_prev)
             payloads[n] = st.prepare(p)
         for n in sorted(members):
             p, st = reps[n]
@@ -82,24 +94,25 @@ def simulate(schedule: list[tuple[str, ...]], names: list[str], stage: int) -> l
 def run_replica(lighthouse: str, name: str, store_port: int, steps: int, log: str, stage: int = 0,
                 stages: int = 1, sleep: float = 0.05, go: str | None = None, timeout: float = 5.0,
                 secret_file: str | None = None, secret_env: str | None = None, die_in_exchange: int = -1,
-                diverge_at: int = -1) -> None:
+                diverge_at: int = -1, scale_at: int = -1, clip: bool = False) -> None:
     """Body of one stage process (a forkserver child, so torch and torchft are already imported).
 
     Runs until `steps` outer steps are committed; writes one JSONL line per step to `log`, stdout and
     stderr to `log`.out / `log`.err; exits 0, 2 (bad secret setting) or 3 (refused by the fleet).
     `die_in_exchange`: SIGKILL itself in that outer step, after the hello round, before its payload.
     `diverge_at`: before that outer step, replace its history (chain) as a split brain would have.
+    `scale_at`: in that outer step, its pseudo-gradient is SCALE times as large. `clip`: CLIPPED config.
     """
     out = os.open(log + ".out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     err = os.open(log + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(out, 1)
     os.dup2(err, 2)
     sys.exit(_run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, timeout, secret_file,
-                  secret_env, die_in_exchange, diverge_at))
+                  secret_env, die_in_exchange, diverge_at, scale_at, clip))
 
 
 def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, timeout, secret_file, secret_env,
-         die_in_exchange, diverge_at) -> int:
+         die_in_exchange, diverge_at, scale_at, clip) -> int:
     torch.set_num_threads(1)
     if secret_env is not None:
         os.environ[SECRET_ENV] = secret_env
@@ -113,7 +126,7 @@ def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, tim
     # Stage 0 hosts this replica's store, as rank 0 of a launched job does (here on localhost only).
     store = replica_store("127.0.0.1", store_port) if stage == 0 else None
     params = initial_params(stage)
-    state = SparseLoCoState(params, CFG)
+    state = SparseLoCoState(params, CLIPPED if clip else CFG)
     counter = {"outer": 0}
 
     def state_dict():
@@ -157,6 +170,9 @@ def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, tim
                     transport.load_state_dict(diverged)
                 t0 = time.time()
                 transport.begin()
+                if counter["outer"] == scale_at:
+                    with torch.no_grad():
+                        scale_delta(params, state.theta_prev)
                 payload = state.prepare(params)
                 gathered = transport.exchange(payload)
                 k = counter["outer"]  # after exchange: a heal inside it replaces the counter with the fleet's

@@ -50,6 +50,7 @@ def in_process(inputs, monkeypatch):
         raise AssertionError("a rank was started")
 
     monkeypatch.setattr(launch, "spawn", tripwire)
+    monkeypatch.setattr(launch, "spawn_groups", tripwire)
 
 
 def snapshot(path: Path) -> dict:
@@ -165,6 +166,64 @@ def test_corrupt_safetensors_header_names_the_file(inputs, tmp_path, capsys):
             write_config(tmp_path / "cfg.json"), "--out", out, "--nproc", 2]
     fails_with(capsys, argv, f"{weights}: not a readable safetensors file (Error while deserializing header: "
                              "invalid JSON in header: expected value at line 1 column 1)", out)
+
+
+# --------------------------------------------------------------------------- elastic mode
+
+LH = ["--lighthouse", "http://127.0.0.1:29999"]
+ELASTIC_CASES = {
+    "lighthouse_without_replica_id": ({}, [*LH, "--nproc", 2], "elastic mode needs both --lighthouse ADDR and --replica-id ID"),
+    "fleet_size_unset": ({}, [*LH, "--replica-id", 0], "{cfg}: hetloco.elastic.max_replicas is not set: the fleet's "
+                         "size N fixes the replica ids 0..N-1 and their data shards"),
+    "replica_id_outside_the_fleet": ({"hetloco.elastic.max_replicas": 3}, [*LH, "--replica-id", 3],
+                                     "--replica-id 3 is not in 0..2 (hetloco.elastic.max_replicas = 3 in {cfg})"),
+    "replica_job_of_two_pipelines": ({"hetloco.elastic.max_replicas": 3}, [*LH, "--replica-id", 0, "--nproc", 4],
+                                     "an elastic replica is one pipeline of pipeline.stages = 2 ranks; this job has 4 "
+                                     "(--nproc 2, or one replica per launch)"),
+    "compressed_replica_outside_the_fleet": (
+        {"hetloco.elastic.max_replicas": 3, "hetloco.subspace.compressed_replicas": [4]}, [*LH, "--replica-id", 0],
+        "{cfg}: hetloco.subspace.compressed_replicas = [4] names replica 4, but hetloco.elastic.max_replicas = 3 "
+        "makes replicas 0..2"),
+    "lighthouse_not_a_url": ({"hetloco.elastic.max_replicas": 3}, ["--lighthouse", "localhost", "--replica-id", 0],
+                             "--lighthouse 'localhost' must look like http://HOST:PORT (`hetloco-ds lighthouse` prints it)"),
+    "wildcard_bind_without_advertise": ({"hetloco.elastic.max_replicas": 3}, [*LH, "--replica-id", 0, "--bind", "0.0.0.0"],
+                                        "--bind 0.0.0.0 listens on every interface: give --advertise, the address "
+                                        "peers reach this host at"),
+    "no_secret": ({"hetloco.elastic.max_replicas": 3}, [*LH, "--replica-id", 0, "--no-secret"],
+                  "no fleet secret: give --secret-file or set HETLOCO_FLEET_SECRET (the secret is never read from the "
+                  "command line)"),
+    "secret_file_readable_by_others": ({"hetloco.elastic.max_replicas": 3}, [*LH, "--replica-id", 0, "--open-secret"],
+                                       "fleet secret file {secret} is accessible by group or others (mode 644); run "
+                                       "chmod 600 {secret}"),
+    "elastic_nproc_not_whole_replicas": ({}, ["--elastic", "--nproc", 3], "--nproc 3 is not a multiple of "
+                                         "pipeline.stages = 2 (--elastic runs --nproc / stages replicas of 2 ranks each)"),
+    "elastic_more_replicas_than_the_fleet": ({"hetloco.elastic.max_replicas": 2}, ["--elastic", "--nproc", 6],
+                                             "--elastic starts 3 replicas but {cfg} sets hetloco.elastic.max_replicas = 2"),
+    "elastic_with_a_replica_id": ({}, ["--elastic", "--replica-id", 1], "--elastic starts its own lighthouse and "
+                                  "replicas; --lighthouse / --replica-id run one replica of a fleet: pass one or the other"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ELASTIC_CASES))
+def test_bad_elastic_input_fails_before_any_rank_with_one_line(case, inputs, tmp_path, capsys, monkeypatch):
+    """Each impossible elastic invocation (a replica id outside the fleet, a fleet without a size, a replica
+    job holding two pipelines, an unusable address, a missing or exposed secret, an --elastic launch that
+    does not divide into replicas) fails in the launching process with one line, writing nothing. Breaks
+    if any of them reached a rank, a lighthouse or the disk first."""
+    edits, extra, line = ELASTIC_CASES[case]
+    cfg = write_config(tmp_path / "cfg.json", edits)
+    secret = tmp_path / "secret"
+    secret.write_text("a-fleet-secret-0123456789abcdef\n")
+    secret.chmod(0o644 if "--open-secret" in extra else 0o600)
+    monkeypatch.delenv("HETLOCO_FLEET_SECRET", raising=False)
+    if "--no-secret" not in extra and "--open-secret" not in extra:
+        monkeypatch.setenv("HETLOCO_FLEET_SECRET", "a-fleet-secret-0123456789abcdef")
+    extra = [a for a in extra if a not in ("--no-secret", "--open-secret")]
+    if "--open-secret" in ELASTIC_CASES[case][1]:
+        extra += ["--secret-file", secret]
+    out = tmp_path / "out"
+    fails_with(capsys, _train(inputs, cfg, out, *extra), line.format(cfg=cfg, secret=secret), out)
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- the run directory

@@ -25,6 +25,7 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's extension reads it once, at import
 pytest.importorskip("torchft", reason="elastic mode needs the optional extra: pip install 'hetloco_ds[elastic]'")
 
+import elastic_ranks  # noqa: E402
 import elastic_replica as er  # noqa: E402
 from hetloco_ds.sparseloco.outer import FLAG_FINITE, HEADER, OuterConfig, SparseLoCoState  # noqa: E402
 from hetloco_ds.transport import elastic  # noqa: E402
@@ -58,7 +59,7 @@ class Fleet:
         self.ctx = mp.get_context("forkserver")
         # The fork server ignores the parent's sys.path (CPython 3.11 forkserver.main), so preload what
         # the installed or PYTHONPATH'd package brings: torch and torchft, the slow imports.
-        self.ctx.set_forkserver_preload(["hetloco_ds.transport.elastic"])
+        self.ctx.set_forkserver_preload(elastic_ranks.PRELOAD)  # one server per process: the same list everywhere
         self.procs: dict[tuple[str, int], mp.Process] = {}
         self.starts: dict[str, int] = {}
 
@@ -319,6 +320,59 @@ def _listening(pid: int) -> set[str]:
                     ip = b"".join(ip[i:i + 4][::-1] for i in range(0, len(ip), 4))
                     out.add(socket.inet_ntop(family, ip))
     return out
+
+
+def test_replica_with_a_1000x_pseudo_gradient_moves_the_model_no_further_than_the_median(patient_fleet):
+    """r2's pseudo-gradient of outer step 1 is scaled by 1000, under sparseloco.norm_clip "median" (the
+    default). Every replica's synced parameters after that step are bitwise the one-process replay's
+    (the clip is applied to the same payloads alike), and no tensor moved further than outer_lr times the
+    median of the replicas' decoded norms, while without the clip it would have moved hundreds of times
+    further. Breaks if a wild replica could drag the fleet's model by its own norm."""
+    names = ["r0", "r1", "r2"]
+    patient_fleet.start_together(names, steps=3, options={"r2": dict(scale_at=1, clip=True),
+                                                           "r0": dict(clip=True), "r1": dict(clip=True)})
+    patient_fleet.join(names)
+    sched = _schedule(patient_fleet, names, 3)
+    assert sched == [tuple(names)] * 3
+    ref = er.simulate(sched, names, 0, cfg=er.CLIPPED, scaled=("r2", 1))
+    for n in names:
+        assert [r["digest"] for r in patient_fleet.rows(n)] == ref, n
+    assert er.simulate(sched, names, 0, cfg=er.CFG, scaled=("r2", 1)) != ref  # the clip did something
+
+    # The movement at step 1, replayed: each replica's decoded tensors, the median of their norms.
+    def replay(cfg):
+        theta = er.initial_params(0)
+        reps = {n: [t.clone() for t in theta] for n in names}
+        states = {n: SparseLoCoState(reps[n], cfg) for n in names}
+        for k in range(2):
+            payloads = {}
+            for n in names:
+                er.inner_steps(reps[n], n, 0, k)
+                if (n, k) == ("r2", 1):
+                    er.scale_delta(reps[n], states[n].theta_prev)
+                payloads[n] = states[n].prepare(reps[n])
+            before = [t.clone() for t in states["r0"].theta_prev]
+            for n in names:
+                states[n].finish(reps[n], [payloads[m] for m in names])
+        decoded = []
+        for n in names:  # finish on one payload alone: theta_prev - lr * (that replica's decoded tensor)
+            p = [t.clone() for t in before]
+            one = SparseLoCoState(p, cfg)  # one contributor: the median clip is its own norm
+            one.prepare([t.clone() for t in p])
+            one.finish(p, [payloads[n]])
+            decoded.append([(b - a) / cfg.outer_lr for a, b in zip(p, before)])
+        return before, reps["r0"], decoded
+
+    before, after, decoded = replay(er.CLIPPED)
+    for i in range(len(before)):
+        norms = sorted(float(d[i].norm()) for d in decoded)
+        moved = float((before[i] - after[i]).norm())
+        assert moved <= er.CLIPPED.outer_lr * norms[1] * (1 + 1e-5), (i, moved, norms)
+        assert norms[2] > 100 * norms[1]  # r2's is the wild one
+    before, after, _ = replay(er.CFG)  # the same payloads, summed without the clip
+    for i in range(len(before)):
+        median = sorted(float(d[i].norm()) for d in decoded)[1]
+        assert float((before[i] - after[i]).norm()) > 100 * er.CFG.outer_lr * median, i
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="reads listening sockets from Linux /proc")

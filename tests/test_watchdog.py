@@ -55,3 +55,26 @@ def test_busy_phases_get_longer_and_steps_scale_the_limit(tmp_path):
     assert me.check(now=100.0) is None
     assert me.check(now=109.0) is None
     assert "limit 10 s" in me.check(now=111.0)
+
+
+def test_waiting_for_the_fleet_is_judged_by_heartbeats_only(tmp_path):
+    """Both stages of an elastic replica wait at the outer sync for their fleet (a quorum, a hung
+    peer's join timeout): however long, their progress is not judged, but a rank that stops
+    beating while waiting is still named. Breaks if a replica that is merely waiting for other
+    replicas were ended by its own watchdog, or if a frozen one could hide in the wait."""
+    dogs = [Watchdog(str(tmp_path), r, 2, timeout=1) for r in range(2)]
+    me, sibling = dogs
+    for d in dogs:
+        d.progress("step 2", step_seconds=0.1)
+        d._write_own()
+    assert me.check(now=0.0) is None
+    with me.waiting("outer sync after step 2"), sibling.waiting("outer sync after step 2"):
+        for t in (0.5, 10.0, 1000.0):
+            for d in dogs:
+                d._write_own()
+            assert me.check(now=t) is None, me.check(now=t)
+        me._write_own()  # the sibling freezes while waiting
+        line = me.check(now=1002.0)
+        assert line.startswith("rank 1 ") and "stopped responding" in line, line
+    me._write_own()
+    assert "made no progress" not in (me.check(now=1002.5) or "")  # done waiting: the clock starts anew

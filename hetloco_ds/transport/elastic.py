@@ -147,6 +147,11 @@ class ElasticConfig:
     """Failed exchange attempts in a row before the outer step gives up with an error."""
     heartbeat_interval: float = 0.1
     """Seconds between heartbeats to the lighthouse."""
+    fleet_key: bytes = b""
+    """What every replica of the fleet must agree on beyond the payload header (e.g. a digest of the
+    config's subspace split and data sharding). It seeds the chain: a replica with another key never
+    contributes to the fleet's steps, falls behind and is healed, where the state callables can see
+    the mismatch and refuse it."""
 
     def __post_init__(self):
         if not (1 <= len(self.replica_id) <= 64 and set(self.replica_id) <= _NAME_CHARS):
@@ -420,7 +425,7 @@ class ElasticTransport:
         self._user_load = load_state_dict
         self._stale = False
         self._refused: FleetRefused | None = None
-        self._chain = hashlib.sha256(b"hetloco-elastic-chain-v1").digest()
+        self._chain = hashlib.sha256(b"hetloco-elastic-chain-v1" + cfg.fleet_key).digest()
         self._participants: tuple[str, ...] = ()
         self._begun_at: float | None = None
         self._warned: set[tuple[str, str]] = set()

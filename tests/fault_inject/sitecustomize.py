@@ -5,6 +5,10 @@ HETLOCO_FAULT="<rank>:<event>:<n>[:<action>]" makes the process of global rank <
 n-th <event>; processes of other ranks, and those without the variable, are untouched.
 
 events  step  a torch AdamW step (inside a training step: after forward and backward)
+        holdsync  an elastic replica's outer-sync quorums (ElasticTransport.begin, inside the outer
+              sync and so inside the watchdog's waiting phase); the action is a folder: from the n-th
+              on, quorum number k waits while FOLDER/hold-k exists (an elastic test holds a fleet at
+              chosen boundaries until late replicas are ready to join)
         sync  an outer step's payload exchange (hetloco_ds.transport.static.GroupTransport.exchange)
         ckpt  inside hetloco_ds.checkpoint: a file written (write_durably) or a directory
               fsynced (_fsync_dir: after the manifest, after the rename, after `latest`)
@@ -42,7 +46,7 @@ class _Fault:
         return self.count == self.n
 
     def fire(self):
-        sys.stderr.write(f"[fault_inject] rank {_RANK}: {self.action} at {self.event} #{self.n}\n")
+        sys.stderr.write(f"[fault_inject] rank {os.environ.get('RANK')}: {self.action} at {self.event} #{self.n}\n")
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGSTOP if self.action == "stop" else signal.SIGKILL)
 
@@ -95,6 +99,22 @@ def _install(fault):
             fault.fire()
 
     checkpoint._fsync_dir = fsync_then_fault
+
+    if fault.event == "holdsync":  # torchft only where it is asked for
+        from hetloco_ds.transport import elastic
+
+        begin = elastic.ElasticTransport.begin
+
+        def hold_then_begin(self, *args, **kwargs):
+            fault.count += 1
+            hold = os.path.join(fault.action, f"hold-{fault.count}")
+            if fault.count >= fault.n and os.path.exists(hold):
+                sys.stderr.write(f"[fault_inject] rank {os.environ.get('RANK')}: held at quorum #{fault.count}\n")
+                while os.path.exists(hold):
+                    time.sleep(0.05)
+            return begin(self, *args, **kwargs)
+
+        elastic.ElasticTransport.begin = hold_then_begin
 
 
 class _AfterTrain(importlib.abc.MetaPathFinder, importlib.abc.Loader):
