@@ -45,6 +45,9 @@ bench_smoke_path() {
 # than pydantic 2.13 needs (4.14.1); each pip bounded by WHEELS_S / OPT_S seconds when given. Sets
 # PYTHONPATH=/tmp/site:. and DS_ACCELERATOR=cuda (DeepSpeed told its accelerator, not left to guess).
 bench_install_wheels() {
+  # BENCH_WHEELS_INSTALLED=1: an earlier step of the same device call installed them (two benches side
+  # by side must not both pip-install into /tmp/site while the other's processes import from it).
+  if [ "${BENCH_WHEELS_INSTALLED:-0}" = 1 ]; then export DS_ACCELERATOR=cuda PYTHONPATH=/tmp/site:.; return 0; fi
   local t1=() t2=()
   [ -n "${1:-}" ] && t1=(timeout -k 5 "$1")
   [ -n "${2:-}" ] && t2=(timeout -k 5 "$2")
