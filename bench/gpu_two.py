@@ -4,7 +4,7 @@ Configurations, each in 2 fresh processes (one per GPU, spawned by this script).
 pairs run `--repeats` (3) times, interleaved (a_ours_r1, a_ds, b_ours_sl, b_ds_dp, then again), so
 a slow spell of the machine hits one repeat of each, not one system; then the compressed rows once:
   a_ours_r1    HetlocoEngine, S = 2, M = 1, uncompressed boundary (subspace.compressed_replicas "none"),
-               the overlapped pipeline schedule (hetloco.pipeline.schedule, the default; `--schedule`)
+               the overlapped pipeline schedule (hetloco.pipeline.schedule "overlapped", named: "auto" is blocking on NCCL; `--schedule`)
   a_ds         stock DeepSpeed PipelineEngine (deepspeed.initialize), S = 2: a plain
                deepspeed.pipe.PipelineModule over hetloco_ds.pipe.module.layer_specs(config),
                partition_method "type:DecoderLayer", bf16.enabled (bf16 weights, BF16_Optimizer), a torch

@@ -408,7 +408,8 @@ def _check_column(ds: datasets.Dataset, field: str, where: str) -> None:
 
 
 def _read(src: _Source, text_field: str, tmp: str) -> _Documents:
-    """Load a source's documents through `datasets` (local files into the throwaway dir `tmp`)."""
+    """Load a source's documents: plain text directly, json and parquet through `datasets` (into the
+    throwaway dir `tmp`)."""
     if src.dataset is not None:
         _check_column(src.dataset, text_field, src.description)
         return _Documents([(src.dataset, text_field)], [f"row#{i}" for i in range(len(src.dataset))])
@@ -421,21 +422,40 @@ def _read(src: _Source, text_field: str, tmp: str) -> _Documents:
             if len(src.text) == 1 and not (src.json or src.parquet):
                 raise DataError(f"data file {str(f)!r} is not UTF-8 text ({e})") from e
             log.warning("skipping %s: not UTF-8 text", f)
-    with _local_files_only():
-        return _read_local(src, text, text_field, tmp)
-
-
-def _read_local(src: _Source, text: list[Path], text_field: str, tmp: str) -> _Documents:
-    """Documents in order: text files (sorted paths), then json rows, then parquet rows."""
-    import datasets
+    # Documents in order: text files (sorted paths), then json rows, then parquet rows.
     groups, keys = [], []
-    load = dict(split="train", cache_dir=tmp, keep_in_memory=True)
     if text:
-        ds = datasets.load_dataset("text", data_files=[str(f) for f in text], sample_by="document", **load)
-        # The text builder emits one row per file, in data_files order: row i is text[i].
-        assert len(ds) == len(text), (len(ds), len(text))
-        groups.append((ds, "text"))
+        groups.append((_TextFiles(text), "text"))
         keys += [f.relative_to(src.root).as_posix() for f in text]
+    if src.json or src.parquet:
+        with _local_files_only():
+            _read_tables(src, text_field, tmp, groups, keys)
+    return _Documents(groups, keys)
+
+
+class _TextFiles:
+    """Plain-text files as the rows of one "text" column, each file one document, read as
+    `datasets`' text builder reads them with sample_by="document" (the whole file, universal
+    newlines, UTF-8), on demand and without `datasets`, which plain text does not need."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, rows: list[int]) -> dict[str, list[str]]:
+        out = []
+        for i in rows:
+            with open(self.files[i], encoding="utf-8") as f:
+                out.append(f.read())
+        return {"text": out}
+
+
+def _read_tables(src: _Source, text_field: str, tmp: str, groups: list, keys: list[str]) -> None:
+    """Append the json rows, then the parquet rows, of a source (through `datasets`)."""
+    import datasets
+    load = dict(split="train", cache_dir=tmp, keep_in_memory=True)
     for kind in ("json", "parquet"):
         files = getattr(src, kind)
         if not files:
@@ -447,7 +467,6 @@ def _read_local(src: _Source, text: list[Path], text_field: str, tmp: str) -> _D
         _check_column(ds, text_field, f"{kind} data under {str(src.root)!r}")
         groups.append((ds, text_field))
         keys += [f"{kind}#{i}" for i in range(len(ds))]
-    return _Documents(groups, keys)
 
 
 # --------------------------------------------------------------------------- tokenise + pack

@@ -84,7 +84,13 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
         self._count_deepspeed_init_traffic()
-        self.schedule = hetloco.pipeline.schedule
+        self.schedule = order.effective_schedule(hetloco.pipeline.schedule, self.device.type)
+        # NCCL: a receive posted ahead is a kernel spinning on the device until the peer sends, and
+        # the peer's send may wait on this stage's own later work. Anything that synchronises the
+        # whole device meanwhile (CUDA's lazy loading of a kernel's first use, a cudaFree) then
+        # deadlocks both stages. The first step, which loads every kernel and fills the allocator's
+        # cache, therefore runs the blocking schedule (the same bits: only timing differs).
+        self._blocking_steps_left = 1 if self.device.type == "cuda" else 0  # per process: a resumed one too
         groups = None
         if self.schedule == "overlapped" and self.num_stages > 1:
             replicas = [[self.grid.stage_to_global(s, data=m) for s in range(self.num_stages)]
@@ -154,7 +160,8 @@ class HetlocoEngine(PipelineEngineAdapter):
 
     # ------------------------------------------------- overlapped schedule (adapter hooks)
     def train_schedule(self):
-        if self.schedule == "blocking":
+        if self.schedule == "blocking" or self._blocking_steps_left > 0:
+            self._blocking_steps_left = max(0, self._blocking_steps_left - 1)
             return super().train_schedule()
         return pipe_schedule.OverlappedTrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
 

@@ -55,9 +55,10 @@ def hf_tied(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_jobs(tmp_path_factory):
     """tests/runs.py's job: `.inputs(layout)` (model, data, config, token cache) and
-    `.reference(layout)` -> (inputs, directory of one uninterrupted `--nproc 2` run: what faulted,
+    `.reference(layout)` -> (inputs, directory of one uninterrupted 2-rank run: what faulted,
     resumed and otherwise launched runs must reproduce), run on first use of each layout."""
     import runs
+    from distributed import run_job
     from test_cli import save_tiny_hf_with_tokenizer, write_config, write_text_folder
 
     root = tmp_path_factory.mktemp("tiny_jobs")
@@ -74,8 +75,8 @@ def tiny_jobs(tmp_path_factory):
         def reference(layout: str):
             if layout not in done:
                 inputs, out = Jobs.inputs(layout), root / f"reference_{layout}"
-                proc = runs.cli(*runs.train_args(inputs, out, "--nproc", 2), cache=inputs["cache"])
-                assert proc.returncode == 0, runs.explain(proc)
+                # As torchrun starts it (test_launchers: the same job as --nproc 2), forked: fast.
+                run_job(root / f"reference_{layout}.log", 2, runs.train_args(inputs, out), runs.env(inputs["cache"]))
                 done[layout] = (inputs, out)
             return done[layout]
 

@@ -1,9 +1,11 @@
 """The one helper every multi-process test uses: run a function in N gloo ranks on CPU.
 
-Each rank is a spawned process with the environment a launcher would give it (a free
-port is found, never hard-coded). The function's return value comes back to the test;
-an exception in any rank fails the test with that rank's traceback, and a hang is killed
-at the timeout instead of blocking the suite.
+Each rank is a process forked from a server that has imported torch, DeepSpeed, transformers
+and our package once (PRELOAD): a spawned rank would spend several seconds importing them,
+N at a time on a 2-core machine. The rank gets the environment a launcher would give it (a
+free port is found, never hard-coded). The function's return value comes back to the test;
+an exception in any rank fails the test with that rank's traceback, and a hang is killed at
+the timeout instead of blocking the suite.
 """
 from __future__ import annotations
 
@@ -11,9 +13,23 @@ import io
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
 
 TIMEOUT_S = 300
+
+PRELOAD = ["hetloco_ds.transport.elastic", "hetloco_ds.cli", "hetloco_ds.train", "hetloco_ds.fleet", "hetloco_ds.engine",
+           "hetloco_ds.initialize", "hetloco_ds.convert", "hetloco_ds.data", "hetloco_ds.metrics", "deepspeed",
+           "transformers"]
+"""What the fork server imports once. It is one server per test process, started by whichever test
+forks first, so every helper that forks from it asks for this same list."""
+
+
+def fork_context():
+    """The multiprocessing context of the preloaded fork server."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _free_port() -> int:
@@ -52,7 +68,7 @@ def _child(fn, rank, world, port, args, queue):
 
 def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S) -> list:
     """Run `fn(rank, *args)` in `world` processes; return the results ordered by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = fork_context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
@@ -80,6 +96,42 @@ def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S) -> list:
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def fork_job(log, world: int, argv: list, env: dict, fault: str | None = None) -> list:
+    """`world` ranks of `hetloco_ds.cli.main(argv)` forked from the preloaded server, with the environment
+    torchrun gives its ranks; their output goes to LOG.rank<r>.out/.err."""
+    import elastic_ranks
+
+    ctx = fork_context()
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        p = ctx.Process(target=elastic_ranks.run, daemon=True, args=([str(a) for a in argv], env_r, f"{log}.rank{rank}",
+                                                                     fault))
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def job_stderr(log, world: int) -> str:
+    return "".join(open(f"{log}.rank{r}.err").read() for r in range(world))
+
+
+def run_job(log, world: int, argv: list, env: dict, timeout: float = TIMEOUT_S) -> None:
+    """`fork_job` to the end: every rank must exit 0 within `timeout` (the others are killed then)."""
+    procs = fork_job(log, world, argv, env)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * world, f"exit codes {codes}\n{job_stderr(log, world)[-4000:]}"
+
 
 
 def build_from_hf(hf_dir: str, ds_cfg: dict, seq_len: int):

@@ -12,11 +12,6 @@ import os
 import sys
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_inject", "sitecustomize.py")
-PRELOAD = ["hetloco_ds.transport.elastic", "hetloco_ds.cli", "hetloco_ds.train", "hetloco_ds.fleet", "hetloco_ds.engine",
-           "hetloco_ds.initialize", "hetloco_ds.convert", "hetloco_ds.data", "hetloco_ds.metrics", "deepspeed",
-           "transformers"]
-"""What the fork server imports once. It is one server per test process, started by whichever test
-forks first, so every test file that forks from it asks for this same list."""
 
 
 def _arm(spec: str) -> None:

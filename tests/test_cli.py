@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_llama
+from distributed import run_job
 
 REPO = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 180
@@ -86,12 +87,16 @@ def write_config(path, edits: dict | None = None):
     return Path(path)
 
 
+def cli_env(cache) -> dict:
+    """The environment of a CLI run: token caches under `cache`, no progress bars, offline."""
+    return dict(os.environ, HETLOCO_CACHE=str(cache), HETLOCO_QUIET="1", TOKENIZERS_PARALLELISM="false",
+                HF_HUB_OFFLINE="1")
+
+
 def run_cli(*args, cache, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """`python -m hetloco_ds.cli ARGS` with the token caches under `cache` and no progress bars."""
-    env = dict(os.environ, HETLOCO_CACHE=str(cache), HETLOCO_QUIET="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1")
+    """`python -m hetloco_ds.cli ARGS` with `cli_env(cache)`."""
     return subprocess.run([sys.executable, "-m", "hetloco_ds.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+                          text=True, timeout=timeout, env=cli_env(cache))
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
@@ -150,9 +155,9 @@ def test_steps_zero_exports_the_input_checkpoint_bitwise(run_inputs, tmp_path):
     # A periodic eval_interval (step 0 is a multiple of it) must not suppress the final validation.
     cfg = write_config(tmp_path / "cfg.json", {"hetloco.train.eval_interval": 50})
     out = tmp_path / "out"
-    proc = run_cli("train", "--steps", 0, "--model", hf_dir, "--out", out, "--nproc", 2, "--config", cfg,
-                   "--data", data_dir, cache=cache)
-    assert proc.returncode == 0, explain(proc)
+    # The 2 ranks as torchrun starts them (test_launchers: the same job as --nproc 2), forked: fast.
+    run_job(tmp_path / "job", 2, ["train", "--steps", 0, "--model", hf_dir, "--out", out, "--config", cfg,
+                                  "--data", data_dir], cli_env(cache))
 
     ref = LlamaForCausalLM.from_pretrained(hf_dir).state_dict()
     got = LlamaForCausalLM.from_pretrained(out / "hf").state_dict()

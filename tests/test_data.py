@@ -270,3 +270,30 @@ def test_default_tokenizer_trains_caches_and_reloads(tmp_path, monkeypatch):
     first_train = _stream(tok, [(root / f).read_text() for f in train[:12]])
     assert torch.equal(corpus.train.flatten().long(), first_train[: 20 * 64])
     assert "standard library" in corpus.description and f"{len(val)} held out" in corpus.description
+
+
+def test_plain_text_reads_as_the_datasets_text_builder_does_without_importing_it(tmp_path):
+    """Plain-text files are read without `datasets` (the GPU image and the simulator lack it), to the same
+    documents its text builder gives with sample_by="document": the whole file, "\\r\\n" and "\\r" read as
+    "\\n", UTF-8. The reference is `datasets` itself. Breaks if a newline, a byte order or a document
+    boundary differed, which would change every token of a user's corpus between versions."""
+    import subprocess
+    import sys
+
+    import datasets
+
+    root = tmp_path / "t"
+    root.mkdir()
+    files = [root / "a.txt", root / "b.txt"]
+    files[0].write_bytes("one\r\ntwo\rthree\n\n  é ∑ 🙂\t\n".encode())
+    files[1].write_bytes(b"no final newline\r\n\r\nx")
+    want = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document", split="train",
+                                 cache_dir=str(tmp_path / "c"), keep_in_memory=True)["text"]
+    docs = data._read(data._resolve(str(root), "train"), "text", str(tmp_path / "tmp"))
+    assert docs.texts([0, 1]) == want and docs.keys == ["a.txt", "b.txt"]
+    # Reading a text corpus does not import `datasets` at all.
+    code = ("import sys; from hetloco_ds import data; "
+            f"d = data._read(data._resolve({str(root)!r}, 'train'), 'text', {str(tmp_path / 'tmp2')!r}); "
+            "print(len(d.texts([0, 1])), 'datasets' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2", "False"]

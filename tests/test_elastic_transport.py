@@ -25,8 +25,8 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's extension reads it once, at import
 pytest.importorskip("torchft", reason="elastic mode needs the optional extra: pip install 'hetloco_ds[elastic]'")
 
-import elastic_ranks  # noqa: E402
 import elastic_replica as er  # noqa: E402
+from distributed import fork_context  # noqa: E402
 from hetloco_ds.sparseloco.outer import FLAG_FINITE, HEADER, OuterConfig, SparseLoCoState  # noqa: E402
 from hetloco_ds.transport import elastic  # noqa: E402
 from hetloco_ds.transport.auth import FleetRefused, read_fleet_secret, tag  # noqa: E402
@@ -56,10 +56,7 @@ class Fleet:
         self.secret_file = tmp / "secret"
         self.secret_file.write_bytes(SECRET + b"\n")
         self.secret_file.chmod(0o600)
-        self.ctx = mp.get_context("forkserver")
-        # The fork server ignores the parent's sys.path (CPython 3.11 forkserver.main), so preload what
-        # the installed or PYTHONPATH'd package brings: torch and torchft, the slow imports.
-        self.ctx.set_forkserver_preload(elastic_ranks.PRELOAD)  # one server per process: the same list everywhere
+        self.ctx = fork_context()  # one server per process, preloaded with torch and torchft: the slow imports
         self.procs: dict[tuple[str, int], mp.Process] = {}
         self.starts: dict[str, int] = {}
 

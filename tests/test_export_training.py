@@ -1,5 +1,5 @@
-"""Training runs through the real CLI (`hetloco-ds train --nproc N`), checked by their outputs:
-the exported Hugging Face model, metrics.jsonl and the loss.
+"""Training runs of the real CLI (its ranks as torchrun starts them, forked from the test's preloaded
+server), checked by their outputs: the exported Hugging Face model, metrics.jsonl and the loss.
 
 Why the CLI rather than a `run_ranks` body: what must hold is that the model `train.py`
 validates after its last (forced) outer step is the model its export writes, and the
@@ -10,7 +10,6 @@ of the held-out blocks, `train.validation_batches`). So the parent recomputes th
 from __future__ import annotations
 
 import csv
-
 import math
 from collections import Counter
 
@@ -18,8 +17,9 @@ import pytest
 import torch
 
 from conftest import save_tiny_llama
-from test_cli import (explain, read_metrics, run_cli, save_tiny_hf_with_tokenizer, transformers_validation_loss,
-                      write_config, write_text_folder)
+from distributed import run_job
+from test_cli import (cli_env, read_metrics, save_tiny_hf_with_tokenizer, transformers_validation_loss, write_config,
+                      write_text_folder)
 
 MICRO, SEQ_LEN, HIDDEN = 2, 16, 32  # write_config's micro batch and seq_len; conftest's hidden size
 
@@ -59,9 +59,9 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
         "hetloco.train.eval_interval": 3,
         "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"},
     })
-    proc = run_cli("train", "--steps", 8, "--model", hf_dir, "--out", out, "--nproc", 4, "--config", cfg,
-                   "--data", data_dir, cache=cache)
-    assert proc.returncode == 0, explain(proc)
+    # The 4 ranks as torchrun starts them (test_launchers: the same job as --nproc 4), forked: fast.
+    run_job(tmp_path / "job", 4, ["train", "--steps", 8, "--model", hf_dir, "--out", out, "--config", cfg,
+                                  "--data", data_dir], cli_env(cache))
     rows = read_metrics(out)
 
     # --- metrics contract
@@ -160,9 +160,8 @@ def test_fine_tuning_from_hf_checkpoint_lowers_loss_on_default_corpus(stdlib_hf_
         "hetloco.sparseloco.topk": 16,
     })
     out = tmp_path / "out"
-    proc = run_cli("train", "--steps", 30, "--model", hf_dir, "--out", out, "--nproc", 2, "--config", cfg,
-                   cache=cache)
-    assert proc.returncode == 0, explain(proc)
+    run_job(tmp_path / "job", 2, ["train", "--steps", 30, "--model", hf_dir, "--out", out, "--config", cfg],
+            cli_env(cache))
     rows = read_metrics(out)
     losses = [r["loss"] for r in sorted(_step_rows(rows), key=lambda r: r["step"])]
     assert len(losses) == 30

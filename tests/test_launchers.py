@@ -1,9 +1,10 @@
-"""Every way of starting ranks starts the same job: our `--nproc`, the `deepspeed` launcher
-(with `--num_gpus`, and with a hostfile as on each node of a multi-node job), and `torchrun`.
+"""Every way of starting ranks starts the same job: our `--nproc` (tests/test_faults.py's runs),
+the `deepspeed` launcher (`--num_gpus` here; with a hostfile, as on each node of a multi-node
+job, in tests/test_examples.py), and `torchrun`.
 
-Each runs tests/runs.py's job (2 ranks on CPU) and must reproduce the `--nproc 2` reference
-(conftest.tiny_jobs) exactly: the same loss for every (step, replica) and the same exported
-weights. `accelerate launch --use_deepspeed --deepspeed_config_file JOB.json` starts ranks the
+Each runs tests/runs.py's job (2 ranks on CPU) and must reproduce the reference (conftest.tiny_jobs:
+the ranks as torchrun starts them, forked) exactly: the same loss for every (step, replica) and the
+same exported weights. `accelerate launch --use_deepspeed --deepspeed_config_file JOB.json` starts ranks the
 way torchrun does and hands the JSON over in ACCELERATE_DEEPSPEED_CONFIG_FILE, which
 `hetloco-ds train` reads when --config is absent (test_config_comes_from_accelerate, without
 starting ranks).
@@ -31,20 +32,17 @@ def _deepspeed(*launcher_args):
             "--module", "hetloco_ds.cli"]
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "deepspeed_hostfile", "torchrun"])
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_launcher_starts_the_same_job(launcher, tiny_jobs, tmp_path):
     """The `deepspeed` launcher puts `--local_rank=N` before `train` (argparse once rejected it,
     exit 2); torchrun sets LOCAL_RANK only. Breaks if either is not accepted, if a rank under an
-    external launcher plans, owns or defaults --out differently, or if the ranks' layout differs."""
+    external launcher plans, owns or defaults --out differently, or if the ranks' layout differs.
+    The hostfile form each node of a multi-node job runs (`--hostfile --no_ssh --node_rank`) is
+    tests/test_examples.py's run of examples/multinode/run.sh."""
     inputs, reference = tiny_jobs.reference("replicas")
     out = tmp_path / "out"
     if launcher == "deepspeed":
         cmd = _deepspeed("--num_gpus", 2)
-    elif launcher == "deepspeed_hostfile":
-        hostfile = tmp_path / "hostfile"
-        hostfile.write_text("localhost slots=2\n")
-        # What each node of a multi-node job runs when there is no ssh between nodes.
-        cmd = _deepspeed("--hostfile", hostfile, "--no_ssh", "--node_rank", 0, "--master_addr", "127.0.0.1")
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
                "-m", "hetloco_ds.cli"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from distributed import build_from_hf, run_ranks
+from hetloco_ds.pipe.order import effective_schedule
 
 SEQ = 16
 VOCAB = 96
@@ -138,9 +139,13 @@ def _both_schedules_body(rank, cases, steps):
     """Per case, train `steps` steps under each schedule in turn, from the same checkpoint and batches."""
     out = {}
     for name, hf_dir, tied_embeddings, stages in cases:
-        for schedule in ("blocking", "overlapped"):
-            cfg = _config(schedule, tied_embeddings, stages, (1,) if stages == 2 else "all")
+        # "first blocking": the overlapped schedule after one blocking step, as the engine runs it on CUDA.
+        for schedule in ("blocking", "overlapped") + (("first blocking",) if name == "untied" else ()):
+            cfg = _config("overlapped" if schedule == "first blocking" else schedule, tied_embeddings, stages,
+                          (1,) if stages == 2 else "all")
             engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
+            assert engine.schedule == cfg["hetloco"]["pipeline"]["schedule"]
+            engine._blocking_steps_left = int(schedule == "first blocking")
             rows = []
             for step in range(1, steps + 1):
                 rec = engine.train_step(iter(_batches(engine.replica, step)))
@@ -164,3 +169,13 @@ def test_overlapped_and_blocking_schedules_train_bitwise_alike(hf_untied, hf_tie
         for name, *_ in cases:
             assert any(row[2] for row in r[name, "blocking"])  # an outer step happened
             assert r[name, "overlapped"] == r[name, "blocking"], name
+        assert r["untied", "first blocking"] == r["untied", "blocking"]
+
+
+def test_auto_schedule_is_overlapped_on_gloo_and_blocking_on_nccl():
+    """The default: overlapped where it is measured (CPU, gloo), blocking on CUDA until it is measured
+    there; a named schedule is kept; a bad name is refused naming it."""
+    assert [effective_schedule("auto", d) for d in ("cpu", "cuda")] == ["overlapped", "blocking"]
+    assert [effective_schedule(s, "cuda") for s in ("overlapped", "blocking")] == ["overlapped", "blocking"]
+    with pytest.raises(ValueError, match="'overlaped'"):
+        effective_schedule("overlaped", "cpu")

@@ -36,9 +36,11 @@ class DirectedGroups:
 
     `replica_ranks[m]` lists replica m's global ranks by stage. Every rank of the world must
     construct it at the same point with the same argument (torch's `new_group` is collective
-    over the world), and each group is opened at once with a one-element all-reduce, link by
-    link from the first stage down, so that no lazily created NCCL communicator blocks a rank
-    in the middle of a schedule. Those warm-up bytes are counted as control.
+    over the world), and each group is opened at once, link by link from the first stage down,
+    with a one-element all-reduce and one one-element message in the group's own direction:
+    NCCL creates a communicator, and its point-to-point connection to a peer, on first use, and
+    that first use blocks the host until the peer's matching call; in the middle of a schedule
+    it would stall a stage behind work its peer cannot start. Those warm-up bytes are control.
     """
 
     def __init__(self, replica_ranks: Sequence[Sequence[int]], me: int, device, meter: ByteMeter):
@@ -51,13 +53,20 @@ class DirectedGroups:
                 down, up = tdist.new_group(pair), tdist.new_group(pair)
                 if me in pair:
                     self.down[s], self.up[s] = down, up
-                    mine.append((s, down))
-                    mine.append((s, up))
+                    mine.append((s, down, True, pair))
+                    mine.append((s, up, False, pair))
         one = torch.zeros(1, device=device)
-        for _, group in sorted(mine, key=lambda x: x[0]):  # links in stage order: a chain, no cycle
+        for s, group, down, pair in sorted(mine, key=lambda x: x[0]):  # in stage order: a chain, no cycle
             tdist.all_reduce(one, group=group)
             meter.add("sent", nbytes(one), "control")
             meter.add("recv", nbytes(one), "control")
+            src, dst = pair if down else pair[::-1]
+            if me == src:
+                tdist.send(one, dst, group=group)
+                meter.add("sent", nbytes(one), "control")
+            else:
+                tdist.recv(one, src, group=group)
+                meter.add("recv", nbytes(one), "control")
 
 
 class StageLinks:

@@ -29,6 +29,22 @@ from __future__ import annotations
 SCHEDULES = ("overlapped", "blocking")
 
 
+def effective_schedule(configured: str, device_type: str) -> str:
+    """The schedule a stage runs for `hetloco.pipeline.schedule` on a device of `device_type`.
+
+    "auto" is overlapped on gloo (CPU), where it is tested and measured (bench/overlap_links.json),
+    and blocking on NCCL (CUDA): the overlapped schedule's first GPU run hung on 2 H100s
+    (bench/results/gpu_two_overlapped_hang_h100.json). The engine's NCCL measures against that
+    (P2P connections opened at start, a first step that loads every kernel with no receive posted)
+    are unmeasured on a GPU, so NCCL gets them only when the user names "overlapped".
+    """
+    if configured == "auto":
+        return "blocking" if device_type == "cuda" else "overlapped"
+    if configured not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {configured!r}; expected one of {('auto',) + SCHEDULES}")
+    return configured
+
+
 def depth(schedule: str, stages: int, stage_id: int, micro_batches: int) -> int:
     """Micro-batches stage `stage_id` has in flight (forwarded, not yet backwarded) at most."""
     if schedule not in SCHEDULES:
