@@ -98,7 +98,8 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
     ap.add_argument("--no-overlap", dest="overlap", action="store_false", default=argparse.SUPPRESS,
                     help="transfers block compute (DeepSpeed's blocking p2p); same as --schedule blocking")
     ap.add_argument("--schedule", choices=("overlapped", "blocking"), default=None,
-                    help="the engine's pipeline schedule (hetloco.pipeline.schedule; default overlapped)")
+                    help="the pipeline schedule modelled (hetloco.pipeline.schedule; default overlapped, what "
+                         "the engine runs on gloo; its \"auto\" runs blocking on NCCL)")
     ap.add_argument("--tied", action="store_true", help="the model ties its embedding and LM head")
     ap.add_argument("--tied-embeddings", choices=("outer_step", "every_step"), default=argparse.SUPPRESS,
                     help="how a tied model keeps its copies equal (hetloco.sparseloco.tied_embeddings)")
