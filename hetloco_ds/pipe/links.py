@@ -39,7 +39,7 @@ class DirectedGroups:
     over the world), and each group is opened at once, link by link from the first stage down,
     with a one-element all-reduce and one one-element message in the group's own direction:
     NCCL creates a communicator, and its point-to-point connection to a peer, on first use, and
-    that first use blocks the host until the peer's matching call; in the middle of a schedule
+    that first use can block the host until the peer's matching call; in the middle of a schedule
     it would stall a stage behind work its peer cannot start. Those warm-up bytes are control.
     """
 
