@@ -206,8 +206,8 @@ def main() -> int:
         json.dump(doc, f, indent=1)
     os.replace(tmp, os.path.join(args.out_dir, "paper_tables_summary.json"))
     plot(summary, meta, os.path.join(args.out_dir, "paper_tables.png"))
-    print(f"| row | outer steps | tok/param | val loss (mean of seeds) | per seed | Δ% ours (per seed) | Δ% paper "
-          f"| replicas/coord | cos(update, dense) |")
+    print("| row | outer steps | tok/param | val loss (mean of seeds) | per seed | Δ% ours (per seed) | Δ% paper "
+          "| replicas/coord | cos(update, dense) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in summary:
         per = ", ".join(f"{d:.2f}" for d in r["delta_pct_per_seed"])
