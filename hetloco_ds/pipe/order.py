@@ -117,8 +117,6 @@ def link_ops(schedule: str, stages: int, stage_id: int, micro_batches: int) -> l
         if kind == "F":
             if not first:
                 ops.append(("wait_act", i))
-                if i + ahead < n:
-                    ops.append(("post_act", i + ahead))
             ops.append(("F", i))
             if not last:
                 ops += [("isend_act", i), ("post_grad", i)]
@@ -128,4 +126,6 @@ def link_ops(schedule: str, stages: int, stage_id: int, micro_batches: int) -> l
             ops.append(("B", i))
             if not first:
                 ops.append(("isend_grad", i))
+                if i + ahead < n:
+                    ops.append(("post_act", i + ahead))
     return ops

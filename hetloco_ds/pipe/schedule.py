@@ -4,8 +4,9 @@ DeepSpeed's TrainSchedule issues blocking SendActivation / RecvActivation / Send
 RecvGrad around each pass, so a stage idles for every transfer. This schedule splits each
 transfer into a post and a wait:
 
-    PostRecvActivation(i)   irecv micro-batch i's message from the previous stage, posted
-                            `depth` of that stage's micro-batches ahead of its use
+    PostRecvActivation(i)   irecv micro-batch i's message from the previous stage: the first
+                            depth(s - 1) at the start, then i + depth(s - 1) right after
+                            SendGradAsync(i)
     WaitRecvActivation(i)   just before ForwardPass(i): its inputs
     SendActivationAsync(i)  isend right after ForwardPass(i); PostRecvGrad(i) follows at once
     WaitRecvGrad(i)         just before BackwardPass(i)
@@ -15,11 +16,14 @@ transfer into a post and a wait:
 in the order of `order.link_ops("overlapped", ...)` (the cost model times that same list). Why the posting distances
 cannot deadlock and always find a receive waiting:
 
-* stage s posts activation receives up to `depth(s - 1)` ahead of the one it consumes. The
-  previous stage sends micro-batch i + depth(s - 1) only after its backward of i, which needs
-  this stage's gradient of i, which needs this stage's forward of i: by then this stage has
-  consumed i and posted i + depth(s - 1). Rendezvous transports (gloo, NCCL) therefore never
-  hold a ready send back for want of a posted receive.
+* stage s posts the receive of micro-batch i + depth(s - 1) right after sending its gradient
+  of i. The previous stage sends i + depth(s - 1) only after its backward of i, which needs
+  that gradient: the receive is posted before the send can start, so rendezvous transports
+  (gloo, NCCL) never hold a ready send back for want of a posted receive. And a posted
+  receive never waits on this stage's own later work. On NCCL a posted receive is a kernel
+  spinning on the device; one that did wait on this stage's later work would deadlock both
+  stages whenever something synchronised the whole device in between. Posting it earlier,
+  when i is consumed, gains nothing for that reason too: the send cannot come sooner.
 * a gradient receive is posted as soon as the activation it answers is sent.
 * depth(s) >= depth(s + 1) (order.depth), so stage s has sent every activation stage s + 1
   waits for before stage s itself waits for a gradient: the wait graph has no cycle.
