@@ -10,6 +10,7 @@ process-group set-up stays in the order the benches need (collective counter bef
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -47,6 +48,15 @@ def sync():
 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def close_process_group() -> None:
+    """Destroy the process group a single-process bench opened, if any (teardown: errors ignored)."""
+    with contextlib.suppress(Exception):
+        from deepspeed import comm as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def barrier():

@@ -47,7 +47,7 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
 from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
-    ADAMW, batches, build_ours, build_stock, default_out, device, llama_config, mem_gib, ours_config, stock_config,
+    ADAMW, batches, build_ours, build_stock, close_process_group, default_out, device, llama_config, mem_gib, ours_config, stock_config,
     sync, versions,
 )
 
@@ -480,11 +480,7 @@ def main(argv=None) -> int:
             print(f"profile {r['shape']} {r['system']}: kernels {prof['kernel_ms']:.1f} ms / step "
                   f"{1e3 * r['step_s_median']:.1f} ms ({prof['kernel_launches']} launches): {cats}")
     print(f"[bench] wrote {out_path} ({report['elapsed_s']:.0f} s)", flush=True)
-    with contextlib.suppress(Exception):
-        from deepspeed import comm as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    close_process_group()
     return 0 if all("error" not in r for r in report["results"]) else 1
 
 

@@ -59,7 +59,7 @@ for p in (str(REPO), str(BENCH)):
         sys.path.insert(0, p)
 
 import shaped_links as sl  # noqa: E402
-from hetloco_ds import netlab, plan  # noqa: E402
+from hetloco_ds import checkpoint, netlab, plan  # noqa: E402
 
 N_MB = 8
 FACTORS = (2.0, 1.0, 0.5)
@@ -334,12 +334,7 @@ def main(argv=None) -> int:
     }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "overlap_links.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    checkpoint.replace_text(path, json.dumps(result, indent=1) + "\n")
     plot(result, os.path.join(args.out, "overlap_links.png"))
     log(f"wrote {path} and overlap_links.png; {agree['passed']}/{agree['judged']} judged points pass")
     return 0

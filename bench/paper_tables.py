@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hetloco_ds import checkpoint  # noqa: E402
 from hetloco_ds.config import ConfigError, SparseLoCoConfig, parse_config  # noqa: E402
 from hetloco_ds.data import Corpus  # noqa: E402
 from hetloco_ds.presets import model_config_for  # noqa: E402
@@ -242,10 +243,8 @@ def worker(args) -> int:
             print(f"[{args.worker}] {v.name:<28} val {r['val_loss']:.4f} train {r['final_train_loss']:.4f} "
                   f"overlap {last.get('replicas_per_selected') or 0:.2f} cos {last.get('update_cosine') or 0:.2f} "
                   f"({r['seconds']:.0f}s, {r['seconds'] / args.steps:.3f} s/step)", flush=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({**meta, "rows": degradation_table(results), "unfinished": unfinished}, f, indent=1, default=str)
-        os.replace(tmp, args.out)
+        checkpoint.replace_text(args.out, json.dumps({**meta, "rows": degradation_table(results),
+                                                      "unfinished": unfinished}, indent=1, default=str))
         if r["status"] != "done" or time.time() + 60 > args.deadline:
             break  # the budget is spent
     return 0

@@ -37,7 +37,8 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
-from _common import build_ours, default_out, device, llama_config, mem_gib, ours_config, sync, versions  # noqa: E402
+from _common import (build_ours, close_process_group, default_out, device, llama_config, mem_gib, ours_config,  # noqa: E402
+                     sync, versions)
 from gpu_throughput import PEAK_FLOPS, card, flops_per_token, free_memory, setup_process_group  # noqa: E402
 
 ALL_SYSTEMS = ("engine", "sim_batched", "sim_batched_compile", "sim_per_replica")
@@ -194,6 +195,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     import torch
 
+    from hetloco_ds import checkpoint
+
     if args.cpu_smoke:
         torch.set_num_threads(1)  # 2 shared cores here: oversubscribed OpenMP is far slower
     if torch.cuda.is_available():
@@ -240,10 +243,7 @@ def main(argv=None) -> int:
                 if "tokens_per_s_with_outer" in r:
                     r["vs_engine_with_outer"] = r["tokens_per_s_with_outer"] / engine["tokens_per_s"]
         report["elapsed_s"] = time.perf_counter() - t0
-        tmp = out_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-        os.replace(tmp, out_path)
+        checkpoint.replace_text(out_path, json.dumps(report, indent=2, default=str))
         if "tokens_per_s" in result:
             print(f"[sim_throughput] {system}: {result['tokens_per_s'] / 1e3:.1f}K tok/s per GPU, step "
                   f"{result['step_s_median'] * 1e3:.1f} ms, MFU {100 * result['mfu']:.1f}%, "
@@ -262,11 +262,7 @@ def main(argv=None) -> int:
         print(f"{r['system']:20} {r['tokens_per_s']:10.0f} {r['step_s_median'] * 1e3:9.1f} {100 * r['mfu']:5.1f}% "
               f"{r.get('vs_engine', float('nan')):9.2f} {with_outer} {outer}")
     print(f"[sim_throughput] wrote {out_path} ({report['elapsed_s']:.0f} s)", flush=True)
-    with contextlib.suppress(Exception):
-        from deepspeed import comm as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    close_process_group()
     return 0 if all("error" not in r for r in report["results"]) else 1
 
 

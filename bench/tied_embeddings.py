@@ -138,12 +138,9 @@ def main(argv=None) -> int:
     }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "tied_embeddings.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    from hetloco_ds import checkpoint
+
+    checkpoint.replace_text(path, json.dumps(report, indent=1) + "\n")
     for row, t in table.items():
         print(f"{row:>11}: mean val {t['val_loss_mean']:.4f}; vs every_step {t['val_vs_every_step_pct']} %")
     print(f"wrote {path}")
