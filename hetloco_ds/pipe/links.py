@@ -37,30 +37,25 @@ class DirectedGroups:
     `replica_ranks[m]` lists replica m's global ranks by stage. Every rank of the world must
     construct it at the same point with the same argument (torch's `new_group` is collective
     over the world), and each group is opened at once, link by link from the first stage down,
-    with a one-element all-reduce and one one-element message in the group's own direction:
-    NCCL creates a communicator, and its point-to-point connection to a peer, on first use, and
-    that first use can block the host until the peer's matching call; in the middle of a schedule
-    it would stall a stage behind work its peer cannot start. Those warm-up bytes are control.
+    with one one-element message in the group's own direction: NCCL creates a communicator, and
+    its point-to-point connection to a peer, on first use, and that first use can block the host
+    until the peer's matching call; in the middle of a schedule it would stall a stage behind
+    work its peer cannot start. Those warm-up bytes are control.
     """
 
     def __init__(self, replica_ranks: Sequence[Sequence[int]], me: int, device, meter: ByteMeter):
         self.down: dict[int, object] = {}  # stage s -> group of (s, s + 1) for activations
         self.up: dict[int, object] = {}    # stage s -> group of (s, s + 1) for gradients
-        mine: list[tuple[int, object]] = []
+        mine: list[tuple[object, int, int]] = []  # (group, sender, receiver), in stage order: a chain, no cycle
         for ranks in replica_ranks:
             for s in range(len(ranks) - 1):
                 pair = [ranks[s], ranks[s + 1]]
                 down, up = tdist.new_group(pair), tdist.new_group(pair)
                 if me in pair:
                     self.down[s], self.up[s] = down, up
-                    mine.append((s, down, True, pair))
-                    mine.append((s, up, False, pair))
+                    mine += [(down, pair[0], pair[1]), (up, pair[1], pair[0])]
         one = torch.zeros(1, device=device)
-        for s, group, down, pair in sorted(mine, key=lambda x: x[0]):  # in stage order: a chain, no cycle
-            tdist.all_reduce(one, group=group)
-            meter.add("sent", nbytes(one), "control")
-            meter.add("recv", nbytes(one), "control")
-            src, dst = pair if down else pair[::-1]
+        for group, src, dst in mine:
             if me == src:
                 tdist.send(one, dst, group=group)
                 meter.add("sent", nbytes(one), "control")
