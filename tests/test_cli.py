@@ -7,7 +7,6 @@ test_export_training.py.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_llama
+import runs
 from distributed import run_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,16 +87,11 @@ def write_config(path, edits: dict | None = None):
     return Path(path)
 
 
-def cli_env(cache) -> dict:
-    """The environment of a CLI run: token caches under `cache`, no progress bars, offline."""
-    return dict(os.environ, HETLOCO_CACHE=str(cache), HETLOCO_QUIET="1", TOKENIZERS_PARALLELISM="false",
-                HF_HUB_OFFLINE="1")
-
-
 def run_cli(*args, cache, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """`python -m hetloco_ds.cli ARGS` with `cli_env(cache)`."""
+    """`python -m hetloco_ds.cli ARGS` in a CLI run's environment (`runs.env`: token caches under
+    `cache`, no progress bars, offline)."""
     return subprocess.run([sys.executable, "-m", "hetloco_ds.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=cli_env(cache))
+                          text=True, timeout=timeout, env=runs.env(cache))
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
@@ -157,7 +152,7 @@ def test_steps_zero_exports_the_input_checkpoint_bitwise(run_inputs, tmp_path):
     out = tmp_path / "out"
     # The 2 ranks as torchrun starts them (test_launchers: the same job as --nproc 2), forked: fast.
     run_job(tmp_path / "job", 2, ["train", "--steps", 0, "--model", hf_dir, "--out", out, "--config", cfg,
-                                  "--data", data_dir], cli_env(cache))
+                                  "--data", data_dir], runs.env(cache))
 
     ref = LlamaForCausalLM.from_pretrained(hf_dir).state_dict()
     got = LlamaForCausalLM.from_pretrained(out / "hf").state_dict()

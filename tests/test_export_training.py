@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import save_tiny_llama
+import runs
 from distributed import run_job
-from test_cli import (cli_env, read_metrics, save_tiny_hf_with_tokenizer, transformers_validation_loss, write_config,
-                      write_text_folder)
+from test_cli import read_metrics, save_tiny_hf_with_tokenizer, transformers_validation_loss, write_config, write_text_folder
 
 MICRO, SEQ_LEN, HIDDEN = 2, 16, 32  # write_config's micro batch and seq_len; conftest's hidden size
 
@@ -61,7 +61,7 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
     })
     # The 4 ranks as torchrun starts them (test_launchers: the same job as --nproc 4), forked: fast.
     run_job(tmp_path / "job", 4, ["train", "--steps", 8, "--model", hf_dir, "--out", out, "--config", cfg,
-                                  "--data", data_dir], cli_env(cache))
+                                  "--data", data_dir], runs.env(cache))
     rows = read_metrics(out)
 
     # --- metrics contract
@@ -161,7 +161,7 @@ def test_fine_tuning_from_hf_checkpoint_lowers_loss_on_default_corpus(stdlib_hf_
     })
     out = tmp_path / "out"
     run_job(tmp_path / "job", 2, ["train", "--steps", 30, "--model", hf_dir, "--out", out, "--config", cfg],
-            cli_env(cache))
+            runs.env(cache))
     rows = read_metrics(out)
     losses = [r["loss"] for r in sorted(_step_rows(rows), key=lambda r: r["step"])]
     assert len(losses) == 30
