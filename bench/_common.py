@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -395,8 +396,12 @@ def run_worker(args, counter: CollectiveCounter, body, system: str | None = None
     group; then `body(cfg, part)`, its errors caught into the rank's `part` (the driver stops the
     peers); `part` written to args.part; a clean exit tears the process group down. `system` and
     `spec` go into `part` as given. Returns the exit code."""
+    import faulthandler
+
     import torch
 
+    # A hung rank's Python stacks on request: spawn_workers sends SIGUSR1 before stopping a timed-out one.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.cpu_smoke:
         torch.set_num_threads(1)  # 2 shared cores here: oversubscribed OpenMP is far slower
     if torch.cuda.is_available():
@@ -495,8 +500,11 @@ def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str,
                         stop(procs[o])
             if pending and time.perf_counter() - start > timeout:
                 error = error or f"timeout after {timeout:.0f} s"
+                stacks = dump_stacks([procs[o] for o in pending], tmp, name, list(pending))
                 for o in pending:
                     stop(procs[o])
+                if stacks:
+                    print(f"[{tag}] {name}: stacks of the hung ranks in {stacks}", flush=True)
             time.sleep(0.2)
     finally:  # SIGTERM (driver_setup turns it into SystemExit) or any error: no worker outlives us
         for p in procs:
@@ -519,6 +527,33 @@ def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str,
                 print(f"[{tag}] {name}: rank {r} log tail:\n{tail}", flush=True)
                 loaded[r]["log_tail"] = tail
     return loaded, error, wall
+
+
+def dump_stacks(procs: list, tmp: str, name: str, ranks: list[int]) -> list[str]:
+    """Before a timed-out configuration is stopped: each hung rank's Python stacks (SIGUSR1 to
+    faulthandler, into its log or the driver's stdout) and, where py-spy is installed, its native
+    and Python stacks into TMP/NAME.rankR.stack.txt; returns those files. A hang then says where."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+    time.sleep(2)
+    spy = shutil.which("py-spy") or (os.path.exists("/tmp/site/bin/py-spy") and "/tmp/site/bin/py-spy")
+    files = []
+    for p, r in zip(procs, ranks):
+        if not spy or p.poll() is not None:
+            continue
+        path = os.path.join(tmp, f"{name}.rank{r}.stack.txt")
+        try:
+            res = subprocess.run([spy, "dump", "--native", "--pid", str(p.pid)], capture_output=True, text=True,
+                                 timeout=30)
+            text = res.stdout + res.stderr
+        except (OSError, subprocess.TimeoutExpired) as e:
+            text = f"py-spy failed: {e}"
+        with open(path, "w") as f:
+            f.write(text)
+        print(f"[stacks] {name} rank {r}:\n{text[-6000:]}", flush=True)
+        files.append(path)
+    return files
 
 
 def stop(proc) -> None:

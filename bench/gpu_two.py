@@ -545,7 +545,7 @@ def driver_main(args) -> int:
             print(f"[gpu_two] {name} #{rep}{' (profiled)' if profiled else ''} ({elapsed:.0f} s) ...", flush=True)
             limit = args.compiled_timeout if name in compiled else args.config_timeout  # room to compile
             parts, error, wall = spawn_workers(__file__, name, WORLD, passthru + (["--profile-worker"] if profiled else []),
-                                               tmp, limit, args.cpu_smoke, "gpu_two", tail_chars=3000)
+                                               tmp, limit, args.cpu_smoke, "gpu_two", tail_chars=8000)
             res, row_ok = config_row(report, name, parts, error, lambda: summarize(name, parts, args))
             ok = ok and row_ok
             res["repeat"] = rep
