@@ -181,8 +181,8 @@ class PipelineConfig(_Section):
     schedule: Literal["auto", "overlapped", "blocking"] = "auto"
     """overlapped: stage-link transfers run beside the compute (receives posted ahead, sends in the
     background, 3(S-1-s)+1 micro-batches in flight on stage s). blocking: DeepSpeed's 1F1B, every
-    transfer stalls the stage. auto: overlapped on gloo (CPU), blocking on NCCL (GPU) until the
-    overlapped schedule is measured there (pipe.order.effective_schedule). Same losses and
+    transfer stalls the stage. auto: overlapped on gloo (CPU), blocking on NCCL (GPU), where the
+    posted receives slow the compute over fast links (pipe.order.effective_schedule). Same losses and
     parameters bit for bit; only timing differs."""
 
 

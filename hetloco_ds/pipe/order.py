@@ -33,10 +33,10 @@ def effective_schedule(configured: str, device_type: str) -> str:
     """The schedule a stage runs for `hetloco.pipeline.schedule` on a device of `device_type`.
 
     "auto" is overlapped on gloo (CPU), where it is tested and measured (bench/overlap_links.json),
-    and blocking on NCCL (CUDA): the overlapped schedule's first GPU run hung on 2 H100s
-    (bench/results/gpu_two_overlapped_hang_h100.json). The engine's NCCL measures against that
-    (P2P connections opened at start, a first step that loads every kernel with no receive posted)
-    are unmeasured on a GPU, so NCCL gets them only when the user names "overlapped".
+    and blocking on NCCL (CUDA): there a posted receive is a kernel resident on the device until its
+    message comes, and on 2 H100s over NVLink the GEMMs beside it ran 1.4-1.6x longer, 0.88x stock
+    DeepSpeed overall (bench/results/gpu_two_s2_overlapped_h100.json). Links slow enough for the
+    overlap to pay are the user's to name ("overlapped"; `hetloco-ds plan --schedule` predicts either).
     """
     if configured == "auto":
         return "blocking" if device_type == "cuda" else "overlapped"
