@@ -16,6 +16,7 @@ it differs from the stock engine in this, and nothing else:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -78,6 +79,9 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.hetloco = hetloco = run.hetloco
         self.seq_len = seq_len
         self.meter = ByteMeter()
+        self.cast_weights_once = True
+        """bf16: each weight's autocast cast made once per optimizer step, not once per micro-batch
+        (`_weight_casts`); False gives the per-micro-batch casts (the same bits, more work)."""
         super().__init__(*args, **kwargs)
         self.replica, self.num_replicas = replica or (self.grid.data_parallel_id, self.grid.data_parallel_size)
         self.dp_group = self.grid.get_data_parallel_group()
@@ -272,7 +276,8 @@ class HetlocoEngine(PipelineEngineAdapter):
         monitor_enabled = self.monitor.enabled
         self.monitor.enabled = False
         try:
-            local_loss = super().train_batch(data_iter)
+            with self._weight_casts():
+                local_loss = super().train_batch(data_iter)
         finally:
             self.monitor.enabled = monitor_enabled
         self.local_steps += 1
@@ -282,6 +287,17 @@ class HetlocoEngine(PipelineEngineAdapter):
             outer = self.outer_step()
         self.last_record = self._record(local_loss, start, outer)
         return self.last_record
+
+    def _weight_casts(self):
+        """Around one optimizer step under bf16: an outer, disabled autocast region. Autocast caches
+        the bf16 cast of each fp32 weight until the outermost region exits, so the module's
+        per-forward region (`pipe.module`) reuses one cast for every micro-batch of the step instead
+        of casting every weight again each time (DeepSpeed's bf16 keeps bf16 weights and casts
+        none). The weights change only at the step's end, after the last forward; the cache is
+        dropped when the step returns. The cast values are the same, so are the bits."""
+        if self.module.autocast_dtype is None or not self.cast_weights_once:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, enabled=False)
 
     def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()

@@ -179,3 +179,52 @@ def test_auto_schedule_is_overlapped_on_gloo_and_blocking_on_nccl():
     assert [effective_schedule(s, "cuda") for s in ("overlapped", "blocking")] == ["overlapped", "blocking"]
     with pytest.raises(ValueError, match="'overlaped'"):
         effective_schedule("overlaped", "cpu")
+
+
+def _cast_body(rank, hf_dir, steps):
+    """Per setting of `cast_weights_once`: every step's loss and parameter hash, and how many fp32 ->
+    bf16 casts of this stage's weight matrices each step made (a dispatch mode below autocast sees
+    only the casts autocast did not take from its cache; the norms' weight vectors are cast by the
+    model's own code, outside autocast's cache, and are not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountParamCasts(TorchDispatchMode):
+        def __init__(self, ptrs):
+            super().__init__()
+            self.ptrs, self.n = ptrs, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            src = args[0] if args else None
+            if (func is torch.ops.aten._to_copy.default and isinstance(src, torch.Tensor)
+                    and src.dtype == torch.float32 and kwargs.get("dtype") == torch.bfloat16
+                    and src.dim() == 2 and src.data_ptr() in self.ptrs):
+                self.n += 1
+            return func(*args, **kwargs)
+
+    out = {}
+    for once in (False, True):
+        cfg = _config("overlapped", compressed=())
+        cfg["bf16"] = {"enabled": True}
+        engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
+        engine.cast_weights_once = once
+        rows = []
+        for step in range(1, steps + 1):
+            counter = CountParamCasts({p.data_ptr() for p in module.parameters()})
+            with counter:
+                rec = engine.train_step(iter(_batches(engine.replica, step)))
+            rows.append((rec.loss, _digest(module), counter.n))
+        out[once] = rows
+    return out
+
+
+def test_bf16_weights_cast_once_per_step_with_the_same_bits(hf_untied):
+    """Under bf16 (autocast over fp32 weights) each weight matrix is cast to bf16 once per optimizer step,
+    not once per micro-batch, and the losses and parameters are bitwise those of the per-micro-batch
+    casts, through an outer step (2 stages, 3 micro-batches, overlapped). Breaks if the cast cache
+    is lost between micro-batches (3x the casts) or outlives the step (stale weights: other bits)."""
+    results = run_ranks(_cast_body, 2, hf_untied, 3)
+    for r in results:
+        assert [row[:2] for row in r[True]] == [row[:2] for row in r[False]]
+        once, each = [row[2] for row in r[True]], [row[2] for row in r[False]]
+        assert min(once) > 0 and each == [3 * n for n in once], (once, each)
