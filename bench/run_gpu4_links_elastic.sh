@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a 4-GPU host for what issues 11 and 12 still need on GPUs, two benches side by side:
 #   GPUs 0,1  bench/run_gpu2.sh --configs a_ours_r1,a_ds --repeats 3: our S = 2 pipeline with the overlapped
-#             schedule named explicitly (hetloco.pipeline.schedule "auto" is blocking on NCCL until this
-#             measures it) vs stock DeepSpeed's pipeline, interleaved, medians;
+#             schedule named explicitly ("auto" is blocking on NCCL: gpu_two_s2_overlapped_h100.json) vs stock
+#             DeepSpeed's pipeline, interleaved, medians;
 #   GPUs 2,3  bench/run_gpu_elastic.sh (2 elastic replicas, one killed and restarted), then, if time is left,
 #             bench/run_gpu2.sh --configs b_ours_sl,b_ds_dp --repeats 3 (M = 2 vs data parallelism, profiled).
 # Everything is packed into $OUT/gpu4.tgz every 15 s (written aside, then renamed), so a call cut at its

@@ -7,7 +7,8 @@
 #   the rows:  LR_FROM=bench/results/paper_tables_sweep/paper_tables_summary.json TAG=h100x8 bash bench/run_tables.sh
 #   next call: the same plus SKIP_DONE=bench/results/paper_tables_h100x8 (rows already committed there)
 # Each worker rewrites $OUT/paper_tables_${TAG}_g<gpu>p<proc>.json after every row, starts no row it cannot
-# finish within BUDGET seconds (default 540), and saves a row the budget stops into STATE_DIR (default
+# finish within BUDGET seconds (default 540, counted from this script's start: a DEVICE_CORPUS build, 200 s on
+# an H100 host, comes out of it), and saves a row the budget stops into STATE_DIR (default
 # runs/paper_tables_state, kept by the device while it stays warm) for the next call to resume.
 # Optional: ROWS (priority order, default paper_tables.DEFAULT_ROWS), SEEDS (0,1), MODEL (20M), DEVICE (cuda),
 # COMPILE (1: torch.compile the forward), S_PER_STEP (bench/sim_throughput.py's step seconds, for the
@@ -17,6 +18,7 @@
 # CORPUS_ROOTS picks its source folders). The summary goes to $OUT/summary.
 source "$(dirname "$0")/_gpu_env.sh" || exit 1   # pipefail, link settings, wheels (shared with run_gpu*.sh)
 cd "$(dirname "$0")/.." || exit 1
+T0=$(date +%s)  # BUDGET counts from here: the wheels and a corpus built on the machine spend it too
 : "${OUT:?OUT must be set}" "${TAG:?TAG must be set}"
 BENCH_TAG=run_tables
 export MASTER_ADDR=127.0.0.1 MASTER_PORT=29512 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1
@@ -34,9 +36,11 @@ if [ "${DEVICE_CORPUS:-0}" = 1 ]; then
   [ -f "$DATA" ] || python3 bench/make_device_corpus.py --tokenizer .benchdata/tokenizer --out "$DATA" \
     ${CORPUS_ROOTS:+--roots $CORPUS_ROOTS} 2>&1 | tail -5 || exit 1
 fi
+LEFT=$(( ${BUDGET:-540} - ($(date +%s) - T0) ))
+[ "$LEFT" -gt 60 ] || { echo "[run_tables] only ${LEFT} s of BUDGET left after the set-up; no row started"; exit 1; }
 args=(--data "${DATA:-.benchdata/code_bpe8192_seq256.pt}" --model "${MODEL:-20M}" --seeds "${SEEDS:-0,1}"
       --steps "${STEPS:-5000}" --device "${DEVICE:-cuda}" --procs-per-gpu "${PROCS_PER_GPU:-1}"
-      --budget-s "${BUDGET:-540}" --state-dir "${STATE_DIR:-runs/paper_tables_state}" --tag "$TAG" --out "$OUT")
+      --budget-s "$LEFT" --state-dir "${STATE_DIR:-runs/paper_tables_state}" --tag "$TAG" --out "$OUT")
 [ -n "${ROWS:-}" ] && args+=(--rows "$ROWS")
 [ -n "${LR_SWEEP:-}" ] && args+=(--lr-sweep "$LR_SWEEP")
 [ -n "${LR_FROM:-}" ] && args+=(--lr-from "$LR_FROM")
