@@ -173,8 +173,8 @@ def test_overlapped_and_blocking_schedules_train_bitwise_alike(hf_untied, hf_tie
 
 
 def test_auto_schedule_is_overlapped_on_gloo_and_blocking_on_nccl():
-    """The default: overlapped where it is measured (CPU, gloo), blocking on CUDA until it is measured
-    there; a named schedule is kept; a bad name is refused naming it."""
+    """The default: overlapped on CPU (gloo), blocking on CUDA, where the overlapped one measured 0.88x
+    stock over NVLink; a named schedule is kept; a bad name is refused naming it."""
     assert [effective_schedule("auto", d) for d in ("cpu", "cuda")] == ["overlapped", "blocking"]
     assert [effective_schedule(s, "cuda") for s in ("overlapped", "blocking")] == ["overlapped", "blocking"]
     with pytest.raises(ValueError, match="'overlaped'"):
