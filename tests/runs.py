@@ -29,6 +29,28 @@ BASE = {
 }
 LAYOUTS = {"pipe": {**BASE, "pipeline.stages": 2}, "replicas": {**BASE, "pipeline.stages": 1}}
 
+# The heterogeneous job of test_simulate.py and test_rehearse.py: a 2-layer LLaMA (vocab 512, the
+# default tokenizer) and configs/cpu_tiny.json with replica 1 compressed (ratio 4), H = 3, 6 steps.
+TINY_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 64, "max_position_embeddings": 64}
+
+
+def hetero_files(tmp_path: Path, eval_batches: int, gas: int | None = None, tied: bool = False) -> tuple[str, str]:
+    """(config path, model-config path) of that job under `tmp_path`; `gas` overrides cpu_tiny's
+    gradient accumulation, `tied` ties the embedding and the head."""
+    with open(REPO / "configs" / "cpu_tiny.json") as f:
+        cfg = json.load(f)
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    if gas is not None:
+        cfg["gradient_accumulation_steps"] = gas
+    cfg["hetloco"]["sparseloco"]["inner_steps"] = 3
+    cfg["hetloco"]["subspace"] = {"ratio": 4, "compressed_replicas": [1]}
+    cfg["hetloco"]["train"].update(seq_len=32, vocab_size=512, eval_interval=0, eval_batches=eval_batches)
+    cfg["scheduler"]["params"].update(total_num_steps=6, warmup_num_steps=2)
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.json").write_text(json.dumps({**TINY_MODEL, "tie_word_embeddings": tied}))
+    return str(tmp_path / "cfg.json"), str(tmp_path / "model.json")
+
 
 def env(cache, fault: str | None = None) -> dict:
     """The environment of a CLI run: token caches under `cache`, no bars, offline; with `fault`,

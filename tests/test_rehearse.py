@@ -1,7 +1,6 @@
 """`hetloco-ds train --link ...`: the job on shaped links, ending with measured vs planned."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -10,29 +9,19 @@ import sys
 
 import pytest
 
+import runs
 from hetloco_ds import netlab
 
 OK, WHY = netlab.available()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 64, "max_position_embeddings": 64}
 LINE = re.compile(r"\[hetloco\] rehearsal \(stage 2 Mbit/s, replica 20 Mbit/s, overlapped schedule, M=2 x S=2\): "
                   r"step ([0-9.e+-]+) s measured vs ([0-9.e+-]+) s planned \(x([0-9.]+)\); compute utilisation "
                   r"(\d+)% measured vs (\d+)% planned")
 
 
 def _files(tmp_path):
-    with open(os.path.join(REPO, "hetloco_ds", "configs", "cpu_tiny.json")) as f:
-        cfg = json.load(f)
-    cfg["train_micro_batch_size_per_gpu"] = 2
-    cfg["gradient_accumulation_steps"] = 4
-    cfg["hetloco"]["sparseloco"]["inner_steps"] = 3
-    cfg["hetloco"]["subspace"] = {"ratio": 4, "compressed_replicas": [1]}
-    cfg["hetloco"]["train"].update(seq_len=32, vocab_size=512, eval_interval=0, eval_batches=1)
-    cfg["scheduler"]["params"].update(total_num_steps=6, warmup_num_steps=2)
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.json").write_text(json.dumps(MODEL))
-    return ["--config", str(tmp_path / "cfg.json"), "--model-config", str(tmp_path / "model.json")]
+    cfg, model = runs.hetero_files(tmp_path, eval_batches=1, gas=4)
+    return ["--config", cfg, "--model-config", model]
 
 
 def _train(args, env, timeout=400):

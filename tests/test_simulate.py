@@ -9,25 +9,15 @@ import sys
 import pytest
 import torch
 
+import runs
 from distributed import run_job
 
-MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 64, "max_position_embeddings": 64}
+MODEL = runs.TINY_MODEL
 
 
 def _files(tmp_path, cache, tied: bool = False):
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(repo, "configs", "cpu_tiny.json")) as f:
-        cfg = json.load(f)
-    cfg["train_micro_batch_size_per_gpu"] = 2
-    cfg["hetloco"]["sparseloco"]["inner_steps"] = 3
-    cfg["hetloco"]["subspace"] = {"ratio": 4, "compressed_replicas": [1]}
-    cfg["hetloco"]["train"].update(seq_len=32, vocab_size=512, eval_interval=0, eval_batches=2)
-    cfg["scheduler"]["params"].update(total_num_steps=6, warmup_num_steps=2)
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    (tmp_path / "model.json").write_text(json.dumps({**MODEL, "tie_word_embeddings": tied}))
-    env = dict(os.environ, HETLOCO_CACHE=str(cache))
-    return str(tmp_path / "cfg.json"), str(tmp_path / "model.json"), env
+    cfg, model = runs.hetero_files(tmp_path, eval_batches=2, tied=tied)
+    return cfg, model, dict(os.environ, HETLOCO_CACHE=str(cache))
 
 
 def _step_losses(path, **match):
