@@ -51,6 +51,32 @@ def sync():
         torch.cuda.synchronize()
 
 
+def profiled(step_fn):
+    """(profiler, wall seconds) of one `step_fn()` under torch.profiler (CPU, and CUDA when present),
+    the device drained before and after so the wall time covers the step's kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step_fn()
+        sync()
+    return prof, time.perf_counter() - t
+
+
+def device_time_us(evt, self_: bool = True) -> float:
+    """A profiler event's device time in microseconds, self or inclusive, under whichever name this
+    torch gives it (device_* since 2.4, cuda_* before)."""
+    names = ("self_device_time_total", "self_cuda_time_total") if self_ else ("device_time_total", "cuda_time_total")
+    for n in names:
+        v = getattr(evt, n, None)
+        if v is not None:
+            return float(v)
+    return 0.0
+
+
 def close_process_group() -> None:
     """Destroy the process group a single-process bench opened, if any (teardown: errors ignored)."""
     with contextlib.suppress(Exception):

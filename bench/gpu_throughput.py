@@ -47,8 +47,8 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
 from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
-    ADAMW, batches, build_ours, build_stock, close_process_group, default_out, device, llama_config, mem_gib, ours_config, stock_config,
-    sync, versions,
+    ADAMW, batches, build_ours, build_stock, close_process_group, default_out, device, device_time_us, llama_config,
+    mem_gib, ours_config, profiled, stock_config, sync, versions,
 )
 
 PEAK_FLOPS = 989e12
@@ -155,15 +155,6 @@ KERNEL_CATEGORIES = (
 )
 
 
-def _dev_time(evt, self_=True) -> float:
-    names = ("self_device_time_total", "self_cuda_time_total") if self_ else ("device_time_total", "cuda_time_total")
-    for n in names:
-        v = getattr(evt, n, None)
-        if v is not None:
-            return float(v)
-    return 0.0
-
-
 def idle_gaps(prof, top: int = 8) -> dict:
     """Device time with no kernel running inside the profiled step, and its largest gaps with
     the kernels on either side (where the GPU waited on the host)."""
@@ -190,17 +181,9 @@ def idle_gaps(prof, top: int = 8) -> dict:
 
 def profile_step(step_fn, step_s: float, trace_path: str | None = None) -> dict:
     """One step under torch.profiler: where the device time goes (microsecond sums -> ms)."""
-    import torch
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    sync()
-    t = time.perf_counter()
-    with profile(activities=acts) as prof:
-        step_fn()
-        sync()
-    wall = time.perf_counter() - t
+    prof, wall = profiled(step_fn)
     if trace_path:
         import gzip
         import shutil
@@ -212,22 +195,22 @@ def profile_step(step_fn, step_s: float, trace_path: str | None = None) -> dict:
         os.remove(trace_path)
     events = prof.key_averages()
     kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
-    total_us = sum(_dev_time(e) for e in kernels)
+    total_us = sum(device_time_us(e) for e in kernels)
     cats = {name: 0.0 for name, _ in KERNEL_CATEGORIES}
     cats["other"] = 0.0
     for e in kernels:
         low = e.key.lower()
         for name, keys in KERNEL_CATEGORIES:
             if any(k in low for k in keys):
-                cats[name] += _dev_time(e)
+                cats[name] += device_time_us(e)
                 break
         else:
-            cats["other"] += _dev_time(e)
-    top_k = sorted(kernels, key=_dev_time, reverse=True)[:12]
+            cats["other"] += device_time_us(e)
+    top_k = sorted(kernels, key=device_time_us, reverse=True)[:12]
     cpu_ops = [e for e in events if getattr(e, "device_type", None) != DeviceType.CUDA and e.key.startswith("aten::")]
     if kernels:
-        top_ops = sorted(cpu_ops, key=lambda e: _dev_time(e, self_=False), reverse=True)[:12]
-        op_rows = [{"op": e.key, "calls": e.count, "device_ms": round(_dev_time(e, self_=False) / 1e3, 3)} for e in top_ops]
+        top_ops = sorted(cpu_ops, key=lambda e: device_time_us(e, self_=False), reverse=True)[:12]
+        op_rows = [{"op": e.key, "calls": e.count, "device_ms": round(device_time_us(e, self_=False) / 1e3, 3)} for e in top_ops]
     else:
         top_ops = sorted(cpu_ops, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
         op_rows = [{"op": e.key, "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3)} for e in top_ops]
@@ -237,7 +220,7 @@ def profile_step(step_fn, step_s: float, trace_path: str | None = None) -> dict:
         "kernel_launches": sum(e.count for e in kernels),
         "kernel_time_over_step_time": (total_us / 1e6) / step_s if step_s else None,
         "kernel_ms_by_category": {k: round(v / 1e3, 3) for k, v in cats.items()},
-        "top_kernels": [{"kernel": e.key[:120], "calls": e.count, "ms": round(_dev_time(e) / 1e3, 3)} for e in top_k],
+        "top_kernels": [{"kernel": e.key[:120], "calls": e.count, "ms": round(device_time_us(e) / 1e3, 3)} for e in top_k],
         "top_aten_ops_inclusive": op_rows,
         "device_idle": idle_gaps(prof),
         "note": "one step after the timed ones; categories by kernel-name substrings (first match wins)",

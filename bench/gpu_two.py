@@ -86,8 +86,8 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
 from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
-    CollectiveCounter, add_model_args, batches, build_ours, build_stock, config_row, driver_setup, finish_report,
-    fmt_bytes, new_report, ours_config, ours_part_info, peak_gib, pick_configs, run_main, run_worker, same,
+    CollectiveCounter, add_model_args, batches, build_ours, build_stock, config_row, device_time_us, driver_setup,
+    finish_report, fmt_bytes, new_report, ours_config, ours_part_info, peak_gib, pick_configs, profiled, run_main, run_worker, same,
     spawn_workers, stock_config, stock_p2p_meter, stock_part_info, timed_call, versions_line, worker_argv,
     write_report,
 )
@@ -194,39 +194,19 @@ KERNEL_CLASSES = (  # first match wins; by lower-cased kernel name
 
 def profile_step(step_fn) -> dict:
     """One step under torch.profiler, summarised (module docstring, Profile)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from _common import sync
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    sync()
-    t = time.perf_counter()
-    with profile(activities=acts) as prof:
-        step_fn()
-        sync()
-    wall = time.perf_counter() - t
-
-    def dev(e, self_=True):
-        for name in (("self_device_time_total", "self_cuda_time_total") if self_ else
-                     ("device_time_total", "cuda_time_total")):
-            v = getattr(e, name, None)
-            if v is not None:
-                return float(v)
-        return 0.0
-
+    prof, wall = profiled(step_fn)
     events = list(prof.key_averages())
-    kernels = [e for e in events if dev(e) > 0]
+    kernels = [e for e in events if device_time_us(e) > 0]
     by_class: dict = {}
     for e in kernels:
         low = e.key.lower()
         cls = next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
-        by_class[cls] = by_class.get(cls, 0.0) + dev(e)
-    top = sorted(kernels, key=dev, reverse=True)[:25]
+        by_class[cls] = by_class.get(cls, 0.0) + device_time_us(e)
+    top = sorted(kernels, key=device_time_us, reverse=True)[:25]
     host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
-    return {"wall_s": wall, "device_time_ms_total": sum(dev(e) for e in kernels) / 1e3,
+    return {"wall_s": wall, "device_time_ms_total": sum(device_time_us(e) for e in kernels) / 1e3,
             "device_ms_by_class": {k: round(v / 1e3, 3) for k, v in sorted(by_class.items(), key=lambda x: -x[1])},
-            "top_kernels": [{"name": e.key[:160], "count": e.count, "device_ms": round(dev(e) / 1e3, 3)} for e in top],
+            "top_kernels": [{"name": e.key[:160], "count": e.count, "device_ms": round(device_time_us(e) / 1e3, 3)} for e in top],
             "top_host_ops": [{"name": e.key[:120], "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
                               "cpu_ms": round(e.cpu_time_total / 1e3, 3)} for e in host]}
 
