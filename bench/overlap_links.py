@@ -49,7 +49,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -278,21 +277,10 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="2,4")
     ap.add_argument("--ratios", default="1,8")
     args = ap.parse_args(argv)
-    ok, why = netlab.available()
-    if not ok:
-        print(f"overlap_links: {why}", file=sys.stderr)
+    if not sl.netlab_ready("overlap_links"):
         return 2
-    netlab.remove_stale()
-    t_begin = time.time()
-    logs: list[str] = []
-
-    def log(msg: str) -> None:
-        line = f"[{time.time() - t_begin:6.1f}s] {msg}"
-        logs.append(line)
-        print(line, flush=True)
-
-    env = dict(os.environ, HETLOCO_QUIET="1", TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    log = sl.RunLog()
+    env = sl.child_env(PYTHONPATH=str(REPO))
     info = sl.machine()
     tmp = tempfile.mkdtemp(prefix="overlap-links-")
     probe: list[dict] = []
@@ -321,7 +309,7 @@ def main(argv=None) -> int:
                 "bench/overlap_links.py's docstring defines every number",
         "machine": info,
         "command": "python bench/overlap_links.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "total_seconds": round(time.time() - t_begin, 1),
+        "total_seconds": log.elapsed(),
         "settings": {"model": {**sl.MODEL, "vocab_size": sl.VOCAB}, "seq_len": sl.SEQ, "micro_batch": sl.MICRO,
                      "n_mb": N_MB, "replicas": 1, "rates_bps": rates_used, "rate_factors_of_crossover": FACTORS,
                      "plan": {"link_efficiency": LINK_EFF, "act_bytes": 4, "latency": 0, "mfu": 1.0,
@@ -330,7 +318,7 @@ def main(argv=None) -> int:
         "agreement": agree,
         "blocking_send_probe": probe,
         "points": points,
-        "log": logs,
+        "log": log.lines,
     }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "overlap_links.json")

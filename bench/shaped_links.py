@@ -88,7 +88,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from hetloco_ds import netlab, plan  # noqa: E402
+from hetloco_ds import checkpoint, netlab, plan  # noqa: E402
 
 MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
              intermediate_size=688, max_position_embeddings=128)
@@ -719,27 +719,48 @@ def prepare_cache(env: dict) -> None:
                    stderr=subprocess.DEVNULL)
 
 
+def netlab_ready(tag: str) -> bool:
+    """Whether this machine can shape links (root, tc, namespaces); if not, says why on stderr.
+    Leftovers of an earlier, killed run are removed."""
+    ok, why = netlab.available()
+    if not ok:
+        print(f"{tag}: {why}", file=sys.stderr)
+        return False
+    netlab.remove_stale()
+    return True
+
+
+class RunLog:
+    """The run's log: each line stamped with seconds since the start, printed and kept for the JSON."""
+
+    def __init__(self):
+        self.t0, self.lines = time.time(), []
+
+    def __call__(self, msg: str) -> None:
+        line = f"[{time.time() - self.t0:6.1f}s] {msg}"
+        self.lines.append(line)
+        print(line, flush=True)
+
+    def elapsed(self) -> float:
+        return round(time.time() - self.t0, 1)
+
+
+def child_env(**extra) -> dict:
+    """Environment of the ranks a bench starts: quiet, offline, one thread each."""
+    return dict(os.environ, HETLOCO_QUIET="1", TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false",
+                HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--quick", action="store_true", help="fewer steps per point (a smoke run)")
     ap.add_argument("--parts", default="ab", choices=("a", "b", "ab"))
     args = ap.parse_args(argv)
-    ok, why = netlab.available()
-    if not ok:
-        print(f"shaped_links: {why}", file=sys.stderr)
+    if not netlab_ready("shaped_links"):
         return 2
-    netlab.remove_stale()
-    t_begin = time.time()
-    logs: list[str] = []
-
-    def log(msg: str) -> None:
-        line = f"[{time.time() - t_begin:6.1f}s] {msg}"
-        logs.append(line)
-        print(line, flush=True)
-
-    env = dict(os.environ, HETLOCO_QUIET="1", TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    log = RunLog()
+    env = child_env()
     info = machine()
     tmp = tempfile.mkdtemp(prefix="shaped-links-")
     try:
@@ -760,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                 "links vs plan.predict; bench/shaped_links.py's docstring defines every number",
         "machine": info,
         "command": "python bench/shaped_links.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "total_seconds": round(time.time() - t_begin, 1),
+        "total_seconds": log.elapsed(),
         "settings": {
             "model": {**MODEL, "vocab_size": VOCAB, "params": model_shape().n_params()}, "seq_len": SEQ,
             "micro_batch": MICRO, "precision": "fp32 (activations fp32 on the wire, token ids int16)",
@@ -788,13 +809,11 @@ def main(argv: list[str] | None = None) -> int:
         "agreement": agreement(points),
         "notes": NOTES,
         "points": points,
-        "log": logs,
+        "log": log.lines,
     }
     os.makedirs(args.out, exist_ok=True)
     jpath = os.path.join(args.out, "shaped_links.json")
-    with open(jpath, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    checkpoint.replace_text(jpath, json.dumps(result, indent=1) + "\n")
     plot(result, os.path.join(args.out, "shaped_links.png"))
     log(f"wrote {jpath} and shaped_links.png")
     return 0
