@@ -474,11 +474,13 @@ def run_worker(args, counter: CollectiveCounter, body, system: str | None = None
 
 # ============================================================================ driver side
 def worker_argv(args, options: list[str], switches: list[str]) -> list[str]:
-    """The driver's flags a worker needs: `options` with their values, `switches` when set. Workers
-    never get --out / --configs or other driver-only flags."""
+    """The driver's flags a worker needs: `options` with their values (left out when None: the
+    worker takes the same default), `switches` when set. Workers never get --out / --configs or
+    other driver-only flags."""
     out = []
     for opt in options:
-        out += [opt, str(getattr(args, opt[2:].replace("-", "_")))]
+        value = getattr(args, opt[2:].replace("-", "_"))
+        out += [] if value is None else [opt, str(value)]
     return out + [sw for sw in switches if getattr(args, sw[2:].replace("-", "_"))]
 
 

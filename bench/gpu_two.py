@@ -130,8 +130,9 @@ def parse_args(argv=None):
                                                            "b_ours_sl, b_ds_dp), interleaved; medians reported")
     p.add_argument("--schedule", default="overlapped", choices=("overlapped", "blocking"),
                    help="our pipeline schedule (hetloco.pipeline.schedule)")
-    p.add_argument("--link-max-ctas", type=int, default=0,
-                   help="experiment: NCCL maxCTAs of the overlapped schedule's link groups (0: NCCL's choice)")
+    p.add_argument("--link-max-ctas", type=int, default=None,
+                   help="hetloco.pipeline.link_max_ctas: NCCL CTAs of the overlapped schedule's link groups "
+                        "(0: NCCL's choice; default: the config's default)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled step of the last repeat")
     p.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)  # internal: this run profiles
@@ -211,35 +212,6 @@ def profile_step(step_fn) -> dict:
                               "cpu_ms": round(e.cpu_time_total / 1e3, 3)} for e in host]}
 
 
-def cap_link_ctas(n: int):
-    """An experiment, not a feature: the overlapped schedule's link groups (`pipe.links.DirectedGroups`)
-    made with NCCL's maxCTAs = n, so a receive posted ahead holds at most n SMs while it waits
-    (gpu_two_s2_overlapped_h100.json: the GEMMs beside the posted receives ran 1.4-1.6x longer).
-    Only that module's `new_group` calls see it. Returns what was applied, or why not."""
-    import torch
-    import torch.distributed as tdist
-
-    from hetloco_ds.pipe import links
-
-    if not torch.cuda.is_available():
-        return "not applied: no CUDA (gloo has no CTAs)"
-    try:
-        opts = tdist.ProcessGroupNCCL.Options()
-        opts.config.max_ctas = n
-    except (AttributeError, RuntimeError) as e:
-        return f"not applied: {type(e).__name__}: {e}"
-
-    class _Capped:
-        def __getattr__(self, name):
-            return getattr(tdist, name)
-
-        def new_group(self, ranks=None, **kwargs):
-            return tdist.new_group(ranks, pg_options=opts, **kwargs)
-
-    links.tdist = _Capped()
-    return n
-
-
 def run_ours(spec, cfg, args, part) -> None:
     stages, ratio = spec["stages"], spec["ratio"]
     b_part = stages == 1
@@ -251,9 +223,9 @@ def run_ours(spec, cfg, args, part) -> None:
     raw = ours_config(args.micro, args.gas, stages, not args.no_bf16, args.inner_steps if b_part else 10**9,
                       subspace, args.seq, max(256, cfg.vocab_size), **train)
     raw["hetloco"]["pipeline"] = {"schedule": args.schedule}
+    if args.link_max_ctas is not None:
+        raw["hetloco"]["pipeline"]["link_max_ctas"] = args.link_max_ctas or None
     part["ds_config"] = raw
-    if args.link_max_ctas:
-        part["link_max_ctas"] = cap_link_ctas(args.link_max_ctas)
     module, engine = build_ours(raw, cfg, args.seq, source="bench/gpu_two.py")
     part.update(ours_part_info(engine, module, cfg))
     seed = 1234 + (engine.replica if b_part else 0)  # stages of one replica read the same batches

@@ -181,9 +181,15 @@ class PipelineConfig(_Section):
     schedule: Literal["auto", "overlapped", "blocking"] = "auto"
     """overlapped: stage-link transfers run beside the compute (receives posted ahead, sends in the
     background, 3(S-1-s)+1 micro-batches in flight on stage s). blocking: DeepSpeed's 1F1B, every
-    transfer stalls the stage. auto: overlapped on gloo (CPU), blocking on NCCL (GPU), where the
-    posted receives slow the compute over fast links (pipe.order.effective_schedule). Same losses and
-    parameters bit for bit; only timing differs."""
+    transfer stalls the stage. auto: overlapped on gloo (CPU) and on NCCL (GPU) when a stage link
+    crosses hosts; blocking on NCCL when every stage link stays inside a host (NVLink, PCIe), where
+    there is no transfer time to hide and the posted receives slow the compute
+    (pipe.order.effective_schedule). Same losses and parameters bit for bit; only timing differs."""
+    link_max_ctas: int | None = Field(1, ge=1)
+    """NCCL: CTAs (thread blocks, one SM each) a stage-link communicator of the overlapped schedule may
+    run; null: NCCL's own choice. A receive posted ahead keeps its CTAs resident until its message
+    comes, taking SMs from the stage's GEMMs, and one CTA already moves far more than an internet link
+    carries (bench/README.md, "Stage links on GPUs"). Not used by gloo or the blocking schedule."""
 
 
 class HetlocoConfig(_Section):

@@ -30,7 +30,7 @@ from .config import RunConfig
 from .meter import ByteMeter, nbytes
 from .patches import PipelineEngineAdapter
 from .pipe import order, schedule as pipe_schedule
-from .pipe.links import DirectedGroups, StageLinks
+from .pipe.links import DirectedGroups, StageLinks, host_ids, links_cross_hosts
 from .transport.static import GroupTransport, PipeStageLink
 
 # DeepSpeed's PipelineEngine.__init__ puts these on the wire before our counters exist: a
@@ -88,7 +88,12 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
         self._count_deepspeed_init_traffic()
-        self.schedule = order.effective_schedule(hetloco.pipeline.schedule, self.device.type)
+        replicas = [[self.grid.stage_to_global(s, data=m) for s in range(self.num_stages)]
+                    for m in range(self.grid.data_parallel_size)]  # this job's pipelines
+        crossing = False
+        if hetloco.pipeline.schedule == "auto" and self.device.type == "cuda" and self.num_stages > 1:
+            crossing = links_cross_hosts(replicas, host_ids(self.device, self.meter))
+        self.schedule = order.effective_schedule(hetloco.pipeline.schedule, self.device.type, crossing)
         # NCCL: a receive posted ahead is a kernel spinning on the device until the peer sends, and
         # the peer's send may wait on this stage's own later work. Anything that synchronises the
         # whole device meanwhile (CUDA's lazy loading of a kernel's first use, a cudaFree) then
@@ -97,9 +102,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         self._blocking_steps_left = 1 if self.device.type == "cuda" else 0  # per process: a resumed one too
         groups = None
         if self.schedule == "overlapped" and self.num_stages > 1:
-            replicas = [[self.grid.stage_to_global(s, data=m) for s in range(self.num_stages)]
-                        for m in range(self.grid.data_parallel_size)]  # this job's pipelines
-            groups = DirectedGroups(replicas, self.global_rank, self.device, self.meter)
+            groups = DirectedGroups(replicas, self.global_rank, self.device, self.meter, hetloco.pipeline.link_max_ctas)
         self.links = StageLinks(
             self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
             self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None,

@@ -101,6 +101,8 @@ CONFIG_CASES = {
          "hetloco.subspace.replica_ratios": {"3": 4}},
         "{cfg}: hetloco.subspace.replica_ratios = {{3: 4}} names replica 3, but 2 ranks / pipeline.stages = 1 make "
         "replicas 0..1"),
+    "link_max_ctas_zero": (
+        {"hetloco.pipeline.link_max_ctas": 0}, "{cfg}: hetloco.pipeline.link_max_ctas = 0: Input should be greater than or equal to 1"),
     "topk_larger_than_chunk": (
         {"hetloco.sparseloco.topk": 5000},
         "{cfg}: hetloco.sparseloco.topk = 5000 exceeds chunk_size = 4096 (values kept per chunk)"),

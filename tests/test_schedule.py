@@ -172,13 +172,47 @@ def test_overlapped_and_blocking_schedules_train_bitwise_alike(hf_untied, hf_tie
         assert r["untied", "first blocking"] == r["untied", "blocking"]
 
 
-def test_auto_schedule_is_overlapped_on_gloo_and_blocking_on_nccl():
-    """The default: overlapped on CPU (gloo), blocking on CUDA, where the overlapped one measured 0.88x
-    stock over NVLink; a named schedule is kept; a bad name is refused naming it."""
+def test_auto_schedule_is_blocking_only_on_nccl_links_inside_a_host():
+    """The default: overlapped on CPU (gloo) and on CUDA when a stage link crosses hosts; blocking on
+    CUDA with every stage link inside a host, where the overlapped one stayed behind stock over NVLink;
+    a named schedule is kept; a bad name is refused naming it. Which links cross is read from the
+    stage links, not from the replicas: replicas on different hosts with their stages together cross
+    nothing."""
+    from hetloco_ds.pipe.links import links_cross_hosts
+
     assert [effective_schedule("auto", d) for d in ("cpu", "cuda")] == ["overlapped", "blocking"]
-    assert [effective_schedule(s, "cuda") for s in ("overlapped", "blocking")] == ["overlapped", "blocking"]
+    assert [effective_schedule("auto", d, True) for d in ("cpu", "cuda")] == ["overlapped", "overlapped"]
+    assert [effective_schedule(s, "cuda", c) for s in ("overlapped", "blocking") for c in (False, True)] == \
+        ["overlapped", "overlapped", "blocking", "blocking"]
     with pytest.raises(ValueError, match="'overlaped'"):
         effective_schedule("overlaped", "cpu")
+    hosts = ["a", "a", "b", "b"]
+    assert not links_cross_hosts([[0, 1], [2, 3]], hosts)
+    assert links_cross_hosts([[0, 2], [1, 3]], hosts)
+    assert links_cross_hosts([[0, 1, 2, 3]], hosts)
+    assert not links_cross_hosts([[0], [1], [2], [3]], hosts)
+
+
+def _hosts_body(rank):
+    from hetloco_ds.meter import ByteMeter
+    from hetloco_ds.pipe.links import host_ids, nccl_link_options
+
+    meter = ByteMeter()
+    ids = host_ids(torch.device("cpu"), meter)
+    return ids, meter.snapshot()["control"], nccl_link_options(1)
+
+
+def test_host_ids_are_every_ranks_host_with_exact_control_bytes():
+    """Three gloo ranks on this host: each learns the same three host ids, each the SHA-256 of this
+    host's name, and meters 32 (W - 1) control bytes each way; gloo gets no NCCL options. Breaks if
+    the gather mixes ranks up, if the ids stop being host names, or if the bytes go unmetered."""
+    import socket
+
+    here = hashlib.sha256(socket.gethostname().encode()).digest()
+    for ids, control, options in run_ranks(_hosts_body, 3):
+        assert ids == [here] * 3
+        assert control == {"sent": 64, "recv": 64}
+        assert options is None
 
 
 def _cast_body(rank, hf_dir, steps):

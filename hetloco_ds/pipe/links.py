@@ -20,6 +20,8 @@ Two ways to use a link:
 """
 from __future__ import annotations
 
+import hashlib
+import socket
 from collections import deque
 from typing import Sequence
 
@@ -29,6 +31,35 @@ import torch.distributed as tdist
 from ..meter import ByteMeter, nbytes
 
 Spec = Sequence[tuple[tuple[int, ...], torch.dtype]]
+
+
+def nccl_link_options(max_ctas: int | None):
+    """Process-group options capping an NCCL link communicator at `max_ctas` CTAs
+    (`hetloco.pipeline.link_max_ctas`); None where there is nothing to cap: no cap asked, or a
+    backend other than NCCL (gloo has no CTAs)."""
+    if max_ctas is None or tdist.get_backend() != "nccl":
+        return None
+    options = tdist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = max_ctas
+    return options
+
+
+def host_ids(device, meter: ByteMeter) -> list[bytes]:
+    """Every rank's host, as the SHA-256 of its host name, gathered over the world (collective).
+    A fixed 32 bytes a rank, so the control bytes metered are exact: a ring all-gather sends and
+    receives 32 (W - 1) bytes a rank."""
+    world = tdist.get_world_size()
+    mine = torch.frombuffer(bytearray(hashlib.sha256(socket.gethostname().encode()).digest()), dtype=torch.uint8)
+    every = torch.empty(world * 32, dtype=torch.uint8, device=device)
+    tdist.all_gather_into_tensor(every, mine.to(device))
+    meter.add("sent", 32 * (world - 1), "control")
+    meter.add("recv", 32 * (world - 1), "control")
+    return [bytes(h.tolist()) for h in every.cpu().view(world, 32)]
+
+
+def links_cross_hosts(replica_ranks: Sequence[Sequence[int]], hosts: Sequence) -> bool:
+    """Whether any stage link of any replica joins two ranks on different hosts (`hosts[rank]`)."""
+    return any(hosts[a] != hosts[b] for ranks in replica_ranks for a, b in zip(ranks, ranks[1:]))
 
 
 class DirectedGroups:
@@ -43,14 +74,16 @@ class DirectedGroups:
     work its peer cannot start. Those warm-up bytes are control.
     """
 
-    def __init__(self, replica_ranks: Sequence[Sequence[int]], me: int, device, meter: ByteMeter):
+    def __init__(self, replica_ranks: Sequence[Sequence[int]], me: int, device, meter: ByteMeter,
+                 max_ctas: int | None = None):
         self.down: dict[int, object] = {}  # stage s -> group of (s, s + 1) for activations
         self.up: dict[int, object] = {}    # stage s -> group of (s, s + 1) for gradients
         mine: list[tuple[object, int, int]] = []  # (group, sender, receiver), in stage order: a chain, no cycle
+        options = nccl_link_options(max_ctas)
         for ranks in replica_ranks:
             for s in range(len(ranks) - 1):
                 pair = [ranks[s], ranks[s + 1]]
-                down, up = tdist.new_group(pair), tdist.new_group(pair)
+                down, up = tdist.new_group(pair, pg_options=options), tdist.new_group(pair, pg_options=options)
                 if me in pair:
                     self.down[s], self.up[s] = down, up
                     mine += [(down, pair[0], pair[1]), (up, pair[1], pair[0])]

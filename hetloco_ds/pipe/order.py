@@ -29,17 +29,20 @@ from __future__ import annotations
 SCHEDULES = ("overlapped", "blocking")
 
 
-def effective_schedule(configured: str, device_type: str) -> str:
-    """The schedule a stage runs for `hetloco.pipeline.schedule` on a device of `device_type`.
+def effective_schedule(configured: str, device_type: str, links_cross_hosts: bool = False) -> str:
+    """The schedule a stage runs for `hetloco.pipeline.schedule` on a device of `device_type`, when
+    some stage link of the job does (`links_cross_hosts`) or does not cross from one host to another.
 
     "auto" is overlapped on gloo (CPU), where it is tested and measured (bench/overlap_links.json),
-    and blocking on NCCL (CUDA): there a posted receive is a kernel resident on the device until its
-    message comes, and on 2 H100s over NVLink the GEMMs beside it ran 1.4-1.6x longer, 0.88x stock
-    DeepSpeed overall (bench/results/gpu_two_s2_overlapped_h100.json). Links slow enough for the
-    overlap to pay are the user's to name ("overlapped"; `hetloco-ds plan --schedule` predicts either).
+    and on NCCL (CUDA) when a stage link crosses hosts: there a transfer takes time worth hiding. With
+    every stage link inside a host (NVLink, PCIe) a micro-batch's activations cross in far less than
+    its compute, so there is nothing to hide, while a receive posted ahead is a kernel resident on
+    the device until its message comes, slowing the GEMMs beside it: on 2 H100s over NVLink the
+    overlapped schedule stayed behind stock DeepSpeed even with its link communicators capped at one
+    CTA (bench/README.md, "Stage links on GPUs"). So "auto" is blocking there.
     """
     if configured == "auto":
-        return "blocking" if device_type == "cuda" else "overlapped"
+        return "blocking" if device_type == "cuda" and not links_cross_hosts else "overlapped"
     if configured not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {configured!r}; expected one of {('auto',) + SCHEDULES}")
     return configured
