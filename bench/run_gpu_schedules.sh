@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One device call for what issue 11 still needs on GPUs, on a 2- or a 4-GPU host. Every ratio compares
+# runs on the same two GPUs in the same call (each gpu_two run has its own stock baseline, 3 repeats):
+#   cta1      gpu_two --configs a_ours_r1,a_ds --schedule overlapped --link-max-ctas 1: the overlapped S = 2
+#             with its link communicators capped at one CTA (gpu_two_s2_overlapped_h100.json: 0.88x uncapped,
+#             the GEMMs slowed by the posted receives' kernels)
+#   m2        gpu_two --configs b_ours_sl,b_ds_dp: M = 2 vs data parallelism, the weights now cast once per
+#             step (gpu_two_m2_r3_h100.json had 0.979x before)
+#   blocking  gpu_two --configs a_ours_r1,a_ds --schedule blocking: our S = 2 as "auto" runs it on NCCL, with
+#             the same change
+#   cta4      as cta1 at --link-max-ctas 4
+# 4 GPUs: GPUs 0,1 run m2 then blocking while GPUs 2,3 run cta1 then cta4. 2 GPUs: one lane in the order
+# cta1, m2, blocking, cta4; a run starts only with at least 150 s of BUDGET (default 470 s) left.
+# PREBUILD_CORPUS=1 (carry .benchdata/tokenizer too): bench/make_device_corpus.py builds the paper-table
+# corpus (runs/device_corpus_seq256.pt, what run_tables.sh DEVICE_CORPUS=1 reads) meanwhile, pinned to the
+# upper half of the CPU cores while the benches are pinned to the lower half, so the next tables call on
+# the same warm machine skips its 200 s build.
+# Everything is packed into $OUT/gpus.tgz every 15 s (written aside, then renamed).
+#
+# Device tool:  command "bash bench/run_gpu_schedules.sh", carry [".whl"], kind "nvidia-h100-x2" or
+# "nvidia-h100-x4", timeout_s 600. .whl: see _gpu_env.sh (DeepSpeed and its wheels; py-spy for stacks).
+source "$(dirname "$0")/_gpu_env.sh" || exit 1
+cd "$(dirname "$0")/.." || exit 1
+: "${OUT:?OUT must be set}"
+O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="cta1 m2 blocking cta4"; T0=$(date +%s)
+for d in $RUNS; do mkdir -p "$W/$d"; done
+(OUT=$W/m2; bench_install_wheels) > "$W/wheels.log" 2>&1 || { tail "$W/wheels.log"; exit 1; }
+export BENCH_WHEELS_INSTALLED=1
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+NCPU=$(nproc); LOW=(); HIGH=()
+if command -v taskset > /dev/null && [ "$NCPU" -ge 4 ]; then
+  LOW=(taskset -c 0-$(( NCPU / 2 - 1 ))); HIGH=(taskset -c $(( NCPU / 2 ))-$(( NCPU - 1 )))
+fi
+echo "gpus $NGPU, cpus $NCPU, benches on ${LOW[*]:-all cores}" | tee "$W/setup.txt"
+if [ "${PREBUILD_CORPUS:-0}" = 1 ] && [ ! -f runs/device_corpus_seq256.pt ]; then
+  ( PYTHONPATH=/tmp/site:. RAYON_NUM_THREADS=$(( NCPU / 2 )) "${HIGH[@]}" python3 bench/make_device_corpus.py \
+      --tokenizer .benchdata/tokenizer --out runs/device_corpus_seq256.pt > "$W/corpus.log" 2>&1 ) & C=$!
+fi
+pack() { tar czf "$O/part.tgz" -C "$W" setup.txt wheels.log $RUNS $( [ -f "$W/corpus.log" ] && echo corpus.log ) 2>/dev/null
+         mv -f "$O/part.tgz" "$O/gpus.tgz"; }
+( while sleep 15; do pack; done ) & L=$!
+declare -A ARGS=(
+  [cta1]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1"
+  [m2]="--configs b_ours_sl,b_ds_dp --repeats 3"
+  [blocking]="--configs a_ours_r1,a_ds --repeats 3 --schedule blocking"
+  [cta4]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 4")
+left() { echo $(( ${BUDGET:-470} - ($(date +%s) - T0) )); }
+lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none started with < 150 s
+  local g=$1 b; shift
+  for r in "$@"; do
+    b=$(left); [ "$b" -ge 150 ] || { echo "$r: not started, ${b} s left" >> "$W/$r/skipped.txt"; continue; }
+    CUDA_VISIBLE_DEVICES=$g OUT=$W/$r BENCH_GPU2_ARGS="${ARGS[$r]} --time-budget $(( b - 20 )) --config-timeout 75" \
+      BENCH_GPU2_TIMEOUT=$(( b + 40 )) "${LOW[@]}" bash bench/run_gpu2.sh > /dev/null 2>&1
+  done
+}
+if [ "$NGPU" -ge 4 ]; then
+  lane 2,3 cta1 cta4 & P=$!
+  lane 0,1 m2 blocking
+  wait $P
+else
+  lane 0,1 cta1 m2 blocking cta4
+fi
+[ -n "${C:-}" ] && { wait "$C"; tail -3 "$W/corpus.log"; }
+kill $L; pack
+for d in $RUNS; do
+  echo "== $d"; cat "$W/$d/skipped.txt" 2>/dev/null
+  [ -f "$W/$d/gpu_two.log" ] && grep -E "ratio of medians|^a_|^b_|error|timeout" "$W/$d/gpu_two.log" | tail -12
+done
