@@ -207,7 +207,13 @@ def worker(args) -> int:
     }
     results, unfinished, pace = [], [], args.s_per_step
     done = finished_rows(args.skip_done)
-    variants = [v for v in ordered_variants(args) if v.name not in done]
+    # A row finished by an earlier call on the same machine is marked in the state folder: a chained
+    # call skips it even when its JSON was not named in --skip-done (it came back, uncommitted, as
+    # that call's output).
+    marks = {v.name: os.path.join(args.state_dir, safe_name(v.name) + ".done") if args.state_dir else None
+             for v in ordered_variants(args)}
+    variants = [v for v in ordered_variants(args)
+                if v.name not in done and not (marks[v.name] and os.path.exists(marks[v.name]))]
     states = {v.name: os.path.join(args.state_dir, safe_name(v.name) + ".pt") if args.state_dir else None
               for v in variants}
     # Rows saved by an earlier call first: they are the closest to done.
@@ -236,6 +242,8 @@ def worker(args) -> int:
             print(f"[{args.worker}] {v.name:<28} {r['status']} at step {r['step']} of {args.steps}", flush=True)
         else:
             pace = (time.time() - t0) / args.steps
+            if marks[v.name]:
+                checkpoint.replace_text(marks[v.name], f"{r['val_loss']}\n")
             r.pop("replica_losses")
             r["train_losses"] = r["train_losses"][::10]  # every 10th step is enough for a curve
             results.append(r)

@@ -9,7 +9,8 @@
 # Each worker rewrites $OUT/paper_tables_${TAG}_g<gpu>p<proc>.json after every row, starts no row it cannot
 # finish within BUDGET seconds (default 540, counted from this script's start: a DEVICE_CORPUS build, 200 s on
 # an H100 host, comes out of it), and saves a row the budget stops into STATE_DIR (default
-# runs/paper_tables_state, kept by the device while it stays warm) for the next call to resume.
+# runs/paper_tables_state, kept by the device while it stays warm) for the next call to resume; a finished row
+# is marked there too, so a chained call skips it without SKIP_DONE naming the earlier call's JSON.
 # Optional: ROWS (priority order, default paper_tables.DEFAULT_ROWS), SEEDS (0,1), MODEL (20M), DEVICE (cuda),
 # COMPILE (1: torch.compile the forward), S_PER_STEP (bench/sim_throughput.py's step seconds, for the
 # first row's budget judgement), AGGREGATION / OUTER_LR (every SparseLoCo row), DATA

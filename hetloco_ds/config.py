@@ -189,7 +189,8 @@ class PipelineConfig(_Section):
     """NCCL: CTAs (thread blocks, one SM each) a stage-link communicator of the overlapped schedule may
     run; null: NCCL's own choice. A receive posted ahead keeps its CTAs resident until its message
     comes, taking SMs from the stage's GEMMs, and one CTA already moves far more than an internet link
-    carries (bench/README.md, "Stage links on GPUs"). Not used by gloo or the blocking schedule."""
+    carries (bench/results/gpu_two_s2_overlapped_cta1_h100.json against gpu_two_s2_overlapped_h100.json).
+    Not used by gloo or the blocking schedule."""
 
 
 class HetlocoConfig(_Section):

@@ -39,7 +39,7 @@ def effective_schedule(configured: str, device_type: str, links_cross_hosts: boo
     its compute, so there is nothing to hide, while a receive posted ahead is a kernel resident on
     the device until its message comes, slowing the GEMMs beside it: on 2 H100s over NVLink the
     overlapped schedule stayed behind stock DeepSpeed even with its link communicators capped at one
-    CTA (bench/README.md, "Stage links on GPUs"). So "auto" is blocking there.
+    CTA (bench/results/gpu_two_s2_overlapped_cta1_h100.json). So "auto" is blocking there.
     """
     if configured == "auto":
         return "blocking" if device_type == "cuda" and not links_cross_hosts else "overlapped"
