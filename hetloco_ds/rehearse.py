@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from . import netlab
+from . import launch, netlab
 from .pipe.order import effective_schedule
 from .plan import model as plan
 
@@ -84,42 +84,63 @@ def run(nproc: int, argv: list[str], specs: list[str], out: str, stages: int, en
     start = time.time()
     with netlab.ShapedNetwork(nproc, netlab.deepspeed_coords(replicas), rates.get("stage"),
                               rates.get("replica")) as net, tempfile.TemporaryDirectory(prefix="hl-rehearse-") as tmp:
-        code = _run_ranks(net, argv, env, tmp)
+        code = _run_ranks(net, [sys.executable, "-m", "hetloco_ds.cli", *argv], env, tmp)
     if code != 0:
         return code
     print(summary(out, rates, nproc, stages, since=start), flush=True)
     return 0
 
 
-def _run_ranks(net: netlab.ShapedNetwork, argv: list[str], env: dict, tmp: str) -> int:
-    """Rank 0 writes to this terminal, the others to log files (shown if they fail); the first
-    failing rank stops the rest, as `launch.spawn` does."""
+def _run_ranks(net: netlab.ShapedNetwork, cmd: list[str], env: dict, tmp: str) -> int:
+    """`cmd` as every rank of `net`. Rank 0 writes to this terminal, the others to log files (shown
+    if they fail). As in `launch.spawn`, the first failing rank (or Ctrl-C) stops the rest: SIGTERM
+    to each rank's process group, then SIGKILL after `launch.STOP_GRACE_S` for any still running,
+    so a rank stuck in a collective with a dead peer cannot hold the rehearsal."""
     port = random.randrange(20000, 32768)  # any port is free in namespaces just made
     procs, logs = [], []
     for rank in range(net.world):
         rank_env = net.env_for(rank, port, env)
         if rank == 0:
-            procs.append(net.popen(rank, [sys.executable, "-m", "hetloco_ds.cli", *argv], rank_env))
+            procs.append(net.popen(rank, cmd, rank_env))
             logs.append(None)
             continue
         rank_env["HETLOCO_QUIET"] = "1"
         log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
         logs.append(log)
-        procs.append(net.popen(rank, [sys.executable, "-m", "hetloco_ds.cli", *argv], rank_env,
-                               stdout=log, stderr=subprocess.STDOUT))
-    code, failed = 0, None
+        procs.append(net.popen(rank, cmd, rank_env, stdout=log, stderr=subprocess.STDOUT))
+    code, failed, kill_at = 0, None, None
     live = list(range(net.world))
-    while live:
-        for rank in list(live):
-            rc = procs[rank].poll()
-            if rc is None:
-                continue
-            live.remove(rank)
-            if rc != 0 and code == 0:
-                code, failed = rc, rank
-                for other in live:
-                    netlab._signal_group(procs[other], signal.SIGTERM)
-        time.sleep(0.1)
+
+    def stop(sig: int) -> None:
+        for other in live:
+            netlab._signal_group(procs[other], sig)
+            if sig == signal.SIGTERM:
+                netlab._signal_group(procs[other], signal.SIGCONT)  # a stopped rank gets its SIGTERM
+
+    try:
+        while live:
+            for rank in list(live):
+                rc = procs[rank].poll()
+                if rc is None:
+                    continue
+                live.remove(rank)
+                if rc != 0 and code == 0:
+                    code, failed = rc, rank
+                    stop(signal.SIGTERM)
+                    kill_at = time.monotonic() + launch.STOP_GRACE_S
+            if kill_at is not None and time.monotonic() > kill_at:
+                stop(signal.SIGKILL)
+                kill_at = None
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        stop(signal.SIGTERM)
+        deadline = time.monotonic() + launch.STOP_GRACE_S
+        while any(procs[r].poll() is None for r in live) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stop(signal.SIGKILL)
+        for r in live:
+            procs[r].wait()
+        code = 130
     if failed and logs[failed] is not None:
         logs[failed].seek(0)
         print(f"[hetloco] rank {failed} failed ({code}); its log ends:\n{logs[failed].read()[-3000:]}",

@@ -79,3 +79,41 @@ def test_rehearsal_without_tc_fails_with_one_line_before_any_rank_starts(tmp_pat
     assert bad.returncode == 2 and "stage=fast" not in bad.stdout and "fast" in bad.stderr
     assert len([l for l in bad.stderr.splitlines() if l.strip()]) == 1, bad.stderr
     assert not out.exists()
+
+
+_STUBBORN = """
+import os, signal, sys, time
+from hetloco_ds import launch, netlab, rehearse
+
+script = '''
+import os, signal, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(1.0)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(sys.argv[1] + os.environ["RANK"], "w").write(str(os.getpid()))
+time.sleep(600)
+'''
+pids, tmp = sys.argv[1], sys.argv[2]
+with netlab.ShapedNetwork(3, netlab.deepspeed_coords(3), None, None) as net:
+    t0 = time.monotonic()
+    code = rehearse._run_ranks(net, [sys.executable, "-c", script, pids], dict(os.environ), tmp)
+    print(code, time.monotonic() - t0, launch.STOP_GRACE_S)
+"""
+
+
+@pytest.mark.skipif(not OK, reason=f"shaped namespaces unavailable: {WHY}")
+def test_a_failing_rank_stops_the_others_even_those_that_ignore_sigterm(tmp_path):
+    """Rank 0 exits with 3 after a second; ranks 1 and 2 ignore SIGTERM (as a rank stuck where the
+    signal cannot reach its Python handler would). The rehearsal returns 3 once the grace period
+    has passed and the two are SIGKILLed, and neither is left running. Breaks if the stop stays at
+    SIGTERM (the rehearsal then never returns: the subprocess times out)."""
+    pids = str(tmp_path / "pid")
+    proc = subprocess.run([sys.executable, "-c", _STUBBORN, pids, str(tmp_path)], capture_output=True, text=True,
+                          timeout=90, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, elapsed, grace = proc.stdout.split()
+    assert int(code) == 3
+    assert float(grace) <= float(elapsed) < float(grace) + 15
+    for rank in (1, 2):
+        assert not netlab._pid_alive(int((tmp_path / f"pid{rank}").read_text())), rank
