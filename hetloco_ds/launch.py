@@ -29,18 +29,20 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM (with SIGCONT, so a stopped process receives it), then SIGKILL after a grace period."""
+def stop_ranks(procs: list[subprocess.Popen], send=subprocess.Popen.send_signal) -> None:
+    """SIGTERM (with SIGCONT, so a stopped process receives it), then SIGKILL after a grace period,
+    each signal delivered by `send(proc, sig)` (the process itself by default; a rehearsal's ranks
+    get it as process groups: `netlab._signal_group`)."""
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            p.send_signal(signal.SIGCONT)
+            send(p, signal.SIGTERM)
+            send(p, signal.SIGCONT)
     deadline = time.monotonic() + STOP_GRACE_S
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            send(p, signal.SIGKILL)
             p.wait()
 
 
@@ -84,9 +86,9 @@ def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "het
                     break
             time.sleep(0.05)
     except KeyboardInterrupt:
-        _stop(procs)
+        stop_ranks(procs)
         return 130
-    _stop(procs)
+    stop_ranks(procs)
     if first is None:
         return 0
     rank, rc = first
@@ -116,7 +118,7 @@ def spawn_groups(groups: dict, tick=None, ended=None) -> dict:
                 bad = [(r, rc) for r, rc in enumerate(polled) if rc not in (None, 0)]
                 if bad:
                     rank, rc = bad[0]
-                    _stop(ranks)
+                    stop_ranks(ranks)
                     codes[g] = 128 - rc if rc < 0 else rc
                     what = _died(rank, ranks[rank], rc) if rc < 0 else f"rank {rank} exited with code {rc}"
                     if ended is not None:
@@ -130,6 +132,6 @@ def spawn_groups(groups: dict, tick=None, ended=None) -> dict:
             time.sleep(0.05)
     except KeyboardInterrupt:
         for g, ranks in procs.items():
-            _stop(ranks)
+            stop_ranks(ranks)
             codes.setdefault(g, 130)
     return codes

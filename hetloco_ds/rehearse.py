@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -108,39 +107,22 @@ def _run_ranks(net: netlab.ShapedNetwork, cmd: list[str], env: dict, tmp: str) -
         log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
         logs.append(log)
         procs.append(net.popen(rank, cmd, rank_env, stdout=log, stderr=subprocess.STDOUT))
-    code, failed, kill_at = 0, None, None
+    code, failed = 0, None
     live = list(range(net.world))
-
-    def stop(sig: int) -> None:
-        for other in live:
-            netlab._signal_group(procs[other], sig)
-            if sig == signal.SIGTERM:
-                netlab._signal_group(procs[other], signal.SIGCONT)  # a stopped rank gets its SIGTERM
-
     try:
-        while live:
+        while live and code == 0:
             for rank in list(live):
                 rc = procs[rank].poll()
                 if rc is None:
                     continue
                 live.remove(rank)
-                if rc != 0 and code == 0:
+                if rc != 0:
                     code, failed = rc, rank
-                    stop(signal.SIGTERM)
-                    kill_at = time.monotonic() + launch.STOP_GRACE_S
-            if kill_at is not None and time.monotonic() > kill_at:
-                stop(signal.SIGKILL)
-                kill_at = None
+                    break
             time.sleep(0.1)
     except KeyboardInterrupt:
-        stop(signal.SIGTERM)
-        deadline = time.monotonic() + launch.STOP_GRACE_S
-        while any(procs[r].poll() is None for r in live) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        stop(signal.SIGKILL)
-        for r in live:
-            procs[r].wait()
         code = 130
+    launch.stop_ranks(procs, netlab._signal_group)
     if failed and logs[failed] is not None:
         logs[failed].seek(0)
         print(f"[hetloco] rank {failed} failed ({code}); its log ends:\n{logs[failed].read()[-3000:]}",
