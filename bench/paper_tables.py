@@ -210,12 +210,13 @@ def worker(args) -> int:
     # A row finished by an earlier call on the same machine is marked in the state folder: a chained
     # call skips it even when its JSON was not named in --skip-done (it came back, uncommitted, as
     # that call's output).
-    marks = {v.name: os.path.join(args.state_dir, safe_name(v.name) + ".done") if args.state_dir else None
-             for v in ordered_variants(args)}
-    variants = [v for v in ordered_variants(args)
-                if v.name not in done and not (marks[v.name] and os.path.exists(marks[v.name]))]
-    states = {v.name: os.path.join(args.state_dir, safe_name(v.name) + ".pt") if args.state_dir else None
-              for v in variants}
+    def in_state_dir(name: str, suffix: str) -> str | None:
+        return os.path.join(args.state_dir, safe_name(name) + suffix) if args.state_dir else None
+
+    variants = [v for v in ordered_variants(args) if v.name not in done]
+    marks = {v.name: in_state_dir(v.name, ".done") for v in variants}
+    variants = [v for v in variants if not (marks[v.name] and os.path.exists(marks[v.name]))]
+    states = {v.name: in_state_dir(v.name, ".pt") for v in variants}
     # Rows saved by an earlier call first: they are the closest to done.
     variants.sort(key=lambda v: not (states[v.name] and os.path.exists(states[v.name])))
     for v in variants:
