@@ -226,7 +226,8 @@ def ours_part_info(engine, module, cfg, compressed: bool = False) -> dict:
 
     width = engine.module.codec.width
     info = dict(stage=engine.stage_id, replica=engine.replica, num_stages=engine.num_stages,
-                num_replicas=engine.num_replicas, ratio_engine=cfg.hidden_size // width)
+                num_replicas=engine.num_replicas, ratio_engine=cfg.hidden_size // width,
+                schedule=engine.schedule)
     if compressed:
         info["compressed"] = engine.module.codec.compressed
     info.update(n_params_local=sum(p.numel() for p in engine.trainable_params()),
@@ -438,7 +439,7 @@ def run_worker(args, counter: CollectiveCounter, body, system: str | None = None
 
     init_distributed()  # our patches (p2p meter, no CPU shm build), then deepspeed.init_distributed
     rank = int(os.environ["RANK"])
-    part = {"config": args.worker}
+    part = {"config": args.worker, "cpu_cores": len(os.sched_getaffinity(0))}
     if system is not None:
         part["system"] = system
     part["rank"] = rank
@@ -484,15 +485,29 @@ def worker_argv(args, options: list[str], switches: list[str]) -> list[str]:
     return out + [sw for sw in switches if getattr(args, sw[2:].replace("-", "_"))]
 
 
+def rank_cores(world: int) -> list[list[int]]:
+    """The driver's CPU cores cut into `world` disjoint contiguous shares, one per rank (the remainder
+    unused), so ranks never contend for a core; DeepSpeed's launcher does the same with
+    --bind_cores_to_rank."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // world
+    if share < 1:
+        raise SystemExit(f"--bind-cores: {len(cores)} cores cannot give each of {world} ranks its own")
+    return [cores[r * share:(r + 1) * share] for r in range(world)]
+
+
 def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str, timeout: float,
-                  cpu_smoke: bool, tag: str, tail_chars: int) -> tuple[list[dict], str | None, float]:
+                  cpu_smoke: bool, tag: str, tail_chars: int,
+                  bind_cores: bool = False) -> tuple[list[dict], str | None, float]:
     """Every rank of one configuration in fresh processes (`script` --worker name); returns (parts,
     error, wall seconds). Rank 0 prints live; the others log to files whose tails are printed and
     kept when a rank fails. The first failure or the timeout stops the rest; so does SIGTERM to the
-    driver (the workers share its process group, which `timeout` in run_gpu*.sh signals)."""
+    driver (the workers share its process group, which `timeout` in run_gpu*.sh signals).
+    `bind_cores`: each rank pinned to its own share of the cores (`rank_cores`), OpenMP sized to it."""
     from hetloco_ds.launch import free_port
 
     port = free_port()
+    shares = rank_cores(world) if bind_cores else None
     procs, logs, parts, handles = [], [], [], []
     start = time.perf_counter()
     try:
@@ -501,6 +516,8 @@ def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str,
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
             env.setdefault("OMP_NUM_THREADS", "1" if cpu_smoke else str(max(1, (os.cpu_count() or world) // world)))
+            if shares:
+                env["OMP_NUM_THREADS"] = "1" if cpu_smoke else str(len(shares[rank]))
             env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
             part = os.path.join(tmp, f"{name}.rank{rank}.json")
             parts.append(part)
@@ -512,7 +529,9 @@ def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str,
                 out = open(log, "w")
                 handles.append(out)
             logs.append(log)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None))
+            pin = (lambda cores=shares[rank]: os.sched_setaffinity(0, cores)) if shares else None
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                          preexec_fn=pin))
         error = None
         pending = list(range(world))
         while pending:

@@ -128,14 +128,16 @@ def parse_args(argv=None):
     p.add_argument("--ratios", default="8", help="compressed S = 2 configurations (run once, after the repeats)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each compared configuration (a_ours_r1, a_ds, "
                                                            "b_ours_sl, b_ds_dp), interleaved; medians reported")
-    p.add_argument("--schedule", default="overlapped", choices=("overlapped", "blocking"),
-                   help="our pipeline schedule (hetloco.pipeline.schedule)")
+    p.add_argument("--schedule", default="overlapped", choices=("overlapped", "blocking", "auto"),
+                   help="our pipeline schedule (hetloco.pipeline.schedule; the one run shows in each rank's part)")
     p.add_argument("--link-max-ctas", type=int, default=None,
                    help="hetloco.pipeline.link_max_ctas: NCCL CTAs of the overlapped schedule's link groups "
                         "(0: NCCL's choice; default: the config's default)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled step of the last repeat")
     p.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)  # internal: this run profiles
+    p.add_argument("--bind-cores", action="store_true",
+                   help="pin each rank of every configuration (ours and stock alike) to its own share of the cores")
     p.add_argument("--configs", default="", help="comma-separated subset of the configuration names")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
@@ -530,7 +532,8 @@ def driver_main(args) -> int:
             print(f"[gpu_two] {name} #{rep}{' (profiled)' if profiled else ''} ({elapsed:.0f} s) ...", flush=True)
             limit = args.compiled_timeout if name in compiled else args.config_timeout  # room to compile
             parts, error, wall = spawn_workers(__file__, name, WORLD, passthru + (["--profile-worker"] if profiled else []),
-                                               tmp, limit, args.cpu_smoke, "gpu_two", tail_chars=8000)
+                                               tmp, limit, args.cpu_smoke, "gpu_two", tail_chars=8000,
+                                               bind_cores=args.bind_cores)
             res, row_ok = config_row(report, name, parts, error, lambda: summarize(name, parts, args))
             ok = ok and row_ok
             res["repeat"] = rep

@@ -6,11 +6,15 @@
 #             the GEMMs slowed by the posted receives' kernels)
 #   m2        gpu_two --configs b_ours_sl,b_ds_dp: M = 2 vs data parallelism, the weights now cast once per
 #             step (gpu_two_m2_r3_h100.json had 0.979x before)
-#   blocking  gpu_two --configs a_ours_r1,a_ds --schedule blocking: our S = 2 as "auto" runs it on NCCL, with
-#             the same change
+#   blocking  gpu_two --configs a_ours_r1,a_ds --schedule auto: "auto" decides by host, so on one host's NCCL
+#             links it must run blocking (each rank's part says which it ran); compared with cta1 in one call
+#   m2bind    m2 with each rank (ours and stock alike) pinned to its own half of the lane's cores (gpu_two
+#             --bind-cores): gpu_two_m2_castonce_h100.json had one replica 4-5% slower than the other in two
+#             of three repeats, a different one each time, with equal device time; contention for the
+#             shared cores is the suspect this run tests
 #   cta4      as cta1 at --link-max-ctas 4
-# 4 GPUs: GPUs 0,1 run m2 then blocking while GPUs 2,3 run cta1 then cta4. 2 GPUs: one lane in the order
-# cta1, m2, blocking, cta4; a run starts only with at least 150 s of BUDGET (default 470 s) left.
+# 4 GPUs: GPUs 0,1 run blocking, m2bind then m2 while GPUs 2,3 run cta1 then cta4. 2 GPUs: one lane in the
+# order blocking, cta1, m2bind, m2, cta4; a run starts only with at least 150 s of BUDGET (default 470 s) left.
 # PREBUILD_CORPUS=1 (carry .benchdata/tokenizer too): bench/make_device_corpus.py builds the paper-table
 # corpus (runs/device_corpus_seq256.pt, what run_tables.sh DEVICE_CORPUS=1 reads) meanwhile, pinned to the
 # upper half of the CPU cores while the benches are pinned to the lower half, so the next tables call on
@@ -22,7 +26,7 @@
 source "$(dirname "$0")/_gpu_env.sh" || exit 1
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}"
-O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="cta1 m2 blocking cta4"; T0=$(date +%s)
+O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="blocking cta1 m2bind m2 cta4"; T0=$(date +%s)
 for d in $RUNS; do mkdir -p "$W/$d"; done
 (OUT=$W/m2; bench_install_wheels) > "$W/wheels.log" 2>&1 || { tail "$W/wheels.log"; exit 1; }
 export BENCH_WHEELS_INSTALLED=1
@@ -42,7 +46,8 @@ pack() { tar czf "$O/part.tgz" -C "$W" setup.txt wheels.log $RUNS $( [ -f "$W/co
 declare -A ARGS=(
   [cta1]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1"
   [m2]="--configs b_ours_sl,b_ds_dp --repeats 3"
-  [blocking]="--configs a_ours_r1,a_ds --repeats 3 --schedule blocking"
+  [m2bind]="--configs b_ours_sl,b_ds_dp --repeats 3 --bind-cores"
+  [blocking]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto"
   [cta4]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 4")
 left() { echo $(( ${BUDGET:-470} - ($(date +%s) - T0) )); }
 lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none started with < 150 s
@@ -55,10 +60,10 @@ lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none s
 }
 if [ "$NGPU" -ge 4 ]; then
   lane 2,3 cta1 cta4 & P=$!
-  lane 0,1 m2 blocking
+  lane 0,1 blocking m2bind m2
   wait $P
 else
-  lane 0,1 cta1 m2 blocking cta4
+  lane 0,1 blocking cta1 m2bind m2 cta4
 fi
 [ -n "${C:-}" ] && { wait "$C"; tail -3 "$W/corpus.log"; }
 kill $L; pack
