@@ -205,7 +205,7 @@ def worker(args) -> int:
         "corpus_train_tokens": corpus.train.numel(), "data": corpus.description, "simulator": "batched",
         "compile": args.compile, "lr_sweep": args.lr_sweep, "eval_batches": args.eval_batches,
     }
-    results, unfinished, pace = [], [], args.s_per_step
+    results, unfinished, pace, eager_rows = [], [], args.s_per_step, []
     done = finished_rows(args.skip_done)
     # A row finished by an earlier call on the same machine is marked in the state folder: a chained
     # call skips it even when its JSON was not named in --skip-done (it came back, uncommitted, as
@@ -226,6 +226,12 @@ def worker(args) -> int:
         if not claim(args.claims, v.name):
             continue
         t0 = time.time()
+        if args.compile:
+            # Each row compiles from scratch: a second row's simulator otherwise recompiles under the
+            # guards and vmap state the first row's left on the same code objects (on 2 H100s,
+            # adamw-pp:8 after het:96 in one process failed with a BatchedTensor inside fake tensors,
+            # where every row run first in its process compiled).
+            torch._dynamo.reset()
         try:
             r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
                                  compile=args.compile, deadline=args.deadline - 60, state_path=state)
@@ -233,8 +239,9 @@ def worker(args) -> int:
             if not args.compile or isinstance(err, torch.cuda.OutOfMemoryError):
                 raise
             print(f"[{args.worker}] {v.name}: compiled run failed ({type(err).__name__}: {str(err)[:200]}); "
-                  "this worker goes on eager", flush=True)
-            args.compile = meta["compile"] = False
+                  "this row runs eager", flush=True)
+            eager_rows.append(v.name)
+            meta["eager_rows"] = eager_rows
             t0 = time.time()
             r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
                                  compile=False, deadline=args.deadline - 60, state_path=state)
