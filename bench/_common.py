@@ -485,17 +485,6 @@ def worker_argv(args, options: list[str], switches: list[str]) -> list[str]:
     return out + [sw for sw in switches if getattr(args, sw[2:].replace("-", "_"))]
 
 
-def rank_cores(world: int) -> list[list[int]]:
-    """The driver's CPU cores cut into `world` disjoint contiguous shares, one per rank (the remainder
-    unused), so ranks never contend for a core; DeepSpeed's launcher does the same with
-    --bind_cores_to_rank."""
-    cores = sorted(os.sched_getaffinity(0))
-    share = len(cores) // world
-    if share < 1:
-        raise SystemExit(f"--bind-cores: {len(cores)} cores cannot give each of {world} ranks its own")
-    return [cores[r * share:(r + 1) * share] for r in range(world)]
-
-
 def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str, timeout: float,
                   cpu_smoke: bool, tag: str, tail_chars: int,
                   bind_cores: bool = False) -> tuple[list[dict], str | None, float]:
@@ -503,11 +492,12 @@ def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str,
     error, wall seconds). Rank 0 prints live; the others log to files whose tails are printed and
     kept when a rank fails. The first failure or the timeout stops the rest; so does SIGTERM to the
     driver (the workers share its process group, which `timeout` in run_gpu*.sh signals).
-    `bind_cores`: each rank pinned to its own share of the cores (`rank_cores`), OpenMP sized to it."""
-    from hetloco_ds.launch import free_port
+    `bind_cores`: each rank pinned to its own share of the cores (`launch.core_shares`), OpenMP sized
+    to it."""
+    from hetloco_ds.launch import core_shares, free_port
 
     port = free_port()
-    shares = rank_cores(world) if bind_cores else None
+    shares = core_shares(world) if bind_cores else None
     procs, logs, parts, handles = [], [], [], []
     start = time.perf_counter()
     try:

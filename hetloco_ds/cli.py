@@ -26,6 +26,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the run that --out already holds")
     p.add_argument("--nproc", type=int, help="spawn this many local ranks (default: 2 x pipeline stages when not under a "
                                              "launcher; one replica's stages with --lighthouse)")
+    p.add_argument("--bind-cores", action="store_true",
+                   help="pin each rank --nproc starts to its own share of this process's cores, with OpenMP sized to it "
+                        "(as deepspeed --bind_cores_to_rank); off by default: two jobs launched apart would share cores")
     p.add_argument("--link", action="append", metavar="CLASS=RATE",
                    help="rehearse on emulated links (Linux, root): shape stage or replica links, e.g. --link stage=100mbit "
                         "--link replica=1G; ends with measured vs planned step time (hetloco_ds.rehearse)")
@@ -72,7 +75,7 @@ def _train(args) -> int:
 
     from .config import ConfigError
     from .rundir import state_dir
-    from .launch import spawn, under_launcher
+    from .launch import core_shares, spawn, under_launcher
     from .fleet import FleetArgs, replica_dir
     from .train import ENV_JOB, ENV_OWNED, ENV_TAG, EXIT_BAD_INPUT, TrainArgs, default_out, main_rank, own_run, plan_run
 
@@ -101,11 +104,14 @@ def _train(args) -> int:
 
         if fleet_args is not None:
             return fail("--link rehearses one static job; elastic replicas (--lighthouse, --elastic) are not shaped")
+        if args.bind_cores:
+            return fail("--bind-cores is not supported with --link (the rehearsal starts its ranks in network namespaces)")
         if (why := rehearse.problem(args.link, under_launcher())) is not None:
             return fail(why)
     if under_launcher():
-        if args.nproc is not None:
-            return fail(f"--nproc {args.nproc} is for starting ranks without a launcher; this process is already "
+        if args.nproc is not None or args.bind_cores:
+            flag = f"--nproc {args.nproc}" if args.nproc is not None else "--bind-cores"
+            return fail(f"{flag} is for starting ranks without a launcher; this process is already "
                         f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} under one")
         if args.elastic:
             return fail("--elastic starts its own jobs; under a launcher run one replica with --lighthouse")
@@ -123,6 +129,7 @@ def _train(args) -> int:
         nproc = args.nproc if args.nproc is not None else _default_nproc(targs)
         # Every check, once, before any rank starts or anything is written.
         plan = plan_run(targs, nproc)
+        shares = core_shares(nproc) if args.bind_cores else None
         if plan.resume is not None and plan.resume.note:
             print(f"[hetloco] {plan.resume.note}", flush=True)
         lock = own_run(plan)
@@ -142,7 +149,7 @@ def _train(args) -> int:
     try:
         if args.link:
             return rehearse.run(nproc, argv, args.link, targs.out, plan.run.stages, env)
-        return spawn(nproc, argv, env=env)
+        return spawn(nproc, argv, env=env, bind_cores=shares is not None)
     finally:
         shutil.rmtree(state_dir(targs.out, "heartbeat"), ignore_errors=True)  # the job is over
         lock.release()
@@ -164,7 +171,7 @@ def _train_fleet(args, targs, fail) -> int:
     from .config import ConfigError
 
     try:
-        return fleet.launch(targs, args.nproc, _job_flags(args))
+        return fleet.launch(targs, args.nproc, _job_flags(args), bind_cores=args.bind_cores)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         return fail(str(err))
 

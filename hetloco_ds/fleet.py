@@ -351,12 +351,13 @@ def fleet_config(raw: dict, replicas: int, source: str) -> dict:
     return raw
 
 
-def launch(targs, nproc: int | None, argv: list[str]) -> int:
+def launch(targs, nproc: int | None, argv: list[str], bind_cores: bool = False) -> int:
     """`hetloco-ds train --nproc N --elastic`: a lighthouse on localhost and N / S replica jobs of S
     local ranks each, every one as `--lighthouse ADDR --replica-id m --nproc S` would run it. A
     replica whose rank fails is stopped alone; the others go on, and its restart command is printed.
-    `argv`: the training flags every replica gets (--steps, --model, --data, ...). Returns 0 when
-    every replica finished, else the first failed replica's exit code."""
+    `argv`: the training flags every replica gets (--steps, --model, --data, ...); `bind_cores`: every
+    rank of the fleet on its own share of the cores. Returns 0 when every replica finished, else the
+    first failed replica's exit code."""
     from . import launch as launcher
     from . import rundir
     from .checkpoint import CheckpointError, pick, replace_text
@@ -388,6 +389,8 @@ def launch(targs, nproc: int | None, argv: list[str]) -> int:
     if replicas > el.max_replicas:
         raise ConfigError(f"--nproc {nproc} makes {replicas} replicas but the fleet has hetloco.elastic.max_replicas "
                           f"= {el.max_replicas}")
+    if bind_cores:
+        launcher.core_shares(nproc)  # too few cores: one line now, not after the lighthouse started
 
     # The secret: the user's file, else $HETLOCO_FLEET_SECRET, else a new one in OUT/.hetloco (mode 600).
     generated = None
@@ -468,7 +471,7 @@ def launch(targs, nproc: int | None, argv: list[str]) -> int:
               f"{restart}", file=sys.stderr, flush=True)
 
     try:
-        codes = launcher.spawn_groups(groups, tick=tick, ended=ended)
+        codes = launcher.spawn_groups(groups, tick=tick, ended=ended, bind_cores=bind_cores)
     finally:
         for lock in locks.values():
             lock.release()

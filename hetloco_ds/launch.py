@@ -46,21 +46,49 @@ def stop_ranks(procs: list[subprocess.Popen], send=subprocess.Popen.send_signal)
             p.wait()
 
 
-def _start(nproc: int, argv: list[str], env: dict | None, threads: int) -> list[subprocess.Popen]:
-    """`nproc` ranks of `python -m hetloco_ds.cli *argv`, one job (its own MASTER_PORT)."""
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity, e.g. under taskset or a container's cpuset),
+    not the machine's count: ranks sized from the latter oversubscribe a restricted launcher."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def threads_per_rank(total: int) -> int:
+    """OMP_NUM_THREADS of each of `total` local ranks: the usable cores shared out, at least 1."""
+    return max(1, len(usable_cores()) // total)
+
+
+def core_shares(total: int) -> list[list[int]]:
+    """The usable cores cut into `total` disjoint contiguous shares, one per rank (the remainder
+    unused): `--bind-cores`, as DeepSpeed's launcher --bind_cores_to_rank. Raises ValueError when
+    there are fewer cores than ranks."""
+    cores = usable_cores()
+    share = len(cores) // total
+    if share < 1:
+        raise ValueError(f"--bind-cores: {len(cores)} usable cores cannot give each of {total} local ranks its own")
+    return [cores[r * share:(r + 1) * share] for r in range(total)]
+
+
+def _start(nproc: int, argv: list[str], env: dict | None, threads: int,
+           cores: list[list[int]] | None = None, program: list[str] | None = None) -> list[subprocess.Popen]:
+    """`nproc` ranks of `program *argv` (`python -m hetloco_ds.cli` by default), one job (its own
+    MASTER_PORT); `cores[r]`: the cores rank r is pinned to (None: not pinned)."""
     port = free_port()
     procs = []
     base = dict(os.environ if env is None else env)
+    program = program or [sys.executable, "-m", "hetloco_ds.cli"]
     for rank in range(nproc):
         rank_env = dict(base)
         rank_env.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )
-        rank_env.setdefault("OMP_NUM_THREADS", str(threads))
+        rank_env.setdefault("OMP_NUM_THREADS", str(len(cores[rank]) if cores else threads))
         if rank != 0:
             rank_env["HETLOCO_QUIET"] = "1"
-        procs.append(subprocess.Popen([sys.executable, "-m", "hetloco_ds.cli", *argv], env=rank_env))
+        pin = (lambda mine=cores[rank]: os.sched_setaffinity(0, mine)) if cores else None
+        procs.append(subprocess.Popen([*program, *argv], env=rank_env, preexec_fn=pin))
     return procs
 
 
@@ -68,10 +96,12 @@ def _died(rank: int, proc: subprocess.Popen, rc: int) -> str:
     return f"rank {rank} (pid {proc.pid}) died with {signal.Signals(-rc).name}"
 
 
-def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "hetloco-ds train") -> int:
-    """Run `python -m hetloco_ds.cli *argv` as `nproc` ranks; returns the first failing rank's exit
+def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "hetloco-ds train",
+          bind_cores: bool = False, program: list[str] | None = None) -> int:
+    """Run `python -m hetloco_ds.cli *argv` (or `program *argv`) as `nproc` ranks, each pinned to its
+    own share of the cores with `bind_cores` (`core_shares`); returns the first failing rank's exit
     code (128 + N for a rank killed by signal N), or 0."""
-    procs = _start(nproc, argv, env, max(1, (os.cpu_count() or 1) // nproc))
+    procs = _start(nproc, argv, env, threads_per_rank(nproc), core_shares(nproc) if bind_cores else None, program)
     first: tuple[int, int] | None = None
     try:
         running = set(range(nproc))
@@ -99,15 +129,16 @@ def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "het
     return rc
 
 
-def spawn_groups(groups: dict, tick=None, ended=None) -> dict:
+def spawn_groups(groups: dict, tick=None, ended=None, bind_cores: bool = False) -> dict:
     """Several independent jobs at once (an elastic fleet's replicas): `groups` maps a name to
     (nproc, argv, env) as `spawn` takes them. A job whose rank fails is stopped alone, and
     `ended(name, line)` is told (line: what failed, or None when the job finished); the others go
-    on. `tick(running names)` is called while they run. Returns {name: exit code} (128 + N for a
-    rank killed by signal N)."""
+    on. `tick(running names)` is called while they run; `bind_cores`: as `spawn`'s, over every rank of
+    every job. Returns {name: exit code} (128 + N for a rank killed by signal N)."""
     total = sum(n for n, _, _ in groups.values())
-    threads = max(1, (os.cpu_count() or 1) // total)
-    procs = {g: _start(n, argv, env, threads) for g, (n, argv, env) in groups.items()}
+    shares = iter(core_shares(total)) if bind_cores else None
+    procs = {g: _start(n, argv, env, threads_per_rank(total), [next(shares) for _ in range(n)] if shares else None)
+             for g, (n, argv, env) in groups.items()}
     codes: dict = {}
     try:
         while len(codes) < len(procs):

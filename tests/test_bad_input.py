@@ -135,6 +135,20 @@ def test_nproc_zero_is_refused(inputs, tmp_path, capsys):
                "--nproc 0 must be >= 1", out)
 
 
+def test_bind_cores_with_fewer_cores_than_ranks_is_refused(inputs, tmp_path, capsys, monkeypatch):
+    """`--bind-cores` on a launcher allowed 2 cores, for 4 ranks, names both numbers before any rank
+    starts; so does `--bind-cores` with `--link`, whose ranks start in network namespaces. Breaks if
+    the ranks were started unpinned (or pinned onto shared cores) instead."""
+    monkeypatch.setattr(launch, "usable_cores", lambda: [0, 1])
+    out = tmp_path / "out"
+    cfg = write_config(tmp_path / "cfg.json")
+    fails_with(capsys, _train(inputs, cfg, out, "--nproc", 4, "--bind-cores"),
+               "--bind-cores: 2 usable cores cannot give each of 4 local ranks its own", out)
+    fails_with(capsys, _train(inputs, cfg, out, "--nproc", 2, "--bind-cores", "--link", "stage=1G"),
+               "--bind-cores is not supported with --link (the rehearsal starts its ranks in network namespaces)", out)
+    assert not out.exists()
+
+
 def test_too_little_data_for_the_replicas(inputs, tmp_path, capsys):
     """A corpus with fewer training blocks than replicas fails in the launcher naming --data and
     both numbers (it once failed inside every rank after a minute, leaving a half-written --out)."""

@@ -11,12 +11,14 @@ starting ranks).
 """
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 import torch
 
 import runs
+from hetloco_ds import launch
 from hetloco_ds.launch import free_port
 
 
@@ -69,3 +71,26 @@ def test_config_comes_from_accelerate(tiny_jobs, tmp_path, monkeypatch):
     other = write_config(tmp_path / "other.json")
     with pytest.raises(ConfigError, match=f"--config {other} differs from accelerate's deepspeed_config_file"):
         plan_run(TrainArgs(config=str(other), **{k: getattr(args, k) for k in ("model", "data", "out")}), 2)
+
+
+REPORT_AFFINITY = ("import json, os, sys; open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').write("
+                   "json.dumps([sorted(os.sched_getaffinity(0)), int(os.environ['OMP_NUM_THREADS'])]))")
+
+
+@pytest.mark.parametrize("bind", [False, True])
+def test_nproc_ranks_share_the_launchers_cores_or_each_get_their_own(bind, tmp_path, monkeypatch):
+    """`--nproc` sizes each rank's OpenMP pool from the cores the launcher may use (its affinity,
+    not the machine's count: under `taskset` the latter oversubscribed them); `--bind-cores` pins
+    each rank to its own disjoint share of those cores. The ranks report what they got."""
+    cores = launch.usable_cores()
+    if len(cores) < 2:
+        pytest.skip(f"needs 2 usable cores, this process has {len(cores)}")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    rc = launch.spawn(2, [str(tmp_path)], bind_cores=bind, program=[sys.executable, "-c", REPORT_AFFINITY])
+    assert rc == 0
+    got = [json.loads((tmp_path / str(r)).read_text()) for r in range(2)]
+    share = len(cores) // 2
+    if bind:
+        assert got == [[cores[:share], share], [cores[share:2 * share], share]]
+    else:
+        assert got == [[cores, share], [cores, share]]
