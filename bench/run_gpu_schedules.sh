@@ -13,8 +13,14 @@
 #             of three repeats, a different one each time, with equal device time; contention for the
 #             shared cores is the suspect this run tests
 #   cta4      as cta1 at --link-max-ctas 4
+#   autobind, cta1bind  blocking and cta1 with every rank pinned (--bind-cores): in the profiled step of
+#             cta1 every host op ran 15-25% longer than in blocking's (aten::mm 39.8 vs 31.3 ms, the same
+#             840 calls), so the overlapped schedule may lose on the host, not the device
 # 4 GPUs: GPUs 0,1 run blocking, m2bind then m2 while GPUs 2,3 run cta1 then cta4. 2 GPUs: one lane in the
 # order blocking, cta1, m2bind, m2, cta4; a run starts only with at least 150 s of BUDGET (default 470 s) left.
+# LANES="0,1:autobind,cta1bind 2,3:m2bind,m2" (or one lane "0,1:m2bind,m2,cta1bind") replaces both orders;
+# with two lanes each has its own half of the lower cores (a change from the earlier 4-GPU runs, which
+# shared them).
 # PREBUILD_CORPUS=1 (carry .benchdata/tokenizer too): bench/make_device_corpus.py builds the paper-table
 # corpus (runs/device_corpus_seq256.pt, what run_tables.sh DEVICE_CORPUS=1 reads) meanwhile, pinned to the
 # upper half of the CPU cores while the benches are pinned to the lower half, so the next tables call on
@@ -26,7 +32,7 @@
 source "$(dirname "$0")/_gpu_env.sh" || exit 1
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}"
-O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="blocking cta1 m2bind m2 cta4"; T0=$(date +%s)
+O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="blocking cta1 m2bind m2 cta4 autobind cta1bind"; T0=$(date +%s)
 for d in $RUNS; do mkdir -p "$W/$d"; done
 (OUT=$W/m2; bench_install_wheels) > "$W/wheels.log" 2>&1 || { tail "$W/wheels.log"; exit 1; }
 export BENCH_WHEELS_INSTALLED=1
@@ -48,23 +54,31 @@ declare -A ARGS=(
   [m2]="--configs b_ours_sl,b_ds_dp --repeats 3"
   [m2bind]="--configs b_ours_sl,b_ds_dp --repeats 3 --bind-cores"
   [blocking]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto"
-  [cta4]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 4")
+  [cta4]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 4"
+  [autobind]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores"
+  [cta1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores")
 left() { echo $(( ${BUDGET:-470} - ($(date +%s) - T0) )); }
 lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none started with < 150 s
   local g=$1 b; shift
   for r in "$@"; do
     b=$(left); [ "$b" -ge 150 ] || { echo "$r: not started, ${b} s left" >> "$W/$r/skipped.txt"; continue; }
     CUDA_VISIBLE_DEVICES=$g OUT=$W/$r BENCH_GPU2_ARGS="${ARGS[$r]} --time-budget $(( b - 20 )) --config-timeout 75" \
-      BENCH_GPU2_TIMEOUT=$(( b + 40 )) "${LOW[@]}" bash bench/run_gpu2.sh > /dev/null 2>&1
+      BENCH_GPU2_TIMEOUT=$(( b + 40 )) "${PIN[@]}" bash bench/run_gpu2.sh > /dev/null 2>&1
   done
 }
-if [ "$NGPU" -ge 4 ]; then
-  lane 2,3 cta1 cta4 & P=$!
-  lane 0,1 blocking m2bind m2
-  wait $P
-else
-  lane 0,1 blocking cta1 m2bind m2 cta4
+PIN=("${LOW[@]}")
+if [ -z "${LANES:-}" ]; then
+  if [ "$NGPU" -ge 4 ]; then LANES="0,1:blocking,m2bind,m2 2,3:cta1,cta4"; else LANES="0,1:blocking,cta1,m2bind,m2,cta4"; fi
 fi
+# Lane i of n gets the i-th n-th of the lower cores: --bind-cores splits what its driver may use, so
+# lanes sharing one set would pin their ranks onto the same cores.
+set -- $LANES; n=$#; per=$(( NCPU / 2 / n )); i=0; PIDS=()
+for spec in $LANES; do
+  runs=${spec#*:}
+  [ ${#LOW[@]} -gt 0 ] && PIN=(taskset -c $(( i * per ))-$(( (i + 1) * per - 1 )))
+  lane "${spec%%:*}" ${runs//,/ } & PIDS+=($!); i=$(( i + 1 ))
+done
+wait "${PIDS[@]}"
 [ -n "${C:-}" ] && { wait "$C"; tail -3 "$W/corpus.log"; }
 kill $L; pack
 for d in $RUNS; do
