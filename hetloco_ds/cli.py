@@ -129,7 +129,8 @@ def _train(args) -> int:
         nproc = args.nproc if args.nproc is not None else _default_nproc(targs)
         # Every check, once, before any rank starts or anything is written.
         plan = plan_run(targs, nproc)
-        shares = core_shares(nproc) if args.bind_cores else None
+        if args.bind_cores:
+            core_shares(nproc)  # fewer cores than ranks: one line now, not from inside spawn
         if plan.resume is not None and plan.resume.note:
             print(f"[hetloco] {plan.resume.note}", flush=True)
         lock = own_run(plan)
@@ -149,7 +150,7 @@ def _train(args) -> int:
     try:
         if args.link:
             return rehearse.run(nproc, argv, args.link, targs.out, plan.run.stages, env)
-        return spawn(nproc, argv, env=env, bind_cores=shares is not None)
+        return spawn(nproc, argv, env=env, bind_cores=args.bind_cores)
     finally:
         shutil.rmtree(state_dir(targs.out, "heartbeat"), ignore_errors=True)  # the job is over
         lock.release()
