@@ -92,20 +92,14 @@ def _start(nproc: int, argv: list[str], env: dict | None, threads: int,
     return procs
 
 
-def _died(rank: int, proc: subprocess.Popen, rc: int) -> str:
-    return f"rank {rank} (pid {proc.pid}) died with {signal.Signals(-rc).name}"
-
-
-def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "hetloco-ds train",
-          bind_cores: bool = False, program: list[str] | None = None) -> int:
-    """Run `python -m hetloco_ds.cli *argv` (or `program *argv`) as `nproc` ranks, each pinned to its
-    own share of the cores with `bind_cores` (`core_shares`); returns the first failing rank's exit
-    code (128 + N for a rank killed by signal N), or 0."""
-    procs = _start(nproc, argv, env, threads_per_rank(nproc), core_shares(nproc) if bind_cores else None, program)
-    first: tuple[int, int] | None = None
+def supervise(procs: list[subprocess.Popen], send=subprocess.Popen.send_signal) -> tuple[int | None, int]:
+    """Wait for one job's ranks until all have exited 0 or one fails; then stop the rest
+    (`stop_ranks`, signals delivered by `send`). Returns (the first failing rank, its return code),
+    or (None, 0) when all succeeded, (None, 130) on Ctrl-C."""
+    running = set(range(len(procs)))
+    first: tuple[int | None, int] = (None, 0)
     try:
-        running = set(range(nproc))
-        while running and first is None:
+        while running and first[0] is None:
             for rank in sorted(running):
                 rc = procs[rank].poll()
                 if rc is None:
@@ -116,12 +110,24 @@ def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "het
                     break
             time.sleep(0.05)
     except KeyboardInterrupt:
-        stop_ranks(procs)
-        return 130
-    stop_ranks(procs)
-    if first is None:
-        return 0
-    rank, rc = first
+        first = (None, 130)
+    stop_ranks(procs, send)
+    return first
+
+
+def _died(rank: int, proc: subprocess.Popen, rc: int) -> str:
+    return f"rank {rank} (pid {proc.pid}) died with {signal.Signals(-rc).name}"
+
+
+def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "hetloco-ds train",
+          bind_cores: bool = False, program: list[str] | None = None) -> int:
+    """Run `python -m hetloco_ds.cli *argv` (or `program *argv`) as `nproc` ranks, each pinned to its
+    own share of the cores with `bind_cores` (`core_shares`); returns the first failing rank's exit
+    code (128 + N for a rank killed by signal N), or 0."""
+    procs = _start(nproc, argv, env, threads_per_rank(nproc), core_shares(nproc) if bind_cores else None, program)
+    rank, rc = supervise(procs)
+    if rank is None:
+        return rc
     if rc < 0:
         print(f"{name}: error: {_died(rank, procs[rank], rc)}; stopped the other ranks", file=sys.stderr,
               flush=True)

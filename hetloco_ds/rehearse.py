@@ -92,9 +92,9 @@ def run(nproc: int, argv: list[str], specs: list[str], out: str, stages: int, en
 
 def _run_ranks(net: netlab.ShapedNetwork, cmd: list[str], env: dict, tmp: str) -> int:
     """`cmd` as every rank of `net`. Rank 0 writes to this terminal, the others to log files (shown
-    if they fail). As in `launch.spawn`, the first failing rank (or Ctrl-C) stops the rest: SIGTERM
-    to each rank's process group, then SIGKILL after `launch.STOP_GRACE_S` for any still running,
-    so a rank stuck in a collective with a dead peer cannot hold the rehearsal."""
+    if they fail). `launch.supervise`, as for `launch.spawn`: the first failing rank (or Ctrl-C) stops
+    the rest, SIGTERM to each rank's process group, then SIGKILL after `launch.STOP_GRACE_S` for any
+    still running, so a rank stuck in a collective with a dead peer cannot hold the rehearsal."""
     port = random.randrange(20000, 32768)  # any port is free in namespaces just made
     procs, logs = [], []
     for rank in range(net.world):
@@ -107,23 +107,8 @@ def _run_ranks(net: netlab.ShapedNetwork, cmd: list[str], env: dict, tmp: str) -
         log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
         logs.append(log)
         procs.append(net.popen(rank, cmd, rank_env, stdout=log, stderr=subprocess.STDOUT))
-    code, failed = 0, None
-    live = list(range(net.world))
-    try:
-        while live and code == 0:
-            for rank in list(live):
-                rc = procs[rank].poll()
-                if rc is None:
-                    continue
-                live.remove(rank)
-                if rc != 0:
-                    code, failed = rc, rank
-                    break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        code = 130
-    launch.stop_ranks(procs, netlab._signal_group)
-    if failed and logs[failed] is not None:
+    failed, code = launch.supervise(procs, netlab._signal_group)
+    if failed is not None and logs[failed] is not None:
         logs[failed].seek(0)
         print(f"[hetloco] rank {failed} failed ({code}); its log ends:\n{logs[failed].read()[-3000:]}",
               file=sys.stderr, flush=True)
