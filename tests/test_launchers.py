@@ -12,6 +12,7 @@ starting ranks).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -86,6 +87,7 @@ def test_nproc_ranks_share_the_launchers_cores_or_each_get_their_own(bind, tmp_p
     if len(cores) < 2:
         pytest.skip(f"needs 2 usable cores, this process has {len(cores)}")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64 * len(cores))  # a machine bigger than what we may use
     rc = launch.spawn(2, [str(tmp_path)], bind_cores=bind, program=[sys.executable, "-c", REPORT_AFFINITY])
     assert rc == 0
     got = [json.loads((tmp_path / str(r)).read_text()) for r in range(2)]
