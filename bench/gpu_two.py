@@ -133,6 +133,13 @@ def parse_args(argv=None):
     p.add_argument("--link-max-ctas", type=int, default=None,
                    help="hetloco.pipeline.link_max_ctas: NCCL CTAs of the overlapped schedule's link groups "
                         "(0: NCCL's choice; default: the config's default)")
+    p.add_argument("--sm-carveout", type=int, default=None,
+                   help="ours only: torch._C._set_sm_carveout_experimental(N) before building, so persistent "
+                        "cuBLASLt GEMMs size their grid to the SMs minus N and run in one wave beside N resident "
+                        "link CTAs (pytorch issue 143988); recorded in each rank's part")
+    p.add_argument("--blas", default=None, choices=("cublas", "cublaslt"),
+                   help="ours only: torch.backends.cuda.preferred_blas_library (the carveout reaches cuBLASLt "
+                        "calls only); recorded in each rank's part")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled step of the last repeat")
     p.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)  # internal: this run profiles
@@ -162,7 +169,10 @@ def parse_args(argv=None):
     if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
         p.set_defaults(shape="tiny", vocab=1024, seq=64, micro=2, gas=2, warmup=1, steps=2, outer_repeats=2,
                        repeats=1, config_timeout=400.0, time_budget=3000.0, compiled_timeout=1500.0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.cpu_smoke and args.blas:
+        p.error(f"--blas {args.blas}: a CUDA setting; --cpu-smoke runs on the CPU")
+    return args
 
 
 # ============================================================================ worker side
@@ -228,6 +238,16 @@ def run_ours(spec, cfg, args, part) -> None:
     if args.link_max_ctas is not None:
         raw["hetloco"]["pipeline"]["link_max_ctas"] = args.link_max_ctas or None
     part["ds_config"] = raw
+    if args.blas is not None:
+        import torch
+
+        torch.backends.cuda.preferred_blas_library(args.blas)
+        part["blas"] = args.blas
+    if args.sm_carveout is not None:
+        import torch
+
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
+        part["sm_carveout"] = torch._C._get_sm_carveout_experimental()
     module, engine = build_ours(raw, cfg, args.seq, source="bench/gpu_two.py")
     part.update(ours_part_info(engine, module, cfg))
     seed = 1234 + (engine.replica if b_part else 0)  # stages of one replica read the same batches
@@ -513,7 +533,8 @@ def driver_main(args) -> int:
         for key in ("compiled_rows", "compiled_timeout"):
             report["settings"].pop(key)
     passthru = worker_argv(args, ["--shape", "--vocab", "--seq", "--micro", "--gas", "--ratios", "--warmup", "--steps",
-                                  "--inner-steps", "--outer-repeats", "--schedule", "--link-max-ctas"],
+                                  "--inner-steps", "--outer-repeats", "--schedule", "--link-max-ctas",
+                                  "--sm-carveout", "--blas"],
                            ["--no-bf16", "--cpu-smoke", "--compiled-rows"])
     runs = [(name, rep) for rep in range(args.repeats) for name in PAIRS if name in names]
     runs += [(name, 0) for name in names if name not in PAIRS]

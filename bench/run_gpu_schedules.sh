@@ -16,6 +16,14 @@
 #   autobind, cta1bind  blocking and cta1 with every rank pinned (--bind-cores): in the profiled step of
 #             cta1 every host op ran 15-25% longer than in blocking's (aten::mm 39.8 vs 31.3 ms, the same
 #             840 calls), so the overlapped schedule may lose on the host, not the device
+#   cta1carve cta1bind with cuBLASLt and an SM carveout of 2 for ours (gpu_two --blas cublaslt --sm-carveout 2):
+#             pinned, cta1 was still 0.927x (blocking 1.015x) and in the profiled steps ours' GEMM device time
+#             grew with the NCCL kernels beside it (rank 1: 438.6 vs 103.5 ms); the suspect is wave
+#             quantisation: a persistent GEMM launches one CTA per SM, and with a link CTA resident on one SM
+#             its grid runs in two waves (pytorch issue 143988). Each rank has at most 2 link CTAs resident (a
+#             send and a receive, one CTA per communicator), so the GEMMs are sized to the SMs minus 2
+#   autolt    autobind with cuBLASLt for ours (--blas cublaslt): what cuBLASLt alone does to the blocking
+#             schedule, so cta1carve's change is not mistaken for the carveout's
 # 4 GPUs: GPUs 0,1 run blocking, m2bind then m2 while GPUs 2,3 run cta1 then cta4. 2 GPUs: one lane in the
 # order blocking, cta1, m2bind, m2, cta4; a run starts only with at least 150 s of BUDGET (default 470 s) left.
 # LANES="0,1:autobind,cta1bind 2,3:m2bind,m2" (or one lane "0,1:m2bind,m2,cta1bind") replaces both orders;
@@ -32,7 +40,7 @@
 source "$(dirname "$0")/_gpu_env.sh" || exit 1
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}"
-O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="blocking cta1 m2bind m2 cta4 autobind cta1bind"; T0=$(date +%s)
+O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="blocking cta1 m2bind m2 cta4 autobind cta1bind cta1carve autolt"; T0=$(date +%s)
 for d in $RUNS; do mkdir -p "$W/$d"; done
 (OUT=$W/m2; bench_install_wheels) > "$W/wheels.log" 2>&1 || { tail "$W/wheels.log"; exit 1; }
 export BENCH_WHEELS_INSTALLED=1
@@ -56,7 +64,9 @@ declare -A ARGS=(
   [blocking]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto"
   [cta4]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 4"
   [autobind]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores"
-  [cta1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores")
+  [cta1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores"
+  [cta1carve]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores --blas cublaslt --sm-carveout 2"
+  [autolt]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores --blas cublaslt")
 left() { echo $(( ${BUDGET:-470} - ($(date +%s) - T0) )); }
 lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none started with < 150 s
   local g=$1 b; shift
