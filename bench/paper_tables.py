@@ -406,6 +406,9 @@ def main() -> int:
             v.hetloco(base, args.replicas)
     except ConfigError as err:
         raise SystemExit(f"paper_tables: {err}") from None
+    if not os.path.isfile(args.data):
+        raise SystemExit(f"paper_tables: --data {args.data}: no such file (bench/make_code_corpus.py or "
+                         "bench/make_device_corpus.py makes one)")
     if args.estimate:
         return estimate(args)
     gpus = gpu_ids(args.device)
