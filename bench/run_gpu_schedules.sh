@@ -24,6 +24,9 @@
 #             send and a receive, one CTA per communicator), so the GEMMs are sized to the SMs minus 2
 #   autolt    autobind with cuBLASLt for ours (--blas cublaslt): what cuBLASLt alone does to the blocking
 #             schedule, so cta1carve's change is not mistaken for the carveout's
+# RESIDENT=1 first runs bench/resident_link.py on GPUs 0,1 (about a minute, before the lanes): a stage's
+#   GEMMs alone and beside 1-2 held link receives, under cuBLAS and cuBLASLt, with and without the
+#   carveout; the mechanism without a pipeline. Its JSON lands in resident/.
 # 4 GPUs: GPUs 0,1 run blocking, m2bind then m2 while GPUs 2,3 run cta1 then cta4. 2 GPUs: one lane in the
 # order blocking, cta1, m2bind, m2, cta4; a run starts only with at least 150 s of BUDGET (default 470 s) left.
 # LANES="0,1:autobind,cta1bind 2,3:m2bind,m2" (or one lane "0,1:m2bind,m2,cta1bind") replaces both orders;
@@ -40,7 +43,7 @@
 source "$(dirname "$0")/_gpu_env.sh" || exit 1
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}"
-O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="blocking cta1 m2bind m2 cta4 autobind cta1bind cta1carve autolt"; T0=$(date +%s)
+O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="resident blocking cta1 m2bind m2 cta4 autobind cta1bind cta1carve autolt"; T0=$(date +%s)
 for d in $RUNS; do mkdir -p "$W/$d"; done
 (OUT=$W/m2; bench_install_wheels) > "$W/wheels.log" 2>&1 || { tail "$W/wheels.log"; exit 1; }
 export BENCH_WHEELS_INSTALLED=1
@@ -77,6 +80,10 @@ lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none s
   done
 }
 PIN=("${LOW[@]}")
+if [ "${RESIDENT:-0}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0,1 PYTHONPATH=/tmp/site:. DS_ACCELERATOR=cuda "${LOW[@]}" timeout -k 10 150 \
+    python3 bench/resident_link.py --out "$W/resident/resident_link.json" > "$W/resident/resident_link.log" 2>&1
+fi
 if [ -z "${LANES:-}" ]; then
   if [ "$NGPU" -ge 4 ]; then LANES="0,1:blocking,m2bind,m2 2,3:cta1,cta4"; else LANES="0,1:blocking,cta1,m2bind,m2,cta4"; fi
 fi
@@ -94,4 +101,5 @@ kill $L; pack
 for d in $RUNS; do
   echo "== $d"; cat "$W/$d/skipped.txt" 2>/dev/null
   [ -f "$W/$d/gpu_two.log" ] && grep -E "ratio of medians|^a_|^b_|error|timeout" "$W/$d/gpu_two.log" | tail -12
+  [ -f "$W/$d/resident_link.log" ] && tail -20 "$W/$d/resident_link.log"
 done
