@@ -493,8 +493,10 @@ def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str,
     kept when a rank fails. The first failure or the timeout stops the rest; so does SIGTERM to the
     driver (the workers share its process group, which `timeout` in run_gpu*.sh signals).
     `bind_cores`: each rank pinned to its own share of the cores (`launch.core_shares`), OpenMP sized
-    to it."""
-    from hetloco_ds.launch import core_shares, free_port
+    to it; otherwise unpinned, OpenMP sized to the driver's cores shared out (`launch.threads_per_rank`,
+    as `hetloco-ds train --nproc` does; before 2026-11-26's third session, the machine's count shared
+    out, which oversubscribed a `taskset` driver)."""
+    from hetloco_ds.launch import core_shares, free_port, threads_per_rank
 
     port = free_port()
     shares = core_shares(world) if bind_cores else None
@@ -505,7 +507,8 @@ def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str,
             env = dict(os.environ)
             env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
-            env.setdefault("OMP_NUM_THREADS", "1" if cpu_smoke else str(max(1, (os.cpu_count() or world) // world)))
+            # As `hetloco-ds train --nproc` sizes them: from the cores this driver may use, not the machine's.
+            env.setdefault("OMP_NUM_THREADS", "1" if cpu_smoke else str(threads_per_rank(world)))
             if shares:
                 env["OMP_NUM_THREADS"] = "1" if cpu_smoke else str(len(shares[rank]))
             env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
