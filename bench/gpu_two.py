@@ -133,10 +133,10 @@ def parse_args(argv=None):
     p.add_argument("--link-max-ctas", type=int, default=None,
                    help="hetloco.pipeline.link_max_ctas: NCCL CTAs of the overlapped schedule's link groups "
                         "(0: NCCL's choice; default: the config's default)")
-    p.add_argument("--sm-carveout", type=int, default=None,
-                   help="ours only: torch._C._set_sm_carveout_experimental(N) before building, so persistent "
-                        "cuBLASLt GEMMs size their grid to the SMs minus N and run in one wave beside N resident "
-                        "link CTAs (pytorch issue 143988); recorded in each rank's part")
+    p.add_argument("--sm-carveout", type=lambda v: v if v == "auto" else int(v), default=None,
+                   help="ours only: hetloco.pipeline.gemm_sm_carveout (N or auto): persistent cuBLASLt GEMMs "
+                        "sized to the SMs the resident link CTAs leave (pytorch issue 143988); each rank's part "
+                        "records what its engine applied")
     p.add_argument("--blas", default=None, choices=("cublas", "cublaslt"),
                    help="ours only: torch.backends.cuda.preferred_blas_library (the carveout reaches cuBLASLt "
                         "calls only); recorded in each rank's part")
@@ -244,11 +244,9 @@ def run_ours(spec, cfg, args, part) -> None:
         torch.backends.cuda.preferred_blas_library(args.blas)
         part["blas"] = args.blas
     if args.sm_carveout is not None:
-        import torch
-
-        torch._C._set_sm_carveout_experimental(args.sm_carveout)
-        part["sm_carveout"] = torch._C._get_sm_carveout_experimental()
+        raw["hetloco"]["pipeline"]["gemm_sm_carveout"] = args.sm_carveout
     module, engine = build_ours(raw, cfg, args.seq, source="bench/gpu_two.py")
+    part["sm_carveout"] = engine.gemm_sm_carveout
     part.update(ours_part_info(engine, module, cfg))
     seed = 1234 + (engine.replica if b_part else 0)  # stages of one replica read the same batches
     data = batches(cfg, args.micro, args.seq, seed)

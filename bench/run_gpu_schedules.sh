@@ -16,7 +16,8 @@
 #   autobind, cta1bind  blocking and cta1 with every rank pinned (--bind-cores): in the profiled step of
 #             cta1 every host op ran 15-25% longer than in blocking's (aten::mm 39.8 vs 31.3 ms, the same
 #             840 calls), so the overlapped schedule may lose on the host, not the device
-#   cta1carve cta1bind with cuBLASLt and an SM carveout of 2 for ours (gpu_two --blas cublaslt --sm-carveout 2):
+#   cta1carve cta1bind with hetloco.pipeline.gemm_sm_carveout "auto" for ours (gpu_two --sm-carveout auto: cuBLASLt,
+#             SMs carved out = 1 CTA x 2 resident link kernels at S = 2):
 #             pinned, cta1 was still 0.927x (blocking 1.015x) and in the profiled steps ours' GEMM device time
 #             grew with the NCCL kernels beside it (rank 1: 438.6 vs 103.5 ms); the suspect is wave
 #             quantisation: a persistent GEMM launches one CTA per SM, and with a link CTA resident on one SM
@@ -68,7 +69,7 @@ declare -A ARGS=(
   [cta4]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 4"
   [autobind]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores"
   [cta1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores"
-  [cta1carve]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores --blas cublaslt --sm-carveout 2"
+  [cta1carve]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores --sm-carveout auto"
   [autolt]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores --blas cublaslt")
 left() { echo $(( ${BUDGET:-470} - ($(date +%s) - T0) )); }
 lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none started with < 150 s

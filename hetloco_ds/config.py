@@ -191,6 +191,27 @@ class PipelineConfig(_Section):
     comes, taking SMs from the stage's GEMMs, and one CTA already moves far more than an internet link
     carries (bench/results/gpu_two_s2_overlapped_cta1_h100.json against gpu_two_s2_overlapped_h100.json).
     Not used by gloo or the blocking schedule."""
+    gemm_sm_carveout: int | Literal["auto"] = 0
+    """NCCL, overlapped schedule: SMs the stage's matmuls leave to its resident link kernels (torch's SM
+    carveout, with cuBLASLt as the process's matmul library, which is where the carveout applies). A
+    persistent GEMM launches one CTA per SM; with an SM held by a posted receive its grid runs in two
+    waves. "auto": link_max_ctas x the link kernels the stage can hold at once
+    (pipe.order.resident_link_kernels); 0: off. Set for the whole process when the engine starts. Not used by gloo
+    or the blocking schedule."""
+
+    @field_validator("gemm_sm_carveout", mode="before")
+    @classmethod
+    def _carveout_is_a_count(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return v
+        raise ValueError(f"gemm_sm_carveout = {v!r} must be a number of SMs >= 0 or \"auto\"")
+
+    @model_validator(mode="after")
+    def _auto_carveout_needs_a_cap(self) -> "PipelineConfig":
+        if self.gemm_sm_carveout == "auto" and self.link_max_ctas is None:
+            raise ValueError('gemm_sm_carveout = "auto" counts link_max_ctas CTAs per link kernel, but '
+                             "link_max_ctas is null (NCCL's own count); give gemm_sm_carveout a number")
+        return self
 
 
 class HetlocoConfig(_Section):

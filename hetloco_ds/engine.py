@@ -30,7 +30,7 @@ from .config import RunConfig
 from .meter import ByteMeter, nbytes
 from .patches import PipelineEngineAdapter
 from .pipe import order, schedule as pipe_schedule
-from .pipe.links import DirectedGroups, StageLinks, host_ids, links_cross_hosts
+from .pipe.links import DirectedGroups, StageLinks, gemm_sm_carveout, host_ids, links_cross_hosts
 from .transport.static import GroupTransport, PipeStageLink
 
 # DeepSpeed's PipelineEngine.__init__ puts these on the wire before our counters exist: a
@@ -103,6 +103,10 @@ class HetlocoEngine(PipelineEngineAdapter):
         groups = None
         if self.schedule == "overlapped" and self.num_stages > 1:
             groups = DirectedGroups(replicas, self.global_rank, self.device, self.meter, hetloco.pipeline.link_max_ctas)
+        self.gemm_sm_carveout = gemm_sm_carveout(
+            hetloco.pipeline.gemm_sm_carveout, hetloco.pipeline.link_max_ctas,
+            order.resident_link_kernels(self.schedule, self.num_stages, self.stage_id), self.device)
+        """SMs this process's matmuls leave to the stage's link kernels (0: none; pipe.links.gemm_sm_carveout)."""
         self.links = StageLinks(
             self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
             self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None,

@@ -103,6 +103,13 @@ CONFIG_CASES = {
         "replicas 0..1"),
     "link_max_ctas_zero": (
         {"hetloco.pipeline.link_max_ctas": 0}, "{cfg}: hetloco.pipeline.link_max_ctas = 0: Input should be greater than or equal to 1"),
+    "gemm_sm_carveout_negative": (
+        {"hetloco.pipeline.gemm_sm_carveout": -2},
+        '{cfg}: hetloco.pipeline.gemm_sm_carveout = -2 must be a number of SMs >= 0 or "auto"'),
+    "gemm_sm_carveout_auto_without_a_cta_cap": (
+        {"hetloco.pipeline.gemm_sm_carveout": "auto", "hetloco.pipeline.link_max_ctas": None},
+        '{cfg}: hetloco.pipeline.gemm_sm_carveout = "auto" counts link_max_ctas CTAs per link kernel, but '
+        "link_max_ctas is null (NCCL's own count); give gemm_sm_carveout a number"),
     "topk_larger_than_chunk": (
         {"hetloco.sparseloco.topk": 5000},
         "{cfg}: hetloco.sparseloco.topk = 5000 exceeds chunk_size = 4096 (values kept per chunk)"),

@@ -193,6 +193,28 @@ def test_auto_schedule_is_blocking_only_on_nccl_links_inside_a_host():
     assert not links_cross_hosts([[0], [1], [2], [3]], hosts)
 
 
+@pytest.mark.parametrize("stages", range(1, 7))
+def test_resident_link_kernels_are_the_link_communicators_a_stage_posts_on(stages):
+    """The count behind `pipeline.gemm_sm_carveout: "auto"`: a stage of the overlapped schedule holds at
+    most one kernel per link communicator (its operations run in order), so as many as the
+    communicators its own operation list posts on (`link_ops`, what the engine runs); the blocking
+    schedule holds none. Breaks if the schedule came to post on more communicators than the carveout
+    leaves SMs for. On the CPU the carveout changes nothing, whatever its setting."""
+    from hetloco_ds.pipe.links import gemm_sm_carveout
+    from hetloco_ds.pipe.order import link_ops, resident_link_kernels
+
+    link = {"post_act": ("prev", "down"), "isend_grad": ("prev", "up"),
+            "isend_act": ("next", "down"), "post_grad": ("next", "up")}
+    for s in range(stages):
+        used = {link[k] for k, _ in link_ops("overlapped", stages, s, 8) if k in link}
+        assert resident_link_kernels("overlapped", stages, s) == len(used) == 2 * ((s > 0) + (s < stages - 1))
+        assert resident_link_kernels("blocking", stages, s) == 0
+    before = torch._C._get_sm_carveout_experimental()
+    assert gemm_sm_carveout("auto", 1, 4, torch.device("cpu")) == 0
+    assert gemm_sm_carveout(8, None, 2, torch.device("cpu")) == 0
+    assert torch._C._get_sm_carveout_experimental() == before
+
+
 def _hosts_body(rank):
     from hetloco_ds.meter import ByteMeter
     from hetloco_ds.pipe.links import host_ids, nccl_link_options

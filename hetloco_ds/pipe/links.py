@@ -44,6 +44,23 @@ def nccl_link_options(max_ctas: int | None):
     return options
 
 
+def gemm_sm_carveout(setting: int | str, max_ctas: int | None, link_kernels: int, device) -> int:
+    """SMs this stage's matmuls leave free (`hetloco.pipeline.gemm_sm_carveout`, "auto": `max_ctas`
+    per resident link kernel), applied for the process on CUDA when a link kernel can be resident:
+    cuBLASLt as torch's matmul library and torch's SM carveout (the carveout reaches cuBLASLt only).
+    Returns the SMs left free (0: nothing changed)."""
+    sms = (max_ctas or 0) * link_kernels if setting == "auto" else int(setting)
+    if sms == 0 or link_kernels == 0 or device.type != "cuda":
+        return 0
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms >= total:
+        raise ValueError(f"hetloco.pipeline.gemm_sm_carveout = {setting!r} leaves the matmuls {total - sms} of "
+                         f"the device's {total} SMs; it must be below {total}")
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sms)
+    return sms
+
+
 def host_ids(device, meter: ByteMeter) -> list[bytes]:
     """Every rank's host, as the SHA-256 of its host name, gathered over the world (collective).
     A fixed 32 bytes a rank, so the control bytes metered are exact: a ring all-gather sends and

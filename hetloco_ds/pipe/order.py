@@ -48,6 +48,18 @@ def effective_schedule(configured: str, device_type: str, links_cross_hosts: boo
     return configured
 
 
+def resident_link_kernels(schedule: str, stages: int, stage_id: int) -> int:
+    """Link kernels stage `stage_id` can hold on its device at once: none under the blocking schedule
+    (a transfer is waited for where it is issued); under the overlapped one, per neighbouring stage,
+    a receive posted ahead and a send in flight. Each direction of a link is its own communicator,
+    whose operations run one after another, so more posted receives on it queue, not co-reside."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {SCHEDULES}")
+    if schedule == "blocking":
+        return 0
+    return 2 * ((stage_id > 0) + (stage_id < stages - 1))
+
+
 def depth(schedule: str, stages: int, stage_id: int, micro_batches: int) -> int:
     """Micro-batches stage `stage_id` has in flight (forwarded, not yet backwarded) at most."""
     if schedule not in SCHEDULES:
