@@ -196,8 +196,8 @@ class PipelineConfig(_Section):
     carveout, with cuBLASLt as the process's matmul library, which is where the carveout applies). A
     persistent GEMM launches one CTA per SM; with an SM held by a posted receive its grid runs in two
     waves. "auto": link_max_ctas x the link kernels the stage can hold at once
-    (pipe.order.resident_link_kernels); 0: off. Set for the whole process when the engine starts. Not used by gloo
-    or the blocking schedule."""
+    (pipe.order.resident_link_kernels); 0: off. Set for the whole process when the engine starts; other
+    GEMM kernels round differently, as under train.compile. Not used by gloo or the blocking schedule."""
 
     @field_validator("gemm_sm_carveout", mode="before")
     @classmethod

@@ -295,6 +295,26 @@ def test_resume_with_another_config_is_refused_naming_the_difference(inputs, rec
                f"--resume: {cfg2} differs from the run's config: hetloco.sparseloco.topk = 16 (the run has 32)", out)
 
 
+def test_only_changes_that_alter_training_count_as_differences_on_resume():
+    """What --resume compares: a changed topk or ratio is a difference; how stage links are driven
+    (schedule, CTAs, the GEMM carveout: timing, the schedules bit for bit alike) and how often to
+    validate or checkpoint are not. Breaks if a timing knob blocked a resume, or if the pipeline
+    exemption swallowed a training key beside it."""
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.rundir import config_differences
+
+    base = {"pipeline": {"stages": 2}, "hetloco": {"sparseloco": {"topk": 32}}}
+    then = parse_config(base)
+    timing = parse_config({**base, "hetloco": {**base["hetloco"], "train": {"eval_interval": 7},
+                                               "pipeline": {"schedule": "blocking", "link_max_ctas": 4,
+                                                            "gemm_sm_carveout": "auto"}}})
+    assert config_differences(timing, then) == []
+    training = parse_config({**base, "hetloco": {"sparseloco": {"topk": 16}, "subspace": {"ratio": 2},
+                                                 "pipeline": {"schedule": "blocking"}}})
+    assert config_differences(training, then) == [
+        "hetloco.sparseloco.topk = 16 (the run has 32)", "hetloco.subspace.ratio = 2 (the run has 1)"]
+
+
 def test_resume_with_another_model_is_refused(inputs, recorded_run, tmp_path, capsys):
     out, _ = recorded_run
     other = tmp_path / "other_hf"
