@@ -385,6 +385,11 @@ def _plan_on_every_rank(args: TrainArgs, world: int, rank: int, local_rank: int,
     Any rank's failure fails all: the lowest failing rank prints its line."""
     from deepspeed import comm as dist
 
+    # plan_run's imports (transformers' LLaMA modules: seconds of CPU) on every rank at once, before the
+    # barrier that makes the other ranks wait for local rank 0's plan; inside plan_run they ran one
+    # rank after another.
+    from . import convert, data  # noqa: F401
+
     def attempt():
         try:
             return plan_run(args, world, owned=owned), None
