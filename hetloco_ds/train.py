@@ -17,6 +17,7 @@ OUT/replica-<id>; its outer sync goes through torchft instead of the static worl
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -388,7 +389,8 @@ def _plan_on_every_rank(args: TrainArgs, world: int, rank: int, local_rank: int,
     # plan_run's imports (transformers' LLaMA modules: seconds of CPU) on every rank at once, before the
     # barrier that makes the other ranks wait for local rank 0's plan; inside plan_run they ran one
     # rank after another.
-    from . import convert, data  # noqa: F401
+    for module in ("convert", "data"):
+        importlib.import_module(f"{__package__}.{module}")
 
     def attempt():
         try:
