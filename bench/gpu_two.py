@@ -137,6 +137,9 @@ def parse_args(argv=None):
                    help="ours only: hetloco.pipeline.gemm_sm_carveout (N or auto): persistent cuBLASLt GEMMs "
                         "sized to the SMs the resident link CTAs leave (pytorch issue 143988); each rank's part "
                         "records what its engine applied")
+    p.add_argument("--link-transport", default=None, choices=("process_group", "copy_engine"),
+                   help="ours only: hetloco.pipeline.link_transport (copy_engine: the overlapped schedule's messages "
+                        "moved by the copy engines, nothing resident on an SM; needs --schedule overlapped)")
     p.add_argument("--blas", default=None, choices=("cublas", "cublaslt"),
                    help="ours only: torch.backends.cuda.preferred_blas_library (the carveout reaches cuBLASLt "
                         "calls only); recorded in each rank's part")
@@ -172,6 +175,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.cpu_smoke and args.blas:
         p.error(f"--blas {args.blas}: a CUDA setting; --cpu-smoke runs on the CPU")
+    if args.link_transport == "copy_engine" and args.cpu_smoke:
+        p.error("--link-transport copy_engine: GPUs' copy engines; --cpu-smoke runs on the CPU")
+    if args.link_transport == "copy_engine" and args.schedule != "overlapped":
+        p.error(f"--link-transport copy_engine moves the overlapped schedule's messages; --schedule is {args.schedule}")
     return args
 
 
@@ -237,6 +244,8 @@ def run_ours(spec, cfg, args, part) -> None:
     raw["hetloco"]["pipeline"] = {"schedule": args.schedule}
     if args.link_max_ctas is not None:
         raw["hetloco"]["pipeline"]["link_max_ctas"] = args.link_max_ctas or None
+    if args.link_transport is not None:
+        raw["hetloco"]["pipeline"]["link_transport"] = args.link_transport
     part["ds_config"] = raw
     if args.blas is not None:
         import torch
@@ -247,6 +256,7 @@ def run_ours(spec, cfg, args, part) -> None:
         raw["hetloco"]["pipeline"]["gemm_sm_carveout"] = args.sm_carveout
     module, engine = build_ours(raw, cfg, args.seq, source="bench/gpu_two.py")
     part["sm_carveout"] = engine.gemm_sm_carveout
+    part["link_transport"] = "copy_engine" if engine.links.copy_engine is not None else "process_group"
     part.update(ours_part_info(engine, module, cfg))
     seed = 1234 + (engine.replica if b_part else 0)  # stages of one replica read the same batches
     data = batches(cfg, args.micro, args.seq, seed)
@@ -532,7 +542,7 @@ def driver_main(args) -> int:
             report["settings"].pop(key)
     passthru = worker_argv(args, ["--shape", "--vocab", "--seq", "--micro", "--gas", "--ratios", "--warmup", "--steps",
                                   "--inner-steps", "--outer-repeats", "--schedule", "--link-max-ctas",
-                                  "--sm-carveout", "--blas"],
+                                  "--sm-carveout", "--blas", "--link-transport"],
                            ["--no-bf16", "--cpu-smoke", "--compiled-rows"])
     runs = [(name, rep) for rep in range(args.repeats) for name in PAIRS if name in names]
     runs += [(name, 0) for name in names if name not in PAIRS]

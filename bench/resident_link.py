@@ -17,6 +17,10 @@ its own stream, in each condition:
                      `pipe.links.nccl_link_options(1)`), its sender held back until the timing ends
               recv2: two such receives on two communicators (a stage's receive and send at once)
               recvN: one receive on a communicator at NCCL's own CTA count
+              ce:    one receive by the copy engine (CUDA only), which holds no SM while it waits: a
+                     side stream waits on a 32-bit flag (cuStreamWaitValue32); rank 1 copies the
+                     message into rank 0's slot (CUDA IPC, a peer copy over NVLink) and sets the flag
+                     (cuStreamWriteValue32); rank 0 checks every element it got
 Rank 1 only sends, after rank 0 has finished timing (a gloo barrier), so the receives stay resident
 through every timed GEMM. Conditions are interleaved over `--repeats`; each reports the median
 milliseconds of one pass over the GEMMs, and its ratio to (same blas, carveout 0, none).
@@ -40,6 +44,44 @@ for p in (BENCH, REPO):
         sys.path.insert(0, p)
 
 RESIDENT = ("none", "recv1", "recv2", "recvN")
+def ce_pattern(n: int, seq: int, device):
+    """The message of the seq-th copy-engine transfer: distinct per element and per transfer."""
+    import torch
+
+    return ((torch.arange(n, device=device) % 251) + seq % 7).to(torch.bfloat16)
+
+
+def open_ce_link(rank: int, dev, n: int, side):
+    """Rank 0 exports a message slot and a flag, rank 1 maps them: the product's own primitives
+    (`hetloco_ds.pipe.copy_engine.CudaBackend`). Returns (backend, slot, flag, error): every rank gets
+    the same error (None when both sides are ready), so a machine that refuses CUDA IPC or stream
+    memory operations skips the ce condition instead of hanging the run."""
+    import torch
+    import torch.distributed as tdist
+
+    from hetloco_ds.pipe.copy_engine import CudaBackend
+
+    backend = slot = flag = shared = err = None
+    try:
+        backend = CudaBackend(dev)
+        if rank == 0:
+            slot, flag = backend.zeros(n, torch.bfloat16), backend.zeros(1, torch.int32)
+            shared = [backend.export(slot), backend.export(flag)]
+    except Exception as e:  # noqa: BLE001 - reported in the JSON, the other conditions still run
+        err = f"rank {rank}: {type(e).__name__}: {e}"
+    box = [shared]
+    tdist.broadcast_object_list(box, src=0, group=side)
+    if rank == 1 and err is None:
+        try:
+            if box[0] is None:
+                raise RuntimeError("rank 0 exported nothing")
+            slot, flag = backend.map_peer(box[0][0], torch.bfloat16, n, 0), backend.map_peer(box[0][1], torch.int32, 1, 0)
+        except Exception as e:  # noqa: BLE001
+            err = f"rank {rank}: {type(e).__name__}: {e}"
+    errors = [None, None]
+    tdist.all_gather_object(errors, err, group=side)
+    err = "; ".join(e for e in errors if e) or None
+    return backend, slot, flag, err
 
 
 def parse_args(argv=None):
@@ -67,11 +109,13 @@ def parse_args(argv=None):
     return args
 
 
-def conditions(cuda: bool, carveout: int) -> list[tuple[str, int, str]]:
-    """(blas, carveout, resident) of every condition; the CPU has one BLAS and no SMs to carve."""
+def conditions(cuda: bool, carveout: int, ce: bool = False) -> list[tuple[str, int, str]]:
+    """(blas, carveout, resident) of every condition; the CPU has one BLAS, no SMs to carve and no
+    copy engine."""
     blases = ("cublas", "cublaslt") if cuda else ("cpu",)
     carveouts = (0, carveout) if cuda else (0,)
-    return [(b, c, r) for b in blases for c in carveouts for r in RESIDENT]
+    resident = RESIDENT + (("ce",) if cuda and ce else ())
+    return [(b, c, r) for b in blases for c in carveouts for r in resident]
 
 
 def worker(rank: int, args, port: int, out_path: str) -> None:
@@ -120,21 +164,45 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
             gemms()
         return (time.perf_counter() - t0) * 1e3 / args.iters
 
-    conds = conditions(cuda, args.carveout)
+    ce = ce_slot = ce_flag = ce_error = None
+    if cuda:
+        ce, ce_slot, ce_flag, ce_error = open_ce_link(rank, dev, n, side)
+    ce_ok = cuda and ce_error is None
+    ce_seq, ce_copy_ms, ce_bad = 0, [], []
+    if ce_ok and rank == 0:
+        ce_side, ce_dst, ce_done = torch.cuda.Stream(dev), torch.empty_like(ce_slot), torch.cuda.Event()
+    if ce_ok and rank == 1:
+        ce_msgs = {}
+    conds = conditions(cuda, args.carveout, ce_ok)
     results: dict[str, list[float]] = {}
     for rep in range(args.repeats + 1):  # repeat 0 warms every path up (cuBLAS(Lt) handles, heuristics) and is dropped
         for blas, carve, resident in conds:
             if cuda:
                 torch.backends.cuda.preferred_blas_library(blas)
                 torch._C._set_sm_carveout_experimental(carve)
-            groups = {"none": [], "recv1": capped[:1], "recv2": capped, "recvN": [free]}[resident]
+            groups = {"none": [], "recv1": capped[:1], "recv2": capped, "recvN": [free], "ce": []}[resident]
+            if resident == "ce":
+                ce_seq += 1
             tdist.barrier(group=side)
             if rank == 0:
                 works = [tdist.irecv(buffers[id(grp)], 1, group=grp) for grp in groups]
+                if resident == "ce":  # posted ahead like the overlapped schedule's receive, on its own stream
+                    ce.after_compute(ce_side)
+                    ce.wait_geq(ce_side, ce_flag, 0, ce_seq)
+                    ce.copy(ce_side, ce_dst, ce_slot)
+                    ce_done.record(ce_side)
                 ms = timed()
                 tdist.barrier(group=side)  # now rank 1 sends
                 for wk in works:
                     wk.wait()
+                if resident == "ce":
+                    deadline = time.monotonic() + 60
+                    while not ce_done.query():  # bounded: a flag that never comes must not hang the run
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"copy-engine transfer {ce_seq}: flag not set after 60 s")
+                        time.sleep(0.001)
+                    if not torch.equal(ce_dst, ce_pattern(n, ce_seq, dev)):
+                        ce_bad.append(ce_seq)
                 if cuda:
                     torch.cuda.synchronize()
                 if rep:
@@ -143,8 +211,20 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
                 tdist.barrier(group=side)
                 for grp in groups:
                     tdist.send(buffers[id(grp)], 0, group=grp)
+                if resident == "ce":
+                    msg = ce_msgs.setdefault(ce_seq % 7, ce_pattern(n, ce_seq, dev))
+                    stream = torch.cuda.current_stream(dev)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    ce.copy(stream, ce_slot, msg)  # into rank 0's slot, mapped here: a peer copy
+                    ce.write(stream, ce_flag, 0, ce_seq)
+                    end.record(stream)
+                    end.synchronize()
+                    ce_copy_ms.append(start.elapsed_time(end))
                 if cuda:
                     torch.cuda.synchronize()
+    copy_ms = [None, None]
+    tdist.all_gather_object(copy_ms, ce_copy_ms, group=side)
     if rank == 0:
         rows = {}
         for blas, carve, resident in conds:
@@ -164,6 +244,9 @@ def worker(rank: int, args, port: int, out_path: str) -> None:
                       "flop_per_pass": 2 * t * (d * f + f * d + d * d + d * v)},
             "conventions": __doc__.split("Rank 1 only sends")[0].split("Two ranks, one GPU each. ")[1].strip(),
             "results": rows,
+            "copy_engine": {"error": ce_error, "transfers": ce_seq, "transfers_with_wrong_data": ce_bad,
+                            "copy_ms_median": statistics.median(copy_ms[1]) if copy_ms[1] else None,
+                            "message_bytes": 2 * n} if cuda else None,
         }
         tmp = out_path + ".tmp"
         with open(tmp, "w") as fh:
@@ -197,6 +280,10 @@ def main(argv=None) -> int:
     print(f"{'blas':9} {'carveout':>8} {'resident':>8} {'ms/pass':>9} {'vs alone':>9}")
     for r in report["results"].values():
         print(f"{r['blas']:9} {r['carveout']:8d} {r['resident']:>8} {r['ms_median']:9.3f} {r['vs_same_blas_alone']:9.3f}")
+    ce = report.get("copy_engine")
+    if ce:
+        print(f"copy engine: {ce['error'] or 'ok'}; {ce['transfers']} transfers, wrong data in "
+              f"{len(ce['transfers_with_wrong_data'])}; {ce['message_bytes']} bytes in {ce['copy_ms_median']} ms")
     print(f"[resident_link] wrote {out_path}")
     return 0
 

@@ -25,6 +25,10 @@
 #             send and a receive, one CTA per communicator), so the GEMMs are sized to the SMs minus 2
 #   autolt    autobind with cuBLASLt for ours (--blas cublaslt): what cuBLASLt alone does to the blocking
 #             schedule, so cta1carve's change is not mistaken for the carveout's
+#   ce1bind   the overlapped S = 2 with hetloco.pipeline.link_transport "copy_engine" (gpu_two --link-transport
+#             copy_engine), every rank pinned: messages copied by the copy engines into the peer's slots (CUDA IPC),
+#             signalled by stream memory operations, so no link kernel is resident beside the GEMMs (resident_link's
+#             "ce" condition measures that alone); compare with autobind / cta1bind in the same call
 # RESIDENT=1 first runs bench/resident_link.py on GPUs 0,1 (about a minute, before the lanes): a stage's
 #   GEMMs alone and beside 1-2 held link receives, under cuBLAS and cuBLASLt, with and without the
 #   carveout; the mechanism without a pipeline. Its JSON lands in resident/.
@@ -44,7 +48,7 @@
 source "$(dirname "$0")/_gpu_env.sh" || exit 1
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}"
-O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="resident blocking cta1 m2bind m2 cta4 autobind cta1bind cta1carve autolt"; T0=$(date +%s)
+O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="resident blocking cta1 m2bind m2 cta4 autobind cta1bind cta1carve autolt ce1bind"; T0=$(date +%s)
 for d in $RUNS; do mkdir -p "$W/$d"; done
 (OUT=$W/m2; bench_install_wheels) > "$W/wheels.log" 2>&1 || { tail "$W/wheels.log"; exit 1; }
 export BENCH_WHEELS_INSTALLED=1
@@ -70,7 +74,8 @@ declare -A ARGS=(
   [autobind]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores"
   [cta1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores"
   [cta1carve]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores --sm-carveout auto"
-  [autolt]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores --blas cublaslt")
+  [autolt]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores --blas cublaslt"
+  [ce1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-transport copy_engine --bind-cores")
 left() { echo $(( ${BUDGET:-470} - ($(date +%s) - T0) )); }
 lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none started with < 150 s
   local g=$1 b; shift

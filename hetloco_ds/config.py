@@ -199,12 +199,27 @@ class PipelineConfig(_Section):
     (pipe.order.resident_link_kernels); 0: off. Set for the whole process when the engine starts; other
     GEMM kernels round differently, as under train.compile. Not used by gloo or the blocking schedule."""
 
+    link_transport: Literal["process_group", "copy_engine"] = "process_group"
+    """What moves the overlapped schedule's stage-link messages. process_group: a two-rank process
+    group per direction (NCCL on GPUs, gloo on the CPU). copy_engine: CUDA, both ranks of every
+    stage link on one host: the GPUs' copy engines move each message into a slot of the peer's
+    memory (CUDA IPC) and the driver's stream memory operations signal it, so a receive posted
+    ahead holds no SM (pipe.copy_engine). Needs schedule "overlapped"; the same bytes arrive, so the
+    same bits train."""
+
     @field_validator("gemm_sm_carveout", mode="before")
     @classmethod
     def _carveout_is_a_count(cls, v: Any) -> Any:
         if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
             return v
         raise ValueError(f"gemm_sm_carveout = {v!r} must be a number of SMs >= 0 or \"auto\"")
+
+    @model_validator(mode="after")
+    def _copy_engine_moves_the_overlapped_schedule(self) -> "PipelineConfig":
+        if self.link_transport == "copy_engine" and self.schedule != "overlapped":
+            raise ValueError(f'link_transport = "copy_engine" moves the overlapped schedule\'s messages, but '
+                             f'schedule = "{self.schedule}"; set schedule to "overlapped"')
+        return self
 
     @model_validator(mode="after")
     def _auto_carveout_needs_a_cap(self) -> "PipelineConfig":
@@ -502,6 +517,12 @@ def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int
             raise ConfigError(f"{run.source}: hetloco.elastic.max_replicas is not set: the fleet's size N fixes "
                               "the replica ids 0..N-1 and their data shards")
         made = f"hetloco.elastic.max_replicas = {M} makes"
+    if run.hetloco.pipeline.link_transport == "copy_engine" and run.stages > 1:
+        import torch
+
+        if not torch.cuda.is_available():  # where the ranks start, they pick their device the same way
+            raise ConfigError(f'{run.source}: hetloco.pipeline.link_transport = "copy_engine" moves messages between '
+                              "GPUs, and this machine has none")
     sub = run.hetloco.subspace
     where = f"{run.source}: hetloco.subspace"
     if isinstance(sub.compressed_replicas, list):

@@ -31,6 +31,7 @@ from .meter import ByteMeter, nbytes
 from .patches import PipelineEngineAdapter
 from .pipe import order, schedule as pipe_schedule
 from .pipe.links import DirectedGroups, StageLinks, gemm_sm_carveout, host_ids, links_cross_hosts
+from .pipe.copy_engine import CopyEngineLinks, layout as ce_layout
 from .transport.static import GroupTransport, PipeStageLink
 
 # DeepSpeed's PipelineEngine.__init__ puts these on the wire before our counters exist: a
@@ -101,11 +102,19 @@ class HetlocoEngine(PipelineEngineAdapter):
         # cache, therefore runs the blocking schedule (the same bits: only timing differs).
         self._blocking_steps_left = 1 if self.device.type == "cuda" else 0  # per process: a resumed one too
         groups = None
-        if self.schedule == "overlapped" and self.num_stages > 1:
+        by_copy_engine = hetloco.pipeline.link_transport == "copy_engine" and self.num_stages > 1
+        if by_copy_engine:  # (pipe.copy_engine.CudaBackend refuses a rank without a GPU)
+            hosts = host_ids(self.device, self.meter)
+            apart = [(a, b) for ranks in replicas for a, b in zip(ranks, ranks[1:]) if hosts[a] != hosts[b]]
+            if apart:
+                raise ValueError('hetloco.pipeline.link_transport = "copy_engine" needs both ranks of every stage '
+                                 f"link on one host; ranks {apart[0][0]} and {apart[0][1]} are on different hosts")
+        elif self.schedule == "overlapped" and self.num_stages > 1:
             groups = DirectedGroups(replicas, self.global_rank, self.device, self.meter, hetloco.pipeline.link_max_ctas)
         self.gemm_sm_carveout = gemm_sm_carveout(
             hetloco.pipeline.gemm_sm_carveout, hetloco.pipeline.link_max_ctas,
-            order.resident_link_kernels(self.schedule, self.num_stages, self.stage_id), self.device)
+            0 if by_copy_engine else order.resident_link_kernels(self.schedule, self.num_stages, self.stage_id),
+            self.device)
         """SMs this process's matmuls leave to the stage's link kernels (0: none; pipe.links.gemm_sm_carveout)."""
         self.links = StageLinks(
             self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
@@ -127,6 +136,9 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.module.configure_boundary(self.algorithm.basis, torch.bfloat16 if run.bf16 else torch.float32)
         self.algorithm.setup(self.stage_link)
         self.module.codec.perp = self.algorithm.perp
+        if by_copy_engine:  # sized now that the boundary's width and wire dtype are set
+            self.links.copy_engine = CopyEngineLinks(replicas, self.global_rank, self.device,
+                                                     ce_layout(self._message_spec())[1])
         self.transport = GroupTransport(self.dp_group, self.meter) if transport is None else transport(self)
         self.meter.since_mark()
 

@@ -110,6 +110,16 @@ CONFIG_CASES = {
         {"hetloco.pipeline.gemm_sm_carveout": "auto", "hetloco.pipeline.link_max_ctas": None},
         '{cfg}: hetloco.pipeline.gemm_sm_carveout = "auto" counts link_max_ctas CTAs per link kernel, but '
         "link_max_ctas is null (NCCL's own count); give gemm_sm_carveout a number"),
+    "copy_engine_without_the_overlapped_schedule": (
+        {"hetloco.pipeline.link_transport": "copy_engine"},
+        '{cfg}: hetloco.pipeline.link_transport = "copy_engine" moves the overlapped schedule\'s messages, but '
+        'schedule = "auto"; set schedule to "overlapped"'),
+    "copy_engine_without_gpus": (
+        {"hetloco.pipeline.link_transport": "copy_engine", "hetloco.pipeline.schedule": "overlapped"},
+        '{cfg}: hetloco.pipeline.link_transport = "copy_engine" moves messages between GPUs, and this machine has none'),
+    "link_transport_unknown": (
+        {"hetloco.pipeline.link_transport": "nvlink"},
+        "{cfg}: hetloco.pipeline.link_transport = 'nvlink': Input should be 'process_group' or 'copy_engine'"),
     "topk_larger_than_chunk": (
         {"hetloco.sparseloco.topk": 5000},
         "{cfg}: hetloco.sparseloco.topk = 5000 exceeds chunk_size = 4096 (values kept per chunk)"),
@@ -297,7 +307,7 @@ def test_resume_with_another_config_is_refused_naming_the_difference(inputs, rec
 
 def test_only_changes_that_alter_training_count_as_differences_on_resume():
     """What --resume compares: a changed topk or ratio is a difference; how stage links are driven
-    (schedule, CTAs, the GEMM carveout: timing, the schedules bit for bit alike) and how often to
+    (schedule, CTAs, the GEMM carveout, the transport: timing, the same bits arrive) and how often to
     validate or checkpoint are not. Breaks if a timing knob blocked a resume, or if the pipeline
     exemption swallowed a training key beside it."""
     from hetloco_ds.config import parse_config
@@ -306,8 +316,9 @@ def test_only_changes_that_alter_training_count_as_differences_on_resume():
     base = {"pipeline": {"stages": 2}, "hetloco": {"sparseloco": {"topk": 32}}}
     then = parse_config(base)
     timing = parse_config({**base, "hetloco": {**base["hetloco"], "train": {"eval_interval": 7},
-                                               "pipeline": {"schedule": "blocking", "link_max_ctas": 4,
-                                                            "gemm_sm_carveout": "auto"}}})
+                                               "pipeline": {"schedule": "overlapped", "link_max_ctas": 4,
+                                                            "gemm_sm_carveout": "auto",
+                                                            "link_transport": "copy_engine"}}})
     assert config_differences(timing, then) == []
     training = parse_config({**base, "hetloco": {"sparseloco": {"topk": 16}, "subspace": {"ratio": 2},
                                                  "pipeline": {"schedule": "blocking"}}})

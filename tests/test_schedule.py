@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import time
 
 import pytest
 import torch
@@ -135,16 +138,25 @@ def _digest(module) -> str:
     return h.hexdigest()
 
 
-def _both_schedules_body(rank, cases, steps):
-    """Per case, train `steps` steps under each schedule in turn, from the same checkpoint and batches."""
+def _both_schedules_body(rank, cases, steps, tag):
+    """Per case, train `steps` steps under each schedule in turn, from the same checkpoint and batches.
+    "shared slots": the overlapped schedule through `pipe.copy_engine`'s protocol, on host streams."""
+    import hetloco_ds.engine as engine_module
+    from host_streams import HostStreamsBackend
+
+    real = engine_module.CopyEngineLinks
+    engine_module.CopyEngineLinks = lambda *a, **k: real(*a, backend=HostStreamsBackend(tag, rank), **k)
     out = {}
     for name, hf_dir, tied_embeddings, stages in cases:
         # "first blocking": the overlapped schedule after one blocking step, as the engine runs it on CUDA.
-        for schedule in ("blocking", "overlapped") + (("first blocking",) if name == "untied" else ()):
-            cfg = _config("overlapped" if schedule == "first blocking" else schedule, tied_embeddings, stages,
+        for schedule in ("blocking", "overlapped", "shared slots") + (("first blocking",) if name == "untied" else ()):
+            cfg = _config("blocking" if schedule == "blocking" else "overlapped", tied_embeddings, stages,
                           (1,) if stages == 2 else "all")
+            if schedule == "shared slots":
+                cfg["hetloco"]["pipeline"]["link_transport"] = "copy_engine"
             engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
             assert engine.schedule == cfg["hetloco"]["pipeline"]["schedule"]
+            assert (engine.links.copy_engine is not None) == (schedule == "shared slots")
             engine._blocking_steps_left = int(schedule == "first blocking")
             rows = []
             for step in range(1, steps + 1):
@@ -164,11 +176,16 @@ def test_overlapped_and_blocking_schedules_train_bitwise_alike(hf_untied, hf_tie
     message or buffer, or drops or duplicates a transfer."""
     cases = [("untied", hf_untied, None, 2), ("tied apart", hf_tied, "outer_step", 2),
              ("tied exactly", hf_tied, "every_step", 2), ("S=4 tied apart", hf_tied, "outer_step", 4)]
-    results = run_ranks(_both_schedules_body, 4, cases, 3)
+    tag = f"schedules-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        results = run_ranks(_both_schedules_body, 4, cases, 3, tag)
+    finally:
+        shutil.rmtree(f"/dev/shm/hetloco-test-{tag}", ignore_errors=True)
     for r in results:
         for name, *_ in cases:
             assert any(row[2] for row in r[name, "blocking"])  # an outer step happened
             assert r[name, "overlapped"] == r[name, "blocking"], name
+            assert r[name, "shared slots"] == r[name, "blocking"], name
         assert r["untied", "first blocking"] == r["untied", "blocking"]
 
 
@@ -235,6 +252,34 @@ def test_host_ids_are_every_ranks_host_with_exact_control_bytes():
         assert ids == [here] * 3
         assert control == {"sent": 64, "recv": 64}
         assert options is None
+
+
+def _copy_engine_refusals_body(rank, hf_dir):
+    """The engine's one-line errors for copy-engine links it cannot build: ranks of a stage link on
+    two hosts (host ids made to differ), then a rank without a GPU (this CPU)."""
+    import hetloco_ds.engine as engine_module
+
+    cfg = _config("overlapped", compressed=())
+    cfg["hetloco"]["pipeline"]["link_transport"] = "copy_engine"
+    errors = []
+    for hosts in ([b"host a", b"host b"], [b"host a", b"host a"]):
+        engine_module.host_ids = lambda device, meter, hosts=hosts: hosts
+        try:
+            build_from_hf(hf_dir, cfg, SEQ)
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_copy_engine_links_are_refused_across_hosts_and_without_gpus(hf_untied):
+    """Breaks if copy-engine links were attempted between hosts (CUDA IPC cannot reach there) or on
+    a rank without a GPU, or if either failure stopped being one line that says why."""
+    for errors in run_ranks(_copy_engine_refusals_body, 2, hf_untied):
+        assert errors == [
+            'hetloco.pipeline.link_transport = "copy_engine" needs both ranks of every stage link on one host; '
+            "ranks 0 and 1 are on different hosts",
+            'hetloco.pipeline.link_transport = "copy_engine" needs CUDA GPUs; this rank runs on cpu']
 
 
 def _cast_body(rank, hf_dir, steps):

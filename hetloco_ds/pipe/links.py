@@ -115,10 +115,13 @@ class DirectedGroups:
 
 
 class StageLinks:
+    """`groups` (a process group per direction) or `copy_engine` (`pipe.copy_engine`, CUDA inside a
+    host) carries the non-blocking operations."""
+
     def __init__(self, prev_rank: int | None, next_rank: int | None, device, meter: ByteMeter,
-                 groups: DirectedGroups | None = None, stage: int = 0):
+                 groups: DirectedGroups | None = None, stage: int = 0, copy_engine=None):
         self.prev_rank, self.next_rank, self.device, self.meter = prev_rank, next_rank, device, meter
-        self.groups, self.stage = groups, stage
+        self.groups, self.stage, self.copy_engine = groups, stage, copy_engine
         self._posted: dict[bool, deque] = {True: deque(), False: deque()}  # from_prev -> (i, tensors, works)
         self._sends: deque = deque()  # (tensors, works), oldest first
 
@@ -149,9 +152,12 @@ class StageLinks:
         """Start sending `tensors`; the oldest sends are completed while more than `keep`
         messages are in flight (the memory they pin is bounded)."""
         dst = self.next_rank if to_next else self.prev_rank
-        group = self._group(with_next=to_next, down=to_next)
         tensors = [t.contiguous() for t in tensors]
-        works = [tdist.isend(t, dst, group=group) for t in tensors]
+        if self.copy_engine is not None:
+            works = self.copy_engine.send(tensors, dst)
+        else:
+            group = self._group(with_next=to_next, down=to_next)
+            works = [tdist.isend(t, dst, group=group) for t in tensors]
         for t in tensors:
             self.meter.add("sent", nbytes(t), kind)
         self._sends.append((tensors, works))
@@ -161,9 +167,12 @@ class StageLinks:
     def post_recv(self, micro_batch: int, spec: Spec, from_prev: bool, kind: str) -> None:
         """Post receives for micro-batch `micro_batch`'s message; `wait_recv` returns it."""
         src = self.prev_rank if from_prev else self.next_rank
-        group = self._group(with_next=not from_prev, down=from_prev)
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in spec]
-        works = [tdist.irecv(t, src, group=group) for t in tensors]
+        if self.copy_engine is not None:
+            works = self.copy_engine.recv(tensors, src)
+        else:
+            group = self._group(with_next=not from_prev, down=from_prev)
+            works = [tdist.irecv(t, src, group=group) for t in tensors]
         for t in tensors:
             self.meter.add("recv", nbytes(t), kind)
         self._posted[from_prev].append((micro_batch, tensors, works))
