@@ -23,6 +23,10 @@ Messages keep their order per direction, as on a process group. A send needs onl
 `seq - depth` has been received; NCCL's rendezvous needs message `seq`'s own receive posted, so
 any schedule that runs on NCCL runs here with depth >= 1 (depth 2 lets a copy-out and the next copy-in
 overlap). Both ranks of a link must share a host and see each other's GPU.
+
+A peer that dies leaves its neighbour's wait pending on the device for good, as a hung NCCL
+receive does; `hetloco-ds train`'s watchdog (hetloco_ds/watchdog.py) sees the stalled progress
+and ends the job with a line naming the rank.
 """
 from __future__ import annotations
 
