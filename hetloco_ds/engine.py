@@ -30,7 +30,7 @@ from .config import RunConfig
 from .meter import ByteMeter, nbytes
 from .patches import PipelineEngineAdapter
 from .pipe import order, schedule as pipe_schedule
-from .pipe.links import DirectedGroups, StageLinks, gemm_sm_carveout, host_ids, links_cross_hosts
+from .pipe.links import DirectedGroups, StageLinks, crossing_link, gemm_sm_carveout, host_ids
 from .pipe.copy_engine import CopyEngineLinks, layout as ce_layout
 from .transport.static import GroupTransport, PipeStageLink
 
@@ -93,7 +93,7 @@ class HetlocoEngine(PipelineEngineAdapter):
                     for m in range(self.grid.data_parallel_size)]  # this job's pipelines
         crossing = False
         if hetloco.pipeline.schedule == "auto" and self.device.type == "cuda" and self.num_stages > 1:
-            crossing = links_cross_hosts(replicas, host_ids(self.device, self.meter))
+            crossing = crossing_link(replicas, host_ids(self.device, self.meter)) is not None
         self.schedule = order.effective_schedule(hetloco.pipeline.schedule, self.device.type, crossing)
         # NCCL: a receive posted ahead is a kernel spinning on the device until the peer sends, and
         # the peer's send may wait on this stage's own later work. Anything that synchronises the
@@ -104,11 +104,10 @@ class HetlocoEngine(PipelineEngineAdapter):
         groups = None
         by_copy_engine = hetloco.pipeline.link_transport == "copy_engine" and self.num_stages > 1
         if by_copy_engine:  # (pipe.copy_engine.CudaBackend refuses a rank without a GPU)
-            hosts = host_ids(self.device, self.meter)
-            apart = [(a, b) for ranks in replicas for a, b in zip(ranks, ranks[1:]) if hosts[a] != hosts[b]]
-            if apart:
+            apart = crossing_link(replicas, host_ids(self.device, self.meter))
+            if apart is not None:
                 raise ValueError('hetloco.pipeline.link_transport = "copy_engine" needs both ranks of every stage '
-                                 f"link on one host; ranks {apart[0][0]} and {apart[0][1]} are on different hosts")
+                                 f"link on one host; ranks {apart[0]} and {apart[1]} are on different hosts")
         elif self.schedule == "overlapped" and self.num_stages > 1:
             groups = DirectedGroups(replicas, self.global_rank, self.device, self.meter, hetloco.pipeline.link_max_ctas)
         self.gemm_sm_carveout = gemm_sm_carveout(

@@ -195,7 +195,7 @@ def test_auto_schedule_is_blocking_only_on_nccl_links_inside_a_host():
     a named schedule is kept; a bad name is refused naming it. Which links cross is read from the
     stage links, not from the replicas: replicas on different hosts with their stages together cross
     nothing."""
-    from hetloco_ds.pipe.links import links_cross_hosts
+    from hetloco_ds.pipe.links import crossing_link
 
     assert [effective_schedule("auto", d) for d in ("cpu", "cuda")] == ["overlapped", "blocking"]
     assert [effective_schedule("auto", d, True) for d in ("cpu", "cuda")] == ["overlapped", "overlapped"]
@@ -204,10 +204,10 @@ def test_auto_schedule_is_blocking_only_on_nccl_links_inside_a_host():
     with pytest.raises(ValueError, match="'overlaped'"):
         effective_schedule("overlaped", "cpu")
     hosts = ["a", "a", "b", "b"]
-    assert not links_cross_hosts([[0, 1], [2, 3]], hosts)
-    assert links_cross_hosts([[0, 2], [1, 3]], hosts)
-    assert links_cross_hosts([[0, 1, 2, 3]], hosts)
-    assert not links_cross_hosts([[0], [1], [2], [3]], hosts)
+    assert not crossing_link([[0, 1], [2, 3]], hosts)
+    assert crossing_link([[0, 2], [1, 3]], hosts)
+    assert crossing_link([[0, 1, 2, 3]], hosts)
+    assert not crossing_link([[0], [1], [2], [3]], hosts)
 
 
 @pytest.mark.parametrize("stages", range(1, 7))

@@ -143,12 +143,16 @@ def layout(spec: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[in
     offsets, end = [], 0
     for shape, dtype in spec:
         offsets.append(end)
-        end += -(-_nbytes(shape, dtype) // ALIGN) * ALIGN
+        end += _aligned(_nbytes(shape, dtype))
     return offsets, max(end, ALIGN)
 
 
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return torch.Size(shape).numel() * dtype.itemsize
 
 
 class _Link:
@@ -170,7 +174,7 @@ class CopyEngineLinks:
     def __init__(self, replica_ranks: Sequence[Sequence[int]], me: int, device: torch.device,
                  slot_bytes: int, depth: int = 2, backend=None):
         self.backend = backend if backend is not None else CudaBackend(device)
-        slot_bytes = -(-slot_bytes // ALIGN) * ALIGN  # every slot starts aligned too
+        slot_bytes = _aligned(slot_bytes)  # every slot starts aligned too
         self.depth = depth
         pairs = [(a, b) for ranks in replica_ranks for a, b in zip(ranks, ranks[1:])]
         directed = [d for a, b in pairs for d in ((a, b), (b, a)) if me in d]  # (sender, receiver)

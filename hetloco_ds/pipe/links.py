@@ -74,9 +74,10 @@ def host_ids(device, meter: ByteMeter) -> list[bytes]:
     return [bytes(h.tolist()) for h in every.cpu().view(world, 32)]
 
 
-def links_cross_hosts(replica_ranks: Sequence[Sequence[int]], hosts: Sequence) -> bool:
-    """Whether any stage link of any replica joins two ranks on different hosts (`hosts[rank]`)."""
-    return any(hosts[a] != hosts[b] for ranks in replica_ranks for a, b in zip(ranks, ranks[1:]))
+def crossing_link(replica_ranks: Sequence[Sequence[int]], hosts: Sequence) -> tuple[int, int] | None:
+    """The first stage link of any replica that joins two ranks on different hosts (`hosts[rank]`),
+    as its (rank, rank); None when every link stays inside a host."""
+    return next(((a, b) for ranks in replica_ranks for a, b in zip(ranks, ranks[1:]) if hosts[a] != hosts[b]), None)
 
 
 class DirectedGroups:

@@ -31,7 +31,7 @@ SCHEDULES = ("overlapped", "blocking")
 
 def effective_schedule(configured: str, device_type: str, links_cross_hosts: bool = False) -> str:
     """The schedule a stage runs for `hetloco.pipeline.schedule` on a device of `device_type`, when
-    some stage link of the job does (`links_cross_hosts`) or does not cross from one host to another.
+    some stage link of the job does (`links.crossing_link`) or does not cross from one host to another.
 
     "auto" is overlapped on gloo (CPU), where it is tested and measured (bench/overlap_links.json),
     and on NCCL (CUDA) when a stage link crosses hosts: there a transfer takes time worth hiding. With
