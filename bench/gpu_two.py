@@ -4,7 +4,9 @@ Configurations, each in 2 fresh processes (one per GPU, spawned by this script).
 pairs run `--repeats` (3) times, interleaved (a_ours_r1, a_ds, b_ours_sl, b_ds_dp, then again), so
 a slow spell of the machine hits one repeat of each, not one system; then the compressed rows once:
   a_ours_r1    HetlocoEngine, S = 2, M = 1, uncompressed boundary (subspace.compressed_replicas "none"),
-               the overlapped pipeline schedule (hetloco.pipeline.schedule "overlapped", named: "auto" is blocking on NCCL; `--schedule`)
+               the overlapped pipeline schedule (hetloco.pipeline.schedule "overlapped", `--schedule`), its
+               messages moved by the product's default transport ("auto": the copy engines on GPUs of one
+               host; `--link-transport process_group` for NCCL's)
   a_ds         stock DeepSpeed PipelineEngine (deepspeed.initialize), S = 2: a plain
                deepspeed.pipe.PipelineModule over hetloco_ds.pipe.module.layer_specs(config),
                partition_method "type:DecoderLayer", bf16.enabled (bf16 weights, BF16_Optimizer), a torch
@@ -137,9 +139,9 @@ def parse_args(argv=None):
                    help="ours only: hetloco.pipeline.gemm_sm_carveout (N or auto): persistent cuBLASLt GEMMs "
                         "sized to the SMs the resident link CTAs leave (pytorch issue 143988); each rank's part "
                         "records what its engine applied")
-    p.add_argument("--link-transport", default=None, choices=("process_group", "copy_engine"),
-                   help="ours only: hetloco.pipeline.link_transport (copy_engine: the overlapped schedule's messages "
-                        "moved by the copy engines, nothing resident on an SM; needs --schedule overlapped)")
+    p.add_argument("--link-transport", default=None, choices=("auto", "process_group", "copy_engine"),
+                   help="ours only: hetloco.pipeline.link_transport (default: the product's, auto; copy_engine: the "
+                        "overlapped schedule's messages moved by the copy engines, nothing resident on an SM)")
     p.add_argument("--blas", default=None, choices=("cublas", "cublaslt"),
                    help="ours only: torch.backends.cuda.preferred_blas_library (the carveout reaches cuBLASLt "
                         "calls only); recorded in each rank's part")
@@ -177,8 +179,8 @@ def parse_args(argv=None):
         p.error(f"--blas {args.blas}: a CUDA setting; --cpu-smoke runs on the CPU")
     if args.link_transport == "copy_engine" and args.cpu_smoke:
         p.error("--link-transport copy_engine: GPUs' copy engines; --cpu-smoke runs on the CPU")
-    if args.link_transport == "copy_engine" and args.schedule != "overlapped":
-        p.error(f"--link-transport copy_engine moves the overlapped schedule's messages; --schedule is {args.schedule}")
+    if args.link_transport == "copy_engine" and args.schedule == "blocking":
+        p.error("--link-transport copy_engine moves the overlapped schedule's messages; --schedule is blocking")
     return args
 
 
@@ -256,7 +258,7 @@ def run_ours(spec, cfg, args, part) -> None:
         raw["hetloco"]["pipeline"]["gemm_sm_carveout"] = args.sm_carveout
     module, engine = build_ours(raw, cfg, args.seq, source="bench/gpu_two.py")
     part["sm_carveout"] = engine.gemm_sm_carveout
-    part["link_transport"] = "copy_engine" if engine.links.copy_engine is not None else "process_group"
+    part["link_transport"] = engine.link_transport
     part.update(ours_part_info(engine, module, cfg))
     seed = 1234 + (engine.replica if b_part else 0)  # stages of one replica read the same batches
     data = batches(cfg, args.micro, args.seq, seed)

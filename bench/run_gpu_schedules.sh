@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # One device call for what issue 11 still needs on GPUs, on a 2- or a 4-GPU host. Every ratio compares
-# runs on the same two GPUs in the same call (each gpu_two run has its own stock baseline, 3 repeats):
-#   cta1      gpu_two --configs a_ours_r1,a_ds --schedule overlapped --link-max-ctas 1: the overlapped S = 2
-#             with its link communicators capped at one CTA (gpu_two_s2_overlapped_h100.json: 0.88x uncapped,
-#             the GEMMs slowed by the posted receives' kernels)
-#   m2        gpu_two --configs b_ours_sl,b_ds_dp: M = 2 vs data parallelism, the weights now cast once per
+# runs on the same two GPUs in the same call (each gpu_two run has its own stock baseline, 3 repeats).
+# Since "auto" became the copy engines on GPUs of one host, every lane names its schedule and transport
+# (the results committed before then ran "auto" as blocking on NCCL; see bench/README.md):
+#   cta1      gpu_two --configs a_ours_r1,a_ds --schedule overlapped --link-transport process_group --link-max-ctas 1:
+#             the overlapped S = 2 over NCCL with its link communicators capped at one CTA
+#             (gpu_two_s2_overlapped_h100.json: 0.88x uncapped, the GEMMs slowed by the posted receives' kernels)
+#   m2        gpu_two --configs b_ours_sl,b_ds_dp: M = 2 vs data parallelism, the weights cast once per
 #             step (gpu_two_m2_r3_h100.json had 0.979x before)
-#   blocking  gpu_two --configs a_ours_r1,a_ds --schedule auto: "auto" decides by host, so on one host's NCCL
-#             links it must run blocking (each rank's part says which it ran); compared with cta1 in one call
+#   blocking  gpu_two --configs a_ours_r1,a_ds --schedule blocking (DeepSpeed's 1F1B over NCCL)
 #   m2bind    m2 with each rank (ours and stock alike) pinned to its own half of the lane's cores (gpu_two
 #             --bind-cores): gpu_two_m2_castonce_h100.json had one replica 4-5% slower than the other in two
 #             of three repeats, a different one each time, with equal device time; contention for the
 #             shared cores is the suspect this run tests
 #   cta4      as cta1 at --link-max-ctas 4
-#   autobind, cta1bind  blocking and cta1 with every rank pinned (--bind-cores): in the profiled step of
+#   blockbind, cta1bind  blocking and cta1 with every rank pinned (--bind-cores): in the profiled step of
 #             cta1 every host op ran 15-25% longer than in blocking's (aten::mm 39.8 vs 31.3 ms, the same
 #             840 calls), so the overlapped schedule may lose on the host, not the device
+#   autobind  the product's defaults (schedule and transport "auto") with every rank pinned: on GPUs of
+#             one host, the overlapped schedule over the copy engines (each rank's part says what ran)
 #   cta1carve cta1bind with hetloco.pipeline.gemm_sm_carveout "auto" for ours (gpu_two --sm-carveout auto: cuBLASLt,
 #             SMs carved out = 1 CTA x 2 resident link kernels at S = 2):
 #             pinned, cta1 was still 0.927x (blocking 1.015x) and in the profiled steps ours' GEMM device time
@@ -23,12 +26,12 @@
 #             quantisation: a persistent GEMM launches one CTA per SM, and with a link CTA resident on one SM
 #             its grid runs in two waves (pytorch issue 143988). Each rank has at most 2 link CTAs resident (a
 #             send and a receive, one CTA per communicator), so the GEMMs are sized to the SMs minus 2
-#   autolt    autobind with cuBLASLt for ours (--blas cublaslt): what cuBLASLt alone does to the blocking
+#   autolt    blockbind with cuBLASLt for ours (--blas cublaslt): what cuBLASLt alone does to the blocking
 #             schedule, so cta1carve's change is not mistaken for the carveout's
 #   ce1bind   the overlapped S = 2 with hetloco.pipeline.link_transport "copy_engine" (gpu_two --link-transport
 #             copy_engine), every rank pinned: messages copied by the copy engines into the peer's slots (CUDA IPC),
 #             signalled by stream memory operations, so no link kernel is resident beside the GEMMs (resident_link's
-#             "ce" condition measures that alone); compare with autobind / cta1bind in the same call
+#             "ce" condition measures that alone); compare with blockbind / cta1bind in the same call
 # RESIDENT=1 first runs bench/resident_link.py on GPUs 0,1 (about a minute, before the lanes): a stage's
 #   GEMMs alone and beside 1-2 held link receives, under cuBLAS and cuBLASLt, with and without the
 #   carveout; the mechanism without a pipeline. Its JSON lands in resident/.
@@ -48,7 +51,8 @@
 source "$(dirname "$0")/_gpu_env.sh" || exit 1
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}"
-O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="resident blocking cta1 m2bind m2 cta4 autobind cta1bind cta1carve autolt ce1bind"; T0=$(date +%s)
+O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="resident blocking cta1 m2bind m2 cta4 blockbind autobind cta1bind cta1carve autolt ce1bind"; T0=$(date +%s)
+rm -rf "$W"  # a machine may keep /tmp between loans: no earlier run's JSON may be packed as this one's
 for d in $RUNS; do mkdir -p "$W/$d"; done
 (OUT=$W/m2; bench_install_wheels) > "$W/wheels.log" 2>&1 || { tail "$W/wheels.log"; exit 1; }
 export BENCH_WHEELS_INSTALLED=1
@@ -65,16 +69,18 @@ fi
 pack() { tar czf "$O/part.tgz" -C "$W" setup.txt wheels.log $RUNS $( [ -f "$W/corpus.log" ] && echo corpus.log ) 2>/dev/null
          mv -f "$O/part.tgz" "$O/gpus.tgz"; }
 ( while sleep 15; do pack; done ) & L=$!
+PG="--link-transport process_group"
 declare -A ARGS=(
-  [cta1]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1"
+  [cta1]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 1"
   [m2]="--configs b_ours_sl,b_ds_dp --repeats 3"
   [m2bind]="--configs b_ours_sl,b_ds_dp --repeats 3 --bind-cores"
-  [blocking]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto"
-  [cta4]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 4"
-  [autobind]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores"
-  [cta1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores"
-  [cta1carve]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-max-ctas 1 --bind-cores --sm-carveout auto"
-  [autolt]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --bind-cores --blas cublaslt"
+  [blocking]="--configs a_ours_r1,a_ds --repeats 3 --schedule blocking"
+  [cta4]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 4"
+  [blockbind]="--configs a_ours_r1,a_ds --repeats 3 --schedule blocking --bind-cores"
+  [autobind]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --link-transport auto --bind-cores"
+  [cta1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 1 --bind-cores"
+  [cta1carve]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 1 --bind-cores --sm-carveout auto"
+  [autolt]="--configs a_ours_r1,a_ds --repeats 3 --schedule blocking --bind-cores --blas cublaslt"
   [ce1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-transport copy_engine --bind-cores")
 left() { echo $(( ${BUDGET:-470} - ($(date +%s) - T0) )); }
 lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none started with < 150 s

@@ -181,10 +181,11 @@ class PipelineConfig(_Section):
     schedule: Literal["auto", "overlapped", "blocking"] = "auto"
     """overlapped: stage-link transfers run beside the compute (receives posted ahead, sends in the
     background, 3(S-1-s)+1 micro-batches in flight on stage s). blocking: DeepSpeed's 1F1B, every
-    transfer stalls the stage. auto: overlapped on gloo (CPU) and on NCCL (GPU) when a stage link
-    crosses hosts; blocking on NCCL when every stage link stays inside a host (NVLink, PCIe), where
-    there is no transfer time to hide and the posted receives slow the compute
-    (pipe.order.effective_schedule). Same losses and parameters bit for bit; only timing differs."""
+    transfer stalls the stage. auto: overlapped, except on GPUs whose every stage link stays inside
+    a host when the copy-engine transport cannot start there (see link_transport): a receive that
+    NCCL posts ahead is a kernel resident beside the compute and slows it, and on NVLink there is no
+    transfer time worth that (pipe.order.links_plan). Same losses and parameters bit for bit; only
+    timing differs."""
     link_max_ctas: int | None = Field(1, ge=1)
     """NCCL: CTAs (thread blocks, one SM each) a stage-link communicator of the overlapped schedule may
     run; null: NCCL's own choice. A receive posted ahead keeps its CTAs resident until its message
@@ -199,13 +200,14 @@ class PipelineConfig(_Section):
     (pipe.order.resident_link_kernels); 0: off. Set for the whole process when the engine starts; other
     GEMM kernels round differently, as under train.compile. Not used by gloo or the blocking schedule."""
 
-    link_transport: Literal["process_group", "copy_engine"] = "process_group"
+    link_transport: Literal["auto", "process_group", "copy_engine"] = "auto"
     """What moves the overlapped schedule's stage-link messages. process_group: a two-rank process
     group per direction (NCCL on GPUs, gloo on the CPU). copy_engine: CUDA, both ranks of every
     stage link on one host: the GPUs' copy engines move each message into a slot of the peer's
     memory (CUDA IPC) and the driver's stream memory operations signal it, so a receive posted
-    ahead holds no SM (pipe.copy_engine). Needs schedule "overlapped"; the same bytes arrive, so the
-    same bits train."""
+    ahead holds no SM (pipe.copy_engine); the schedule is then overlapped. auto: copy_engine where it
+    applies (GPUs, every stage link inside a host, the overlapped schedule) and every rank can set
+    it up, else process_group. The same bytes arrive either way, so the same bits train."""
 
     @field_validator("gemm_sm_carveout", mode="before")
     @classmethod
@@ -216,9 +218,9 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _copy_engine_moves_the_overlapped_schedule(self) -> "PipelineConfig":
-        if self.link_transport == "copy_engine" and self.schedule != "overlapped":
-            raise ValueError(f'link_transport = "copy_engine" moves the overlapped schedule\'s messages, but '
-                             f'schedule = "{self.schedule}"; set schedule to "overlapped"')
+        if self.link_transport == "copy_engine" and self.schedule == "blocking":
+            raise ValueError('link_transport = "copy_engine" moves the overlapped schedule\'s messages, but '
+                             'schedule = "blocking"; set schedule to "overlapped" or "auto"')
         return self
 
     @model_validator(mode="after")

@@ -37,7 +37,7 @@ import tempfile
 import time
 
 from . import launch, netlab
-from .pipe.order import effective_schedule
+from .pipe.order import links_plan
 from .plan import model as plan
 
 LINK_CLASSES = ("stage", "replica")
@@ -135,7 +135,7 @@ def summary(out: str, rates: dict[str, float], nproc: int, stages: int, since: f
     timed = [r for r in rows if r["step"] > 1]
     where = (f"stage {plan.fmt_rate(rates['stage']) if 'stage' in rates else 'unshaped'}, replica "
              f"{plan.fmt_rate(rates['replica']) if 'replica' in rates else 'unshaped'}, "
-             f"{effective_schedule(rc['hetloco']['pipeline']['schedule'], 'cpu')} schedule, M={rc['replicas']} x S={rc['stages']}")
+             f"{links_plan(rc['hetloco']['pipeline']['schedule'], 'process_group', 'cpu')[0]} schedule, M={rc['replicas']} x S={rc['stages']}")
     if not timed or not all(r.get("compute_seconds") for r in timed):
         return f"[hetloco] rehearsal ({where}): too few steps to compare with the plan (run more than 1 step)"
     step = statistics.fmean(r["seconds"] for r in timed)
@@ -162,7 +162,7 @@ def predict(rc: dict, rates: dict[str, float], compute_per_step: float) -> plan.
         micro_batch=ds.get("train_micro_batch_size_per_gpu", 1), n_mb=ds.get("gradient_accumulation_steps", 1),
         H=sl["inner_steps"] if sl["enabled"] else 1, topk=sl["topk"], chunk=sl["chunk_size"],
         quant_bits=sl["quant_bits"], act_bytes=2 if (ds.get("bf16") or {}).get("enabled") else 4,
-        overlap=effective_schedule(het["pipeline"]["schedule"], "cpu") == "overlapped", link_efficiency=TCP_GOODPUT,
+        overlap=links_plan(het["pipeline"]["schedule"], "process_group", "cpu")[0] == "overlapped", link_efficiency=TCP_GOODPUT,
         tied_embeddings=sl["tied_embeddings"] if sl["enabled"] else "every_step", mfu=1.0,
         embedding_sync=_any_compressed(sub, M) and sub["embedding_adaptation"])
     ratios = {_ratio(sub, m, M) for m in range(M)}

@@ -111,15 +111,15 @@ CONFIG_CASES = {
         '{cfg}: hetloco.pipeline.gemm_sm_carveout = "auto" counts link_max_ctas CTAs per link kernel, but '
         "link_max_ctas is null (NCCL's own count); give gemm_sm_carveout a number"),
     "copy_engine_without_the_overlapped_schedule": (
-        {"hetloco.pipeline.link_transport": "copy_engine"},
+        {"hetloco.pipeline.link_transport": "copy_engine", "hetloco.pipeline.schedule": "blocking"},
         '{cfg}: hetloco.pipeline.link_transport = "copy_engine" moves the overlapped schedule\'s messages, but '
-        'schedule = "auto"; set schedule to "overlapped"'),
+        'schedule = "blocking"; set schedule to "overlapped" or "auto"'),
     "copy_engine_without_gpus": (
-        {"hetloco.pipeline.link_transport": "copy_engine", "hetloco.pipeline.schedule": "overlapped"},
+        {"hetloco.pipeline.link_transport": "copy_engine"},
         '{cfg}: hetloco.pipeline.link_transport = "copy_engine" moves messages between GPUs, and this machine has none'),
     "link_transport_unknown": (
         {"hetloco.pipeline.link_transport": "nvlink"},
-        "{cfg}: hetloco.pipeline.link_transport = 'nvlink': Input should be 'process_group' or 'copy_engine'"),
+        "{cfg}: hetloco.pipeline.link_transport = 'nvlink': Input should be 'auto', 'process_group' or 'copy_engine'"),
     "topk_larger_than_chunk": (
         {"hetloco.sparseloco.topk": 5000},
         "{cfg}: hetloco.sparseloco.topk = 5000 exceeds chunk_size = 4096 (values kept per chunk)"),

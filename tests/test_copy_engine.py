@@ -69,3 +69,42 @@ def test_messages_arrive_whole_and_in_order_through_the_slot_ring():
     finally:
         for depth in (2, 1):
             shutil.rmtree(f"/dev/shm/hetloco-test-{tag}-{depth}", ignore_errors=True)
+
+
+def _failing_body(rank, tag, stage):
+    """Rank 1 of 3 (one pipeline of 3 stages) cannot map its peers' memory, or cannot allocate its own."""
+    from host_streams import HostStreamsBackend
+
+    from hetloco_ds.pipe.copy_engine import CopyEngineLinks, CopyEngineUnavailable
+
+    class Refusing(HostStreamsBackend):
+        def zeros(self, numel, dtype):
+            if stage == "allocate" and self.rank == 1:
+                raise RuntimeError("CUDA error: out of memory")
+            return super().zeros(numel, dtype)
+
+        def map_peer(self, path, dtype, numel, peer):
+            if stage == "map" and self.rank == 1:
+                raise RuntimeError(f"GPU 1 cannot reach GPU of rank {peer}")
+            return super().map_peer(path, dtype, numel, peer)
+
+    try:
+        CopyEngineLinks([[0, 1, 2]], rank, torch.device("cpu"), 512, backend=Refusing(tag, rank))
+    except CopyEngineUnavailable as err:
+        return str(err)
+    return None
+
+
+def test_a_rank_that_cannot_set_up_fails_every_rank_at_once_naming_it():
+    """Setup is all-or-nothing: when one rank cannot allocate its slots, or cannot map a peer's, every
+    rank of the job raises the same error naming that rank, rank 2 too, which shares no link with
+    rank 1's failing map of rank 0. Breaks if a rank went on past setup alone or learnt of only its
+    own failure: the engine's fallback to process groups would then split the job."""
+    tag = f"fail-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        assert run_ranks(_failing_body, 3, f"{tag}-a", "allocate") == ["rank 1: CUDA error: out of memory"] * 3
+        assert run_ranks(_failing_body, 3, f"{tag}-m", "map") == ["rank 1: GPU 1 cannot reach GPU of rank 0"] * 3
+        assert run_ranks(_failing_body, 3, f"{tag}-ok", "none") == [None] * 3
+    finally:
+        for case in ("a", "m", "ok"):
+            shutil.rmtree(f"/dev/shm/hetloco-test-{tag}-{case}", ignore_errors=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import build_from_hf, run_ranks
-from hetloco_ds.pipe.order import effective_schedule
+from hetloco_ds.pipe.order import links_plan
 
 SEQ = 16
 VOCAB = 96
@@ -189,20 +189,28 @@ def test_overlapped_and_blocking_schedules_train_bitwise_alike(hf_untied, hf_tie
         assert r["untied", "first blocking"] == r["untied", "blocking"]
 
 
-def test_auto_schedule_is_blocking_only_on_nccl_links_inside_a_host():
-    """The default: overlapped on CPU (gloo) and on CUDA when a stage link crosses hosts; blocking on
-    CUDA with every stage link inside a host, where the overlapped one stayed behind stock over NVLink;
-    a named schedule is kept; a bad name is refused naming it. Which links cross is read from the
-    stage links, not from the replicas: replicas on different hosts with their stages together cross
-    nothing."""
+def test_auto_picks_the_copy_engines_on_gpus_inside_a_host_and_blocking_where_they_are_not():
+    """The defaults: on CPU (gloo) and on CUDA across hosts, overlapped over process groups; on CUDA
+    with every stage link inside a host, overlapped over the copy engines, or (when they cannot
+    start: the engine asks again with process_group) blocking, where NCCL's posted receives slowed
+    the compute. A named schedule or transport is kept; a bad name is refused naming it. Which
+    links cross is read from the stage links, not from the replicas: replicas on different hosts
+    with their stages together cross nothing."""
     from hetloco_ds.pipe.links import crossing_link
 
-    assert [effective_schedule("auto", d) for d in ("cpu", "cuda")] == ["overlapped", "blocking"]
-    assert [effective_schedule("auto", d, True) for d in ("cpu", "cuda")] == ["overlapped", "overlapped"]
-    assert [effective_schedule(s, "cuda", c) for s in ("overlapped", "blocking") for c in (False, True)] == \
-        ["overlapped", "overlapped", "blocking", "blocking"]
+    auto = {(d, c): links_plan("auto", "auto", d, c) for d in ("cpu", "cuda") for c in (False, True)}
+    assert auto == {("cpu", False): ("overlapped", "process_group"), ("cpu", True): ("overlapped", "process_group"),
+                    ("cuda", False): ("overlapped", "copy_engine"), ("cuda", True): ("overlapped", "process_group")}
+    assert links_plan("auto", "process_group", "cuda") == ("blocking", "process_group")
+    assert links_plan("auto", "process_group", "cuda", True) == ("overlapped", "process_group")
+    assert links_plan("overlapped", "auto", "cuda") == ("overlapped", "copy_engine")
+    assert links_plan("overlapped", "process_group", "cuda") == ("overlapped", "process_group")
+    assert links_plan("blocking", "auto", "cuda") == ("blocking", "process_group")
+    assert links_plan("overlapped", "copy_engine", "cpu") == ("overlapped", "copy_engine")  # the engine refuses it
     with pytest.raises(ValueError, match="'overlaped'"):
-        effective_schedule("overlaped", "cpu")
+        links_plan("overlaped", "auto", "cpu")
+    with pytest.raises(ValueError, match="'nvlink'"):
+        links_plan("auto", "nvlink", "cpu")
     hosts = ["a", "a", "b", "b"]
     assert not crossing_link([[0, 1], [2, 3]], hosts)
     assert crossing_link([[0, 2], [1, 3]], hosts)
@@ -279,7 +287,74 @@ def test_copy_engine_links_are_refused_across_hosts_and_without_gpus(hf_untied):
         assert errors == [
             'hetloco.pipeline.link_transport = "copy_engine" needs both ranks of every stage link on one host; '
             "ranks 0 and 1 are on different hosts",
-            'hetloco.pipeline.link_transport = "copy_engine" needs CUDA GPUs; this rank runs on cpu']
+            'rank 0: hetloco.pipeline.link_transport = "copy_engine" needs CUDA GPUs; this rank runs on cpu']
+
+
+def _fallback_body(rank, hf_dir, tag):
+    """The engine as on GPUs inside a host (`links_plan` told the device is CUDA), its copy-engine
+    links on host streams; per case, what it chose and 2 steps' losses and parameter hashes, or its
+    error. In the "fails" cases rank 1 cannot map its peer's memory."""
+    import logging
+
+    import hetloco_ds.engine as engine_module
+    from host_streams import HostStreamsBackend
+
+    class Refusing(HostStreamsBackend):
+        def map_peer(self, path, dtype, numel, peer):
+            raise RuntimeError("no peer access to the GPU of rank 0")
+
+    real_plan, real_links = engine_module.order.links_plan, engine_module.CopyEngineLinks
+    engine_module.order.links_plan = lambda s, t, device_type, c=False: real_plan(s, t, "cuda", c)
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    engine_module.log.addHandler(handler)
+    out = {}
+    for case, schedule, transport, fails in [("auto", "auto", "auto", False), ("auto, fails", "auto", "auto", True),
+                                             ("overlapped, fails", "overlapped", "auto", True),
+                                             ("copy_engine, fails", "auto", "copy_engine", True)]:
+        backend = (Refusing if fails and rank == 1 else HostStreamsBackend)(f"{tag}-{len(out)}", rank)
+        engine_module.CopyEngineLinks = lambda *a, backend=backend, **k: real_links(*a, backend=backend, **k)
+        cfg = _config(schedule, compressed=())
+        cfg["hetloco"]["pipeline"]["link_transport"] = transport
+        del warned[:]
+        try:
+            engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
+        except ValueError as err:
+            out[case] = str(err)
+            continue
+        rows = []
+        for step in range(1, 3):
+            rec = engine.train_step(iter(_batches(engine.replica, step)))
+            rows.append((rec.loss, _digest(module)))
+        out[case] = (engine.schedule, engine.link_transport, engine.links.copy_engine is not None,
+                     engine.links.groups is not None, list(warned), rows)
+    return out
+
+
+def test_auto_falls_back_to_process_groups_on_every_rank_when_a_rank_cannot_start_the_copy_engines(hf_untied):
+    """One pipeline of 2 stages as on GPUs inside a host. Transport "auto": the copy engines when
+    both ranks can map each other; when rank 1 cannot, both ranks run blocking (schedule "auto") or
+    overlapped over process groups (schedule "overlapped"), rank 0 says why in one warning, and all
+    three train the same bits. A named "copy_engine" that cannot start is an error on both ranks
+    naming the rank. Breaks if one rank fell back and the other did not (the job would hang to the
+    test's timeout or train apart), or if the fallback kept a copy-engine or a missing group."""
+    tag = f"fallback-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        results = run_ranks(_fallback_body, 2, hf_untied, tag)
+    finally:
+        for i in range(4):
+            shutil.rmtree(f"/dev/shm/hetloco-test-{tag}-{i}", ignore_errors=True)
+    why = "rank 1: no peer access to the GPU of rank 0"
+    for rank, r in enumerate(results):
+        assert r["auto"][:5] == ("overlapped", "copy_engine", True, False, [])
+        assert r["auto, fails"][:5] == ("blocking", "process_group", False, False, [
+            f"copy-engine stage links unavailable ({why}); running the blocking schedule over process groups"][:1 - rank])
+        assert r["overlapped, fails"][:5] == ("overlapped", "process_group", False, True, [
+            f"copy-engine stage links unavailable ({why}); running the overlapped schedule over process groups"][:1 - rank])
+        assert r["auto, fails"][5] == r["overlapped, fails"][5] == r["auto"][5]
+        assert r["copy_engine, fails"] == why
+    assert [loss for loss, _ in results[0]["auto"][5]] == [loss for loss, _ in results[1]["auto"][5]]  # the replica's
 
 
 def _cast_body(rank, hf_dir, steps):

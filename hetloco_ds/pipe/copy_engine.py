@@ -24,6 +24,10 @@ Messages keep their order per direction, as on a process group. A send needs onl
 any schedule that runs on NCCL runs here with depth >= 1 (depth 2 lets a copy-out and the next copy-in
 overlap). Both ranks of a link must share a host and see each other's GPU.
 
+Setting up is collective and all-or-nothing: every rank learns whether every rank of the job could
+map its peers, and if one could not, all raise `CopyEngineUnavailable` together (naming that rank),
+so a caller that may fall back to a process group does so on every rank at once.
+
 A peer that dies leaves its neighbour's wait pending on the device for good, as a hung NCCL
 receive does; `hetloco-ds train`'s watchdog (hetloco_ds/watchdog.py) sees the stalled progress
 and ends the job with a line naming the rank.
@@ -38,6 +42,10 @@ import torch.distributed as tdist
 
 ALIGN = 256  # bytes: each tensor of a message starts aligned for any dtype and for the copy engines
 CU_STREAM_WAIT_VALUE_GEQ = 0x0  # wait until (int32)(*addr - value) >= 0: wrap-safe counters
+
+
+class CopyEngineUnavailable(RuntimeError):
+    """Some rank of the job could not set up its copy-engine links; raised on every rank at once."""
 
 
 class StreamMemOps:
@@ -78,6 +86,12 @@ class CudaBackend:
         if device.type != "cuda":
             raise ValueError(f'hetloco.pipeline.link_transport = "copy_engine" needs CUDA GPUs; this rank runs on {device}')
         self.device, self.ops = device, StreamMemOps()
+        # A driver may refuse stream memory operations (CUresult 801) only when they are first
+        # issued; find out here, where the job can still choose another transport.
+        flag, s = self.zeros(1, torch.int32), self.stream()
+        self.write(s, flag, 0, 1)
+        self.wait_geq(s, flag, 0, 1)
+        s.synchronize()
 
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.zeros(numel, dtype=dtype, device=self.device)
@@ -167,43 +181,55 @@ class CopyEngineLinks:
     """The copy-engine links of this rank: one per direction of every stage link it is on.
 
     `replica_ranks[m]` lists replica m's global ranks by stage; every rank of the world constructs
-    it at the same point (one all-gather of the shared-memory handles, then a barrier).
+    it at the same point (one all-gather of the shared-memory handles, one of the mapping outcomes;
+    `CopyEngineUnavailable` on every rank if any rank failed).
     `slot_bytes`: the largest message this rank receives (`layout`); a sender fills its receiver's
     slots. `backend`: the device's primitives (`CudaBackend` for `device`'s GPU when None)."""
 
     def __init__(self, replica_ranks: Sequence[Sequence[int]], me: int, device: torch.device,
                  slot_bytes: int, depth: int = 2, backend=None):
-        self.backend = backend if backend is not None else CudaBackend(device)
         slot_bytes = _aligned(slot_bytes)  # every slot starts aligned too
         self.depth = depth
         pairs = [(a, b) for ranks in replica_ranks for a, b in zip(ranks, ranks[1:])]
         directed = [d for a, b in pairs for d in ((a, b), (b, a)) if me in d]  # (sender, receiver)
         owned: dict[tuple, torch.Tensor] = {}  # kept alive for the peers that map them
-        for src, dst in directed:
-            if dst == me:  # the receiver holds the slots and their ready flags
-                owned["slots", src, dst] = self.backend.zeros(depth * slot_bytes, torch.uint8)
-                owned["ready", src, dst] = self.backend.zeros(depth, torch.int32)
-            else:  # the sender holds the free flags
-                owned["free", src, dst] = self.backend.zeros(depth, torch.int32)
-        exports = {key: self.backend.export(t) for key, t in owned.items()}
+        exports, failed = {}, None
+        try:
+            self.backend = backend if backend is not None else CudaBackend(device)
+            for src, dst in directed:
+                if dst == me:  # the receiver holds the slots and their ready flags
+                    owned["slots", src, dst] = self.backend.zeros(depth * slot_bytes, torch.uint8)
+                    owned["ready", src, dst] = self.backend.zeros(depth, torch.int32)
+                else:  # the sender holds the free flags
+                    owned["free", src, dst] = self.backend.zeros(depth, torch.int32)
+            exports = {key: self.backend.export(t) for key, t in owned.items()}
+        except (RuntimeError, ValueError, OSError) as e:
+            failed = str(e)
         every: list = [None] * tdist.get_world_size()
-        tdist.all_gather_object(every, (slot_bytes, exports))
+        tdist.all_gather_object(every, (slot_bytes, exports, failed))
+        _agree([f for _, _, f in every])
         self._owned = owned
         self.out: dict[int, _Link] = {}  # receiver rank -> link I send on
         self.inb: dict[int, _Link] = {}  # sender rank -> link I receive on
-        for src, dst in directed:
-            peer = dst if src == me else src
-            peer_slot_bytes, theirs = every[peer]
-            if src == me:
-                self.out[dst] = _Link(
-                    self.backend.map_peer(theirs["slots", src, dst], torch.uint8, depth * peer_slot_bytes, peer),
-                    self.backend.map_peer(theirs["ready", src, dst], torch.int32, depth, peer),
-                    owned["free", src, dst], peer_slot_bytes, self.backend.stream())
-            else:
-                self.inb[src] = _Link(owned["slots", src, dst], owned["ready", src, dst],
-                                      self.backend.map_peer(theirs["free", src, dst], torch.int32, depth, peer),
-                                      slot_bytes, self.backend.stream())
-        tdist.barrier()  # every peer mapped before the first message may touch a flag
+        try:
+            for src, dst in directed:
+                peer = dst if src == me else src
+                peer_slot_bytes, theirs, _ = every[peer]
+                if src == me:
+                    self.out[dst] = _Link(
+                        self.backend.map_peer(theirs["slots", src, dst], torch.uint8, depth * peer_slot_bytes, peer),
+                        self.backend.map_peer(theirs["ready", src, dst], torch.int32, depth, peer),
+                        owned["free", src, dst], peer_slot_bytes, self.backend.stream())
+                else:
+                    self.inb[src] = _Link(owned["slots", src, dst], owned["ready", src, dst],
+                                          self.backend.map_peer(theirs["free", src, dst], torch.int32, depth, peer),
+                                          slot_bytes, self.backend.stream())
+        except (RuntimeError, ValueError, OSError) as e:
+            failed = str(e)
+        # also the barrier: every peer mapped before the first message may touch a flag
+        mapped: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(mapped, failed)
+        _agree(mapped)
 
     def _views(self, link: _Link, slot: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         spec = [(tuple(t.shape), t.dtype) for t in tensors]
@@ -236,3 +262,10 @@ class CopyEngineLinks:
             b.copy(link.stream, t, view)
         b.write(link.stream, link.free, slot, seq + 1)
         return [b.record(link.stream)]
+
+
+def _agree(failures: Sequence[str | None]) -> None:
+    """Every rank's setup outcome, gathered: raise on all of them if any failed."""
+    for rank, failed in enumerate(failures):
+        if failed is not None:
+            raise CopyEngineUnavailable(f"rank {rank}: {failed}")

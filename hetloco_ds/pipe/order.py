@@ -29,23 +29,36 @@ from __future__ import annotations
 SCHEDULES = ("overlapped", "blocking")
 
 
-def effective_schedule(configured: str, device_type: str, links_cross_hosts: bool = False) -> str:
-    """The schedule a stage runs for `hetloco.pipeline.schedule` on a device of `device_type`, when
-    some stage link of the job does (`links.crossing_link`) or does not cross from one host to another.
+TRANSPORTS = ("process_group", "copy_engine")
 
-    "auto" is overlapped on gloo (CPU), where it is tested and measured (bench/overlap_links.json),
-    and on NCCL (CUDA) when a stage link crosses hosts: there a transfer takes time worth hiding. With
-    every stage link inside a host (NVLink, PCIe) a micro-batch's activations cross in far less than
-    its compute, so there is nothing to hide, while a receive posted ahead is a kernel resident on
-    the device until its message comes, slowing the GEMMs beside it: on 2 H100s over NVLink the
-    overlapped schedule stayed behind stock DeepSpeed even with its link communicators capped at one
-    CTA (bench/results/gpu_two_s2_overlapped_cta1_h100.json). So "auto" is blocking there.
+
+def links_plan(schedule: str, transport: str, device_type: str, links_cross_hosts: bool = False) -> tuple[str, str]:
+    """(schedule, link transport) a stage runs for `hetloco.pipeline.schedule` and `.link_transport`
+    on a device of `device_type`, when some stage link of the job does (`links.crossing_link`) or does
+    not cross from one host to another. Where the copy-engine transport then fails to start, the
+    engine asks again with `transport="process_group"`.
+
+    The "auto" transport is the copy engines' for the overlapped schedule on GPUs whose every stage
+    link stays inside a host: a receive posted ahead then waits without holding an SM, where NCCL's
+    waits as a kernel beside the stage's GEMMs, slowing them 8-10% at one CTA
+    (bench/results/resident_link_ce_h100.json). Everywhere else it is the process group's (gloo on
+    the CPU; NCCL across hosts, where CUDA IPC cannot reach).
+
+    The "auto" schedule is overlapped, except on GPUs inside a host whose links are NCCL's: there a
+    transfer over NVLink or PCIe takes far less than its compute, so there is little to hide, and the
+    resident receive kernels cost more than that (gpu_two_s2_overlapped_cta1_h100.json). So it is
+    blocking there.
     """
-    if configured == "auto":
-        return "blocking" if device_type == "cuda" and not links_cross_hosts else "overlapped"
-    if configured not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {configured!r}; expected one of {('auto',) + SCHEDULES}")
-    return configured
+    if schedule not in ("auto",) + SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {('auto',) + SCHEDULES}")
+    if transport not in ("auto",) + TRANSPORTS:
+        raise ValueError(f"unknown link transport {transport!r}; expected one of {('auto',) + TRANSPORTS}")
+    gpus_in_a_host = device_type == "cuda" and not links_cross_hosts
+    if transport == "auto":
+        transport = "copy_engine" if gpus_in_a_host and schedule != "blocking" else "process_group"
+    if schedule == "auto":
+        schedule = "blocking" if gpus_in_a_host and transport == "process_group" else "overlapped"
+    return schedule, transport
 
 
 def resident_link_kernels(schedule: str, stages: int, stage_id: int) -> int:

@@ -99,7 +99,7 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
                     help="transfers block compute (DeepSpeed's blocking p2p); same as --schedule blocking")
     ap.add_argument("--schedule", choices=("overlapped", "blocking"), default=None,
                     help="the pipeline schedule modelled (hetloco.pipeline.schedule; default overlapped, what "
-                         "the engine runs on gloo and across hosts; its \"auto\" runs blocking on NCCL inside a host)")
+                         "the engine's \"auto\" runs, except on GPUs inside a host without the copy-engine transport)")
     ap.add_argument("--tied", action="store_true", help="the model ties its embedding and LM head")
     ap.add_argument("--tied-embeddings", choices=("outer_step", "every_step"), default=argparse.SUPPRESS,
                     help="how a tied model keeps its copies equal (hetloco.sparseloco.tied_embeddings)")
