@@ -148,6 +148,10 @@ def parse_args(argv=None):
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled step of the last repeat")
     p.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)  # internal: this run profiles
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch's deterministic algorithms (warn_only) and a fixed cuBLAS workspace, so that two runs of "
+                        "one configuration can end with the same bits; each row then has every step's loss and each "
+                        "rank's parameter hash after the timed steps (param_sha256), to compare schedules and transports")
     p.add_argument("--bind-cores", action="store_true",
                    help="pin each rank of every configuration (ours and stock alike) to its own share of the cores")
     p.add_argument("--configs", default="", help="comma-separated subset of the configuration names")
@@ -273,6 +277,8 @@ def run_ours(spec, cfg, args, part) -> None:
     warmup = max(args.warmup, 1) if spec.get("compile") else args.warmup
     warm, timed, extras = timed_loop(step, warmup, args.steps, after)
     part.update(warm_s=warm, step_s=timed, steps=extras, peak_mem_gib=peak_gib())
+    if args.deterministic:
+        part["param_sha256"] = param_sha256(engine.trainable_params())
     if args.profile_worker:
         part["profile"] = profile_step(step)
     if b_part:
@@ -313,7 +319,22 @@ def run_ds(spec, cfg, args, part) -> None:
         part["profile"] = profile_step(step)
 
 
+def param_sha256(params) -> str:
+    """SHA-256 of the parameters' bits, in order (read back to the host)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def worker_main(args) -> int:
+    if args.deterministic:
+        import torch
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first starts
+        torch.use_deterministic_algorithms(True, warn_only=True)
     spec = {c["name"]: c for c in args_configs(args)}[args.worker]
     run = run_ours if spec["system"] == "ours" else run_ds
     return run_worker(args, COUNTER, lambda cfg, part: run(spec, cfg, args, part), system=spec["system"], spec=spec)
@@ -347,6 +368,8 @@ def summarize(name: str, parts: list[dict], args) -> dict:
                tokens_per_s_per_gpu=tokens_replica * M / step / (S * M),
                peak_mem_gib=max((p.get("peak_mem_gib") or 0) for p in parts) or None,
                last_loss=[p["steps"][-1].get("loss") for p in parts])
+    if args.deterministic:
+        res.update(losses=[s.get("loss") for s in p0["steps"]], param_sha256=[p.get("param_sha256") for p in parts])
     d, k, idb = p0["hidden_size"], p0.get("k"), p0.get("id_bytes")
     b, L, gas = args.micro, args.seq, args.gas
     ratio = p0["spec"]["ratio"]
@@ -545,7 +568,7 @@ def driver_main(args) -> int:
     passthru = worker_argv(args, ["--shape", "--vocab", "--seq", "--micro", "--gas", "--ratios", "--warmup", "--steps",
                                   "--inner-steps", "--outer-repeats", "--schedule", "--link-max-ctas",
                                   "--sm-carveout", "--blas", "--link-transport"],
-                           ["--no-bf16", "--cpu-smoke", "--compiled-rows"])
+                           ["--no-bf16", "--cpu-smoke", "--compiled-rows", "--deterministic"])
     runs = [(name, rep) for rep in range(args.repeats) for name in PAIRS if name in names]
     runs += [(name, 0) for name in names if name not in PAIRS]
     ok = True

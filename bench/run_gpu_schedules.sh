@@ -32,6 +32,11 @@
 #             copy_engine), every rank pinned: messages copied by the copy engines into the peer's slots (CUDA IPC),
 #             signalled by stream memory operations, so no link kernel is resident beside the GEMMs (resident_link's
 #             "ce" condition measures that alone); compare with blockbind / cta1bind in the same call
+#   bitsblk, bitsce, bitsblk2  the bits, not the time: gpu_two --configs a_ours_r1,a_ours_r8 --deterministic
+#             (torch's deterministic algorithms, a fixed cuBLAS workspace; every step's loss and each rank's
+#             parameter hash), 1 + 3 steps, under the blocking schedule over NCCL, then the overlapped one
+#             over the copy engines, then blocking again (whether the machine repeats its own bits at all).
+#             The end of the call prints whether they match (bits.txt); LANES="0,1:bitsblk,bitsce,bitsblk2"
 # RESIDENT=1 first runs bench/resident_link.py on GPUs 0,1 (about a minute, before the lanes): a stage's
 #   GEMMs alone and beside 1-2 held link receives, under cuBLAS and cuBLASLt, with and without the
 #   carveout; the mechanism without a pipeline. Its JSON lands in resident/.
@@ -51,7 +56,7 @@
 source "$(dirname "$0")/_gpu_env.sh" || exit 1
 cd "$(dirname "$0")/.." || exit 1
 : "${OUT:?OUT must be set}"
-O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="resident blocking cta1 m2bind m2 cta4 blockbind autobind cta1bind cta1carve autolt ce1bind"; T0=$(date +%s)
+O=$OUT; W=${BENCH_WORK:-/tmp/gpus}; RUNS="resident blocking cta1 m2bind m2 cta4 blockbind autobind cta1bind cta1carve autolt ce1bind bitsblk bitsce bitsblk2"; T0=$(date +%s)
 rm -rf "$W"  # a machine may keep /tmp between loans: no earlier run's JSON may be packed as this one's
 for d in $RUNS; do mkdir -p "$W/$d"; done
 (OUT=$W/m2; bench_install_wheels) > "$W/wheels.log" 2>&1 || { tail "$W/wheels.log"; exit 1; }
@@ -70,6 +75,7 @@ pack() { tar czf "$O/part.tgz" -C "$W" setup.txt wheels.log $RUNS $( [ -f "$W/co
          mv -f "$O/part.tgz" "$O/gpus.tgz"; }
 ( while sleep 15; do pack; done ) & L=$!
 PG="--link-transport process_group"
+BITS="--configs a_ours_r1,a_ours_r8 --ratios 8 --repeats 1 --warmup 1 --steps 3 --deterministic --no-profile --bind-cores"
 declare -A ARGS=(
   [cta1]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 1"
   [m2]="--configs b_ours_sl,b_ds_dp --repeats 3"
@@ -81,7 +87,10 @@ declare -A ARGS=(
   [cta1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 1 --bind-cores"
   [cta1carve]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 1 --bind-cores --sm-carveout auto"
   [autolt]="--configs a_ours_r1,a_ds --repeats 3 --schedule blocking --bind-cores --blas cublaslt"
-  [ce1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-transport copy_engine --bind-cores")
+  [ce1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-transport copy_engine --bind-cores"
+  [bitsblk]="$BITS --schedule blocking $PG"
+  [bitsce]="$BITS --schedule overlapped --link-transport copy_engine"
+  [bitsblk2]="$BITS --schedule blocking $PG")
 left() { echo $(( ${BUDGET:-470} - ($(date +%s) - T0) )); }
 lane() {  # lane GPUS RUN...: each run bounded by what is left of BUDGET, none started with < 150 s
   local g=$1 b; shift
@@ -109,11 +118,31 @@ for spec in $LANES; do
 done
 wait "${PIDS[@]}"
 [ -n "${C:-}" ] && { wait "$C"; tail -3 "$W/corpus.log"; }
+if [ -f "$W/bitsblk/gpu_two.json" ]; then
+  python3 - "$W" > "$W/bitsblk/bits.txt" 2>&1 <<'PY'
+import json, os, sys
+w = sys.argv[1]
+rows = {}
+for run in ("bitsblk", "bitsce", "bitsblk2"):
+    path = os.path.join(w, run, "gpu_two.json")
+    if os.path.exists(path):
+        for r in json.load(open(path))["results"]:
+            rows[run, r["config"]] = (r.get("losses"), r.get("param_sha256"), [x.get("link_transport") for x in r.get("ranks", [])])
+for config in sorted({c for _, c in rows}):
+    base = rows.get(("bitsblk", config))
+    for run in ("bitsce", "bitsblk2"):
+        got = rows.get((run, config))
+        if base and got:
+            print(f"{config} {run} vs bitsblk: losses {'equal' if got[0] == base[0] else 'DIFFER'}, "
+                  f"parameters {'equal' if got[1] == base[1] else 'DIFFER'} ({got[2]}); losses {got[0]} vs {base[0]}")
+PY
+fi
 kill $L; pack
 for d in $RUNS; do
   echo "== $d"; cat "$W/$d/skipped.txt" 2>/dev/null
   [ -f "$W/$d/gpu_two.log" ] && grep -E "ratio of medians|^a_|^b_|error|timeout" "$W/$d/gpu_two.log" | tail -12
   [ -f "$W/$d/resident_link.log" ] && tail -20 "$W/$d/resident_link.log"
+  [ -f "$W/$d/bits.txt" ] && cat "$W/$d/bits.txt"
 done
 # Each run's outcome is printed above and packed; without this the status was the last test of
 # the print loop (1 whenever the last run had no resident log), which read as a failed call.
