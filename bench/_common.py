@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -410,6 +411,22 @@ def timed_call(fn, counter: CollectiveCounter, count: bool = True):
     dt = time.perf_counter() - t
     counter.active = False
     return out, dt, counter.take()
+
+
+def stage_hash(params) -> dict:
+    """sha256 over the bytes of `p.detach().cpu()` of `params`, in order."""
+    import torch
+
+    t = time.perf_counter()
+    h = hashlib.sha256()
+    n, dtypes = 0, set()
+    for p in params:
+        a = p.detach().cpu().contiguous()
+        dtypes.add(str(a.dtype))
+        h.update(a.reshape(-1).view(torch.uint8).numpy())
+        n += nbytes(a)
+    return {"sha256": h.hexdigest(), "tensors": len(params), "bytes": n, "dtypes": sorted(dtypes),
+            "seconds": round(time.perf_counter() - t, 3)}
 
 
 def same(values) -> bool:

@@ -70,7 +70,6 @@ its own data), identical right after the outer step.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
 import sys
@@ -83,8 +82,8 @@ if BENCH not in sys.path:
 
 from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
     CollectiveCounter, add_model_args, barrier, batches, build_ours, build_stock, config_row, driver_setup,
-    finish_report, fmt_bytes, nbytes, new_report, ours_config, ours_part_info, peak_gib, pick_configs, run_main,
-    run_worker, same, spawn_workers, stock_config, stock_p2p_meter, stock_part_info, sync, timed_call, versions_line,
+    finish_report, fmt_bytes, new_report, ours_config, ours_part_info, peak_gib, pick_configs, run_main,
+    run_worker, same, spawn_workers, stage_hash, stock_config, stock_p2p_meter, stock_part_info, sync, timed_call, versions_line,
     worker_argv,
     write_report,
 )
@@ -159,22 +158,6 @@ def coll_sent(coll: dict, where: str) -> int:
 
 def coll_recv(coll: dict, where: str) -> int:
     return sum(o["recv"] for o in coll.get(where, {}).values())
-
-
-def stage_hash(params) -> dict:
-    """sha256 over the bytes of `p.detach().cpu()` of `params`, in order."""
-    import torch
-
-    t = time.perf_counter()
-    h = hashlib.sha256()
-    n, dtypes = 0, set()
-    for p in params:
-        a = p.detach().cpu().contiguous()
-        dtypes.add(str(a.dtype))
-        h.update(a.reshape(-1).view(torch.uint8).numpy())
-        n += nbytes(a)
-    return {"sha256": h.hexdigest(), "tensors": len(params), "bytes": n, "dtypes": sorted(dtypes),
-            "seconds": round(time.perf_counter() - t, 3)}
 
 
 def buffer_hash(t) -> str | None:

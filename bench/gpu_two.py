@@ -90,7 +90,7 @@ if BENCH not in sys.path:
 from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
     CollectiveCounter, add_model_args, batches, build_ours, build_stock, config_row, device_time_us, driver_setup,
     finish_report, fmt_bytes, new_report, ours_config, ours_part_info, peak_gib, pick_configs, profiled, run_main, run_worker, same,
-    spawn_workers, stock_config, stock_p2p_meter, stock_part_info, timed_call, versions_line, worker_argv,
+    spawn_workers, stage_hash, stock_config, stock_p2p_meter, stock_part_info, timed_call, versions_line, worker_argv,
     write_report,
 )
 
@@ -278,7 +278,7 @@ def run_ours(spec, cfg, args, part) -> None:
     warm, timed, extras = timed_loop(step, warmup, args.steps, after)
     part.update(warm_s=warm, step_s=timed, steps=extras, peak_mem_gib=peak_gib())
     if args.deterministic:
-        part["param_sha256"] = param_sha256(engine.trainable_params())
+        part["param_sha256"] = stage_hash(engine.trainable_params())["sha256"]
     if args.profile_worker:
         part["profile"] = profile_step(step)
     if b_part:
@@ -317,16 +317,6 @@ def run_ds(spec, cfg, args, part) -> None:
     part.update(warm_s=warm, step_s=timed, steps=extras, peak_mem_gib=peak_gib())
     if args.profile_worker:
         part["profile"] = profile_step(step)
-
-
-def param_sha256(params) -> str:
-    """SHA-256 of the parameters' bits, in order (read back to the host)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for p in params:
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def worker_main(args) -> int:

@@ -75,19 +75,20 @@ pack() { tar czf "$O/part.tgz" -C "$W" setup.txt wheels.log $RUNS $( [ -f "$W/co
          mv -f "$O/part.tgz" "$O/gpus.tgz"; }
 ( while sleep 15; do pack; done ) & L=$!
 PG="--link-transport process_group"
+S2="--configs a_ours_r1,a_ds --repeats 3"  # our S = 2 against stock's
 BITS="--configs a_ours_r1,a_ours_r8 --ratios 8 --repeats 1 --warmup 1 --steps 3 --deterministic --no-profile --bind-cores"
 declare -A ARGS=(
-  [cta1]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 1"
+  [cta1]="$S2 --schedule overlapped $PG --link-max-ctas 1"
   [m2]="--configs b_ours_sl,b_ds_dp --repeats 3"
   [m2bind]="--configs b_ours_sl,b_ds_dp --repeats 3 --bind-cores"
-  [blocking]="--configs a_ours_r1,a_ds --repeats 3 --schedule blocking"
-  [cta4]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 4"
-  [blockbind]="--configs a_ours_r1,a_ds --repeats 3 --schedule blocking --bind-cores"
-  [autobind]="--configs a_ours_r1,a_ds --repeats 3 --schedule auto --link-transport auto --bind-cores"
-  [cta1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 1 --bind-cores"
-  [cta1carve]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped $PG --link-max-ctas 1 --bind-cores --sm-carveout auto"
-  [autolt]="--configs a_ours_r1,a_ds --repeats 3 --schedule blocking --bind-cores --blas cublaslt"
-  [ce1bind]="--configs a_ours_r1,a_ds --repeats 3 --schedule overlapped --link-transport copy_engine --bind-cores"
+  [blocking]="$S2 --schedule blocking"
+  [cta4]="$S2 --schedule overlapped $PG --link-max-ctas 4"
+  [blockbind]="$S2 --schedule blocking --bind-cores"
+  [autobind]="$S2 --schedule auto --link-transport auto --bind-cores"
+  [cta1bind]="$S2 --schedule overlapped $PG --link-max-ctas 1 --bind-cores"
+  [cta1carve]="$S2 --schedule overlapped $PG --link-max-ctas 1 --bind-cores --sm-carveout auto"
+  [autolt]="$S2 --schedule blocking --bind-cores --blas cublaslt"
+  [ce1bind]="$S2 --schedule overlapped --link-transport copy_engine --bind-cores"
   [bitsblk]="$BITS --schedule blocking $PG"
   [bitsce]="$BITS --schedule overlapped --link-transport copy_engine"
   [bitsblk2]="$BITS --schedule blocking $PG")

@@ -92,12 +92,11 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
         self._count_deepspeed_init_traffic()
-        replicas = self._replica_ranks()
         pipe = hetloco.pipeline
         apart = None  # a stage link between two hosts: where it matters to the choice below
         if self.num_stages > 1 and (pipe.link_transport == "copy_engine" or (
                 self.device.type == "cuda" and (pipe.schedule, pipe.link_transport) != ("blocking", "process_group"))):
-            apart = crossing_link(replicas, host_ids(self.device, self.meter))
+            apart = crossing_link(self._replica_ranks(), host_ids(self.device, self.meter))
         if pipe.link_transport == "copy_engine" and apart is not None:
             raise ValueError('hetloco.pipeline.link_transport = "copy_engine" needs both ranks of every stage '
                              f"link on one host; ranks {apart[0]} and {apart[1]} are on different hosts")
@@ -135,7 +134,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.algorithm.setup(self.stage_link)
         self.module.codec.perp = self.algorithm.perp
         if self.link_transport == "copy_engine":  # sized now that the boundary's width and wire dtype are set
-            self._copy_engine_links(replicas, apart is not None)
+            self._copy_engine_links(apart is not None)
         self.transport = GroupTransport(self.dp_group, self.meter) if transport is None else transport(self)
         self.meter.since_mark()
 
@@ -158,16 +157,16 @@ class HetlocoEngine(PipelineEngineAdapter):
         return [[self.grid.stage_to_global(s, data=m) for s in range(self.num_stages)]
                 for m in range(self.grid.data_parallel_size)]
 
-    def _copy_engine_links(self, replicas, links_cross_hosts: bool) -> None:
+    def _copy_engine_links(self, links_cross_hosts: bool) -> None:
         """Copy-engine links, or (where the transport was "auto" and some rank could not set them up)
         what `links_plan` chooses without them; every rank learns the outcome at once."""
         try:
-            self.links.copy_engine = CopyEngineLinks(replicas, self.global_rank, self.device,
+            self.links.copy_engine = CopyEngineLinks(self._replica_ranks(), self.global_rank, self.device,
                                                      ce_layout(self._message_spec())[1])
             return
         except CopyEngineUnavailable as err:
             if self.hetloco.pipeline.link_transport == "copy_engine":
-                raise ValueError(f"{err}") from err
+                raise ValueError(str(err)) from err
             reason = err
         self.schedule, self.link_transport = order.links_plan(
             self.hetloco.pipeline.schedule, "process_group", self.device.type, links_cross_hosts)
