@@ -207,6 +207,7 @@ def run_ours_het(cfg, args, part) -> None:
     rank = td.get_rank()
     assert rank == engine.stage_id * REPLICAS + engine.replica, (rank, engine.stage_id, engine.replica)
     part.update(ours_part_info(engine, module, cfg, compressed=True))
+    part.update(schedule=engine.schedule, link_transport=engine.link_transport)  # what "auto" chose here
     data = batches(cfg, args.micro, args.seq, seed=1234 + engine.replica)  # per replica; same on its stages
 
     hashes = {"init": dict(stage_hash(engine.trainable_params()), step=0,
@@ -343,6 +344,7 @@ def summarize_ours(parts: list[dict], args) -> dict:
         last_loss_by_replica={f"replica{r}": ps[0]["steps"][-1]["loss"] for r, ps in by_rep.items()},
         outer_prewarm_s={p["rank"]: round(p["outer_prewarm"]["seconds"], 4) for p in parts if "outer_prewarm" in p},
         outer_prewarm_errors=[p["outer_prewarm_error"] for p in parts if "outer_prewarm_error" in p],
+        links_by_rank={p["rank"]: f"{p.get('schedule')} over {p.get('link_transport')}" for p in parts},
     )
     # ---- stage link, by replica (records are replica sums: take the replica's stage-0 rank)
     link = {}

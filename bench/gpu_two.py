@@ -149,8 +149,9 @@ def parse_args(argv=None):
                    help="skip the profiled step of the last repeat")
     p.add_argument("--profile-worker", action="store_true", help=argparse.SUPPRESS)  # internal: this run profiles
     p.add_argument("--deterministic", action="store_true",
-                   help="torch's deterministic algorithms (warn_only) and a fixed cuBLAS workspace, so that two runs of "
-                        "one configuration can end with the same bits; each row then has every step's loss and each "
+                   help="torch's deterministic algorithms (warn_only), the math attention backend and a fixed cuBLAS "
+                        "workspace, so that two runs of one configuration can end with the same bits; each row then "
+                        "has every step's loss and each "
                         "rank's parameter hash after the timed steps (param_sha256), to compare schedules and transports")
     p.add_argument("--bind-cores", action="store_true",
                    help="pin each rank of every configuration (ours and stock alike) to its own share of the cores")
@@ -325,6 +326,12 @@ def worker_main(args) -> int:
 
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first starts
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # Under warn_only, flash and cuDNN attention keep their non-deterministic backward (they only
+        # warn: the first GPU bit check, two blocking runs, differed from step 1 on); the math backend
+        # is plain GEMMs and softmax, deterministic under the fixed cuBLAS workspace.
+        for backend in ("flash", "mem_efficient", "cudnn"):
+            getattr(torch.backends.cuda, f"enable_{backend}_sdp")(False)
+        torch.backends.cuda.enable_math_sdp(True)
     spec = {c["name"]: c for c in args_configs(args)}[args.worker]
     run = run_ours if spec["system"] == "ours" else run_ds
     return run_worker(args, COUNTER, lambda cfg, part: run(spec, cfg, args, part), system=spec["system"], spec=spec)

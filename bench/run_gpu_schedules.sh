@@ -33,7 +33,7 @@
 #             signalled by stream memory operations, so no link kernel is resident beside the GEMMs (resident_link's
 #             "ce" condition measures that alone); compare with blockbind / cta1bind in the same call
 #   bitsblk, bitsce, bitsblk2  the bits, not the time: gpu_two --configs a_ours_r1,a_ours_r8 --deterministic
-#             (torch's deterministic algorithms, a fixed cuBLAS workspace; every step's loss and each rank's
+#             (torch's deterministic algorithms, math attention, a fixed cuBLAS workspace; every step's loss and each rank's
 #             parameter hash), 1 + 3 steps, under the blocking schedule over NCCL, then the overlapped one
 #             over the copy engines, then blocking again (whether the machine repeats its own bits at all).
 #             The end of the call prints whether they match (bits.txt); LANES="0,1:bitsblk,bitsce,bitsblk2"
