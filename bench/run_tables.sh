@@ -17,10 +17,20 @@
 # (.benchdata/code_bpe8192_seq256.pt, made by bench/make_code_corpus.py; about 29 passes in a 5000-step row), or
 # DEVICE_CORPUS=1 (carry .benchdata/tokenizer: bench/make_device_corpus.py builds a larger one on the machine,
 # CORPUS_ROOTS picks its source folders). The summary goes to $OUT/summary.
+# PACK (default 1 on cuda, 0 on cpu): everything is written under /tmp/tables_$TAG instead and packed into
+# the one file $OUT/tables_$TAG.tgz every 15 s and at the end (written aside, then renamed): the device tool
+# returns at most 8 files a call, and 4 GPUs' JSONs beside the card and summary already make 7 (8 GPUs: 11).
 source "$(dirname "$0")/_gpu_env.sh" || exit 1   # pipefail, link settings, wheels (shared with run_gpu*.sh)
 cd "$(dirname "$0")/.." || exit 1
 T0=$(date +%s)  # BUDGET counts from here: the wheels and a corpus built on the machine spend it too
 : "${OUT:?OUT must be set}" "${TAG:?TAG must be set}"
+if [ "${PACK:-$([ "${DEVICE:-cuda}" = cuda ] && echo 1 || echo 0)}" = 1 ]; then
+  PACKED=$OUT/tables_$TAG.tgz; OUT=/tmp/tables_$TAG
+  rm -rf "$OUT"; mkdir -p "$OUT"  # a machine may keep /tmp between calls: only this call's files are packed
+  pack() { tar czf "$PACKED.part" -C "$OUT" . && mv -f "$PACKED.part" "$PACKED"; }
+  ( while sleep 15; do pack; done ) & PACKER=$!
+  trap 'kill $PACKER 2> /dev/null; pack' EXIT
+fi
 BENCH_TAG=run_tables
 export MASTER_ADDR=127.0.0.1 MASTER_PORT=29512 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1
 if [ "${DEVICE:-cuda}" = cuda ]; then
