@@ -186,8 +186,7 @@ def prewarm_outer(engine) -> dict:
         payload = state.prepare(params)
         gathered = [torch.empty_like(payload) for _ in range(engine.num_replicas)]
         dist.all_gather(gathered, payload, group=engine.dp_group)
-        alg = engine.algorithm  # the same indices engine.outer_step() keeps averaged
-        state.finish(params, gathered, keep_average=alg._embedding_index if alg._syncs_embedding else [])
+        state.finish(params, gathered, keep_average=engine.algorithm.kept_average)  # as engine.outer_step()
     sync()
     dt = time.perf_counter() - t
     del params, state, payload, gathered

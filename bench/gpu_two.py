@@ -151,8 +151,8 @@ def parse_args(argv=None):
     p.add_argument("--deterministic", action="store_true",
                    help="torch's deterministic algorithms (warn_only), the math attention backend and a fixed cuBLAS "
                         "workspace, so that two runs of one configuration can end with the same bits; each row then "
-                        "has every step's loss and each "
-                        "rank's parameter hash after the timed steps (param_sha256), to compare schedules and transports")
+                        "has every step's loss and each rank's parameter hash after the timed steps (param_sha256), "
+                        "to compare schedules and transports")
     p.add_argument("--bind-cores", action="store_true",
                    help="pin each rank of every configuration (ours and stock alike) to its own share of the cores")
     p.add_argument("--configs", default="", help="comma-separated subset of the configuration names")

@@ -158,7 +158,7 @@ class StageAlgorithm:
         `sync_embeddings` on every stage (the engine at once; the simulator after every stage's
         finish, since it runs one stage at a time). `count_selected` adds the overlap of the
         replicas' selections (a diagnostic)."""
-        keep = self._embedding_index if self._syncs_embedding else []
+        keep = self.kept_average
         theta_old = None
         if self.tied_apart and keep:
             theta_old = self.outer.theta_prev[keep[0]].clone()
@@ -182,6 +182,12 @@ class StageAlgorithm:
         result = self.finish(transport.exchange(self.prepare()), link)
         self.sync_embeddings(link)
         return result
+
+    @property
+    def kept_average(self) -> list[int]:
+        """Indices of the parameters whose outer step also keeps the dense average (the embedding's
+        resync, or a tied copy's); empty when neither applies."""
+        return self._embedding_index if self._syncs_embedding else []
 
     @property
     def _adapts_embedding(self) -> bool:
