@@ -82,13 +82,14 @@ def run_config(args, seq_len: int) -> dict:
 
 
 def best_lrs(path: str) -> dict[str, float]:
-    """{"adamw": lr, "sparseloco": lr}: the lowest mean validation loss of each mode in a sweep summary."""
+    """{"adamw": lr, "sparseloco": lr}: each mode's best lr in a sweep summary (summarize_tables.best_lr;
+    summaries written before it recorded the seeds compared give the lr alone)."""
     with open(path) as f:
         doc = json.load(f)
     best = doc.get("best_lr") or {}
     if not best:
         raise SystemExit(f"--lr-from {path}: no best_lr in it (summarise an --lr-sweep run)")
-    return best
+    return {mode: b["lr"] if isinstance(b, dict) else b for mode, b in best.items()}
 
 
 def row_list(args) -> list[str]:

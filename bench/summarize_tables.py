@@ -136,14 +136,29 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
     return out
 
 
-def best_lr(summary: list[dict]) -> dict[str, float]:
-    """An lr sweep's lowest mean validation loss per mode among its uncompressed rows: {mode: lr}."""
-    best: dict[str, tuple[float, float]] = {}
+def best_lr(summary: list[dict]) -> dict[str, dict]:
+    """An lr sweep's best lr per mode among its uncompressed rows: {mode: {"lr", "seeds"}}.
+
+    The rows of a mode are compared on the seeds all of them ran (a second seed added to one lr later must
+    not move that lr against lrs run once: the seed spread is as large as the lr differences near the
+    best); only where they share none does each row's own mean decide.
+    """
+    by_mode: dict[str, list[dict]] = {}
     for r in summary:
         if r["compressed_replicas"] == 0 and r["lr"] is not None and not r["sparseloco"]:
-            if r["mode"] not in best or r["val_loss_mean"] < best[r["mode"]][0]:
-                best[r["mode"]] = (r["val_loss_mean"], r["lr"])
-    return {mode: lr for mode, (_, lr) in best.items()}
+            by_mode.setdefault(r["mode"], []).append(r)
+    out = {}
+    for mode, rows in by_mode.items():
+        shared = sorted(set.intersection(*(set(r["seeds"]) for r in rows)))
+
+        def score(r: dict) -> float:
+            if not shared:
+                return r["val_loss_mean"]
+            return statistics.fmean(v for s, v in zip(r["seeds"], r["val_loss_per_seed"]) if s in shared)
+
+        best = min(rows, key=score)
+        out[mode] = {"lr": best["lr"], "seeds": shared or None}
+    return out
 
 
 def corpus_label(description: str) -> str:
@@ -220,7 +235,9 @@ def main() -> int:
         print(f"| {r['row']} | {r['outer_steps']} | {tpp} | {r['val_loss_mean']:.4f} | {seeds} | {mean} ({per}) "
               f"| {paper} | {ov} | {cos} |")
     if doc.get("best_lr"):
-        print(f"best lr per mode: {doc['best_lr']}")
+        for mode, b in doc["best_lr"].items():
+            on = f"seeds {b['seeds']}, the ones every lr ran" if b["seeds"] else "each row's own seeds"
+            print(f"best lr for {mode}: {b['lr']:g} (compared on {on})")
     for u in unfinished:
         print(f"unfinished: {u['row']} {u['status']} at step {u['step']} of {u['steps']}")
     return 0
