@@ -10,6 +10,7 @@ failure stops only its own job.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,9 +21,30 @@ STOP_GRACE_S = 5.0
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A local port free now, for MASTER_PORT, outside the kernel's ephemeral range: the ranks bind it
+    seconds later, and a port from that range (what binding port 0 returns) can be taken meanwhile as
+    the source port of any process's outgoing connection, e.g. another job's starting beside it
+    (`spawn_groups`), which then fails with EADDRINUSE."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    spans = [(a, b) for a, b in ((max(1024, low // 2), low), (high + 1, 65536)) if b - a >= 64]
+    if not spans:  # the whole port space is ephemeral: nothing to avoid
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()  # its own: jobs seeded alike must not pick alike
+    for _ in range(200):
+        port = rng.randrange(*rng.choice(spans))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found outside the ephemeral range {low}-{high}")
 
 
 def under_launcher() -> bool:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
+
+from hetloco_ds.launch import free_port
 
 TIMEOUT_S = 300
 
@@ -30,12 +31,6 @@ def fork_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(fn, rank, world, port, args, queue):
@@ -70,7 +65,7 @@ def run_ranks(fn, world: int, *args, timeout: float = TIMEOUT_S) -> list:
     """Run `fn(rank, *args)` in `world` processes; return the results ordered by rank."""
     ctx = fork_context()
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -104,7 +99,7 @@ def fork_job(log, world: int, argv: list, env: dict, fault: str | None = None) -
     import elastic_ranks
 
     ctx = fork_context()
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env_r = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),

@@ -91,11 +91,34 @@ def simulate(schedule: list[tuple[str, ...]], names: list[str], stage: int, cfg:
     return out
 
 
+def _store_and_port(stage: int, store_port: int, port_file: str | None, timeout: float):
+    """Stage 0: the store, on `store_port` or, if 0, on a port the kernel picks, published at `port_file`
+    (a port the parent picked and a child binds later can be taken meanwhile as the ephemeral port of
+    another process's connection: EADDRINUSE). Other stages: (None, that port)."""
+    if stage == 0:
+        store = replica_store("127.0.0.1", store_port)
+        if not store_port:
+            with open(port_file + ".tmp", "w") as f:
+                f.write(str(store.port))
+            os.replace(port_file + ".tmp", port_file)
+        return store, store.port
+    if store_port:
+        return None, store_port
+    end = time.monotonic() + 12 * timeout
+    while not os.path.exists(port_file):
+        if time.monotonic() > end:
+            raise TimeoutError(f"stage 0 published no store port at {port_file} in {12 * timeout:g}s")
+        time.sleep(0.02)
+    with open(port_file) as f:
+        return None, int(f.read())
+
+
 def run_replica(lighthouse: str, name: str, store_port: int, steps: int, log: str, stage: int = 0,
                 stages: int = 1, sleep: float = 0.05, go: str | None = None, timeout: float = 5.0,
                 secret_file: str | None = None, secret_env: str | None = None, die_in_exchange: int = -1,
-                diverge_at: int = -1, scale_at: int = -1, clip: bool = False) -> None:
+                diverge_at: int = -1, scale_at: int = -1, clip: bool = False, port_file: str | None = None) -> None:
     """Body of one stage process (a forkserver child, so torch and torchft are already imported).
+    `store_port` 0: stage 0 binds a port of the kernel's choosing and publishes it at `port_file`.
 
     Runs until `steps` outer steps are committed; writes one JSONL line per step to `log`, stdout and
     stderr to `log`.out / `log`.err; exits 0, 2 (bad secret setting) or 3 (refused by the fleet).
@@ -108,11 +131,11 @@ def run_replica(lighthouse: str, name: str, store_port: int, steps: int, log: st
     os.dup2(out, 1)
     os.dup2(err, 2)
     sys.exit(_run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, timeout, secret_file,
-                  secret_env, die_in_exchange, diverge_at, scale_at, clip))
+                  secret_env, die_in_exchange, diverge_at, scale_at, clip, port_file))
 
 
 def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, timeout, secret_file, secret_env,
-         die_in_exchange, diverge_at, scale_at, clip) -> int:
+         die_in_exchange, diverge_at, scale_at, clip, port_file) -> int:
     torch.set_num_threads(1)
     if secret_env is not None:
         os.environ[SECRET_ENV] = secret_env
@@ -124,7 +147,7 @@ def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, tim
         print(f"hetloco-ds: error: {err}", file=sys.stderr)
         return 2
     # Stage 0 hosts this replica's store, as rank 0 of a launched job does (here on localhost only).
-    store = replica_store("127.0.0.1", store_port) if stage == 0 else None
+    store, store_port = _store_and_port(stage, store_port, port_file, timeout)
     params = initial_params(stage)
     state = SparseLoCoState(params, CLIPPED if clip else CFG)
     counter = {"outer": 0}

@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -45,12 +44,6 @@ def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic_job")
     return {"hf": save_tiny_hf_with_tokenizer(root / "hf"), "data": write_text_folder(root / "data"),
             "cache": root / "cache", "root": root}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rows(out, kind: str) -> dict:

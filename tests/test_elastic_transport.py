@@ -37,12 +37,6 @@ HEARTBEAT_S, JOIN_S, TIMEOUT_S = 2.0, 4.0, 5.0
 SLACK_S = 4.0  # a loaded 2-core CI box: process scheduling, gloo setup, the lighthouse's 100 ms tick
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Fleet:
     """A lighthouse in this process and replica stage processes forked from a preloaded server."""
 
@@ -67,10 +61,10 @@ class Fleet:
     def start(self, name, steps, stages=1, go=None, **kw):
         self.starts[name] = self.starts.get(name, 0) + 1
         kw.setdefault("secret_file", str(self.secret_file))
-        port = _free_port()
         for s in range(stages):
             p = self.ctx.Process(target=er.run_replica, daemon=True, kwargs=dict(
-                lighthouse=self.addr, name=name, store_port=port, steps=steps, log=self.log(name, s), stage=s,
+                lighthouse=self.addr, name=name, store_port=0, port_file=self.log(name, 0) + ".port", steps=steps,
+                log=self.log(name, s), stage=s,
                 stages=stages, go=go, timeout=TIMEOUT_S, **kw))
             p.start()
             self.procs[(name, s)] = p

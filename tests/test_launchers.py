@@ -96,3 +96,16 @@ def test_nproc_ranks_share_the_launchers_cores_or_each_get_their_own(bind, tmp_p
         assert got == [[cores[:share], share], [cores[share:2 * share], share]]
     else:
         assert got == [[cores, share], [cores, share]]
+
+
+def test_free_port_is_outside_the_ephemeral_range_so_no_connection_can_take_it_before_the_ranks_bind():
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = (int(x) for x in f.read().split()[:2])
+    ports = [free_port() for _ in range(50)]
+    assert all(1024 <= p < 65536 and not low <= p <= high for p in ports), (low, high, ports)
+    assert len(set(ports)) > 40  # drawn, not a fixed port every job would share
+    for p in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
