@@ -118,13 +118,13 @@ def run_replica(lighthouse: str, name: str, store_port: int, steps: int, log: st
                 secret_file: str | None = None, secret_env: str | None = None, die_in_exchange: int = -1,
                 diverge_at: int = -1, scale_at: int = -1, clip: bool = False, port_file: str | None = None) -> None:
     """Body of one stage process (a forkserver child, so torch and torchft are already imported).
-    `store_port` 0: stage 0 binds a port of the kernel's choosing and publishes it at `port_file`.
 
     Runs until `steps` outer steps are committed; writes one JSONL line per step to `log`, stdout and
     stderr to `log`.out / `log`.err; exits 0, 2 (bad secret setting) or 3 (refused by the fleet).
     `die_in_exchange`: SIGKILL itself in that outer step, after the hello round, before its payload.
     `diverge_at`: before that outer step, replace its history (chain) as a split brain would have.
     `scale_at`: in that outer step, its pseudo-gradient is SCALE times as large. `clip`: CLIPPED config.
+    `store_port` 0: stage 0 binds a port of the kernel's choosing and publishes it at `port_file`.
     """
     out = os.open(log + ".out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     err = os.open(log + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
