@@ -91,19 +91,16 @@ def simulate(schedule: list[tuple[str, ...]], names: list[str], stage: int, cfg:
     return out
 
 
-def _store_and_port(stage: int, store_port: int, port_file: str | None, timeout: float):
-    """Stage 0: the store, on `store_port` or, if 0, on a port the kernel picks, published at `port_file`
-    (a port the parent picked and a child binds later can be taken meanwhile as the ephemeral port of
-    another process's connection: EADDRINUSE). Other stages: (None, that port)."""
+def _store_and_port(stage: int, port_file: str, timeout: float):
+    """Stage 0: the store, on a port the kernel picks, published at `port_file` (a port the parent
+    picked and a child binds later can be taken meanwhile as the ephemeral port of another process's
+    connection: EADDRINUSE). Other stages: (None, that port)."""
     if stage == 0:
-        store = replica_store("127.0.0.1", store_port)
-        if not store_port:
-            with open(port_file + ".tmp", "w") as f:
-                f.write(str(store.port))
-            os.replace(port_file + ".tmp", port_file)
+        store = replica_store("127.0.0.1", 0)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(port_file + ".tmp", port_file)
         return store, store.port
-    if store_port:
-        return None, store_port
     end = time.monotonic() + 12 * timeout
     while not os.path.exists(port_file):
         if time.monotonic() > end:
@@ -113,10 +110,10 @@ def _store_and_port(stage: int, store_port: int, port_file: str | None, timeout:
         return None, int(f.read())
 
 
-def run_replica(lighthouse: str, name: str, store_port: int, steps: int, log: str, stage: int = 0,
+def run_replica(lighthouse: str, name: str, port_file: str, steps: int, log: str, stage: int = 0,
                 stages: int = 1, sleep: float = 0.05, go: str | None = None, timeout: float = 5.0,
                 secret_file: str | None = None, secret_env: str | None = None, die_in_exchange: int = -1,
-                diverge_at: int = -1, scale_at: int = -1, clip: bool = False, port_file: str | None = None) -> None:
+                diverge_at: int = -1, scale_at: int = -1, clip: bool = False) -> None:
     """Body of one stage process (a forkserver child, so torch and torchft are already imported).
 
     Runs until `steps` outer steps are committed; writes one JSONL line per step to `log`, stdout and
@@ -124,18 +121,18 @@ def run_replica(lighthouse: str, name: str, store_port: int, steps: int, log: st
     `die_in_exchange`: SIGKILL itself in that outer step, after the hello round, before its payload.
     `diverge_at`: before that outer step, replace its history (chain) as a split brain would have.
     `scale_at`: in that outer step, its pseudo-gradient is SCALE times as large. `clip`: CLIPPED config.
-    `store_port` 0: stage 0 binds a port of the kernel's choosing and publishes it at `port_file`.
+    `port_file`: where stage 0 publishes the port of the replica's store, of the kernel's choosing.
     """
     out = os.open(log + ".out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     err = os.open(log + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(out, 1)
     os.dup2(err, 2)
-    sys.exit(_run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, timeout, secret_file,
-                  secret_env, die_in_exchange, diverge_at, scale_at, clip, port_file))
+    sys.exit(_run(lighthouse, name, port_file, steps, log, stage, stages, sleep, go, timeout, secret_file,
+                  secret_env, die_in_exchange, diverge_at, scale_at, clip))
 
 
-def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, timeout, secret_file, secret_env,
-         die_in_exchange, diverge_at, scale_at, clip, port_file) -> int:
+def _run(lighthouse, name, port_file, steps, log, stage, stages, sleep, go, timeout, secret_file, secret_env,
+         die_in_exchange, diverge_at, scale_at, clip) -> int:
     torch.set_num_threads(1)
     if secret_env is not None:
         os.environ[SECRET_ENV] = secret_env
@@ -147,7 +144,7 @@ def _run(lighthouse, name, store_port, steps, log, stage, stages, sleep, go, tim
         print(f"hetloco-ds: error: {err}", file=sys.stderr)
         return 2
     # Stage 0 hosts this replica's store, as rank 0 of a launched job does (here on localhost only).
-    store, store_port = _store_and_port(stage, store_port, port_file, timeout)
+    store, store_port = _store_and_port(stage, port_file, timeout)
     params = initial_params(stage)
     state = SparseLoCoState(params, CLIPPED if clip else CFG)
     counter = {"outer": 0}

@@ -63,9 +63,8 @@ class Fleet:
         kw.setdefault("secret_file", str(self.secret_file))
         for s in range(stages):
             p = self.ctx.Process(target=er.run_replica, daemon=True, kwargs=dict(
-                lighthouse=self.addr, name=name, store_port=0, port_file=self.log(name, 0) + ".port", steps=steps,
-                log=self.log(name, s), stage=s,
-                stages=stages, go=go, timeout=TIMEOUT_S, **kw))
+                lighthouse=self.addr, name=name, port_file=self.log(name, 0) + ".port", steps=steps,
+                log=self.log(name, s), stage=s, stages=stages, go=go, timeout=TIMEOUT_S, **kw))
             p.start()
             self.procs[(name, s)] = p
 
