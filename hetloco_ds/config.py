@@ -153,6 +153,10 @@ class TrainConfig(_Section):
     max_nonfinite_outer_steps: int = Field(3, ge=0)
     """Stop (exit 3, keeping the last good checkpoint) after this many consecutive outer steps at which
     every replica's update was non-finite; 0 never stops."""
+    profile_step: int = Field(0, ge=0)
+    """Record this optimizer step with torch.profiler on every rank: OUT/profile/rank<r>.json (device
+    busy and idle time, kernel time by class, the pipeline instructions as a timeline, host waits,
+    allocator retries) and rank<r>.trace.json.gz (a chrome trace); 0 profiles nothing."""
 
 
 class ElasticSection(_Section):

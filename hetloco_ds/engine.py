@@ -256,6 +256,15 @@ class HetlocoEngine(PipelineEngineAdapter):
     def wait_sends(self):
         self.links.wait_sends()
 
+    def batch_to_device(self, tensor):
+        # DeepSpeed copies each micro-batch from pageable memory, which blocks the host until the
+        # device has caught up, once per micro-batch on the first and last stage: the host can
+        # never queue work ahead of the device. From pinned memory the copy is queued like a
+        # kernel (the caching host allocator keeps the block until the copy is done).
+        if self.device.type != "cuda":
+            return super().batch_to_device(tensor)
+        return tensor.detach().pin_memory().to(self.device, non_blocking=True)
+
     def forward_pass(self, buffer_id):
         start = time.perf_counter()
         super().forward_pass(buffer_id)

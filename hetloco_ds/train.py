@@ -16,6 +16,7 @@ OUT/replica-<id>; its outer sync goes through torchft instead of the static worl
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -540,7 +541,8 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
             # The last step always ends with an outer sync, so the export and the final
             # validation see the synced model even when steps is not a multiple of H.
             last = engine.local_steps + 1 == args.steps
-            rec = engine.train_step(batches if needs_data else None, force_outer=last)
+            with _profiled(train_cfg.profile_step, engine, out, rank):
+                rec = engine.train_step(batches if needs_data else None, force_outer=last)
             # An elastic replica's wait for its fleet is not a slow step (it would widen the limit).
             waited = rec.outer["seconds"] if elastic and rec.outer is not None else 0.0
             watchdog.progress(f"step {rec.step}", rec.seconds - waited)
@@ -589,6 +591,15 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
             progress.close()
         if writer is not None:
             writer.close()
+
+
+def _profiled(step: int, engine, out: str, rank: int):
+    """`profiling.record_step` around the step numbered `step` (train.profile_step), else nothing."""
+    if step != engine.local_steps + 1:
+        return contextlib.nullcontext()
+    from . import profiling
+
+    return profiling.record_step(os.path.join(out, "profile"), rank, torch.device(engine.device))
 
 
 def _diverged_line(bad_steps: list[int], ckpt_dir: str, last_good: str | None) -> str:

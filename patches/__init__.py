@@ -47,6 +47,7 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("deepspeed.runtime.pipe.engine", "PipelineEngine._exec_forward_pass", ("self", "buffer_id")),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine._exec_backward_pass", ("self", "buffer_id")),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine._exec_load_micro_batch", ("self", "buffer_id")),
+    ("deepspeed.runtime.pipe.engine", "PipelineEngine._next_batch", ("self",)),
     ("deepspeed.runtime.pipe.engine", "PipelineEngine._scale_loss_by_gas", ("self", "prescaled_loss", "eval_micro_batches")),
     ("deepspeed.runtime.pipe.module", "PipelineModule._build", ("self",)),
     ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers", ("self", "method")),

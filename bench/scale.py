@@ -1,0 +1,244 @@
+"""The sizes users bring: ours against stock DeepSpeed at 1B (and 178M, and an 8B shape), through
+the path users run (`hetloco-ds train`, its data loader and launcher) on one GPU machine.
+
+Parts (each appends its rows to OUT/scale.json and can be run alone):
+  profile   M = 2 x S = 2 at 1B on 4 GPUs: stock, ours (defaults), ours (blocking), one run each,
+            one steady step of every rank recorded by hetloco_ds.profiling
+  speed     the same three, REPEATS times, interleaved; and 178M S = 2 on 2 GPUs, stock vs ours
+  memory    1B on one GPU: stock vs ours (outer state on the GPU and on the host)
+  8b        a Llama-3-8B shape in 4 stages, M = 1: tokens/s, MFU, peak memory, checkpoint bytes
+            and the seconds training blocked for it
+
+    python bench/scale.py --parts profile,speed --out OUT      # on the GPU machine (bench/gpu.sh)
+    python bench/scale.py --cpu-smoke --out DIR                 # tiny shapes, gloo, this CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# The anchors' 1B run (shared/anchors/het_1b.json): M = 2 x S = 2, replica 1 at ratio 8, H = 20.
+HET_1B = {
+    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "gradient_clipping": 1.0,
+    "steps_per_print": 1000000000, "pipeline": {"stages": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "bf16": {"enabled": True},
+    "hetloco": {"sparseloco": {"inner_steps": 20}, "subspace": {"ratio": 8, "compressed_replicas": [1]},
+                "train": {"seq_len": 1024, "eval_interval": 0, "eval_batches": 2, "checkpoint_interval": 0}},
+}
+LLAMA3_8B_SHAPE = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 8192,
+                   "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False}
+
+
+def deep_update(base: dict, over: dict) -> dict:
+    out = json.loads(json.dumps(base))
+    for k, v in over.items():
+        out[k] = deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def steady_rates(metrics_path: str, inner_steps: int, skip: int = 5) -> dict:
+    """Median global tokens/s over the step rows, leaving out the first `skip` steps and the steps
+    at and right after each outer step (ANCHORS.md's rule); peak memory the writers saw."""
+    rows = [json.loads(line) for line in open(metrics_path)]
+    steps = [r for r in rows if r.get("kind") == "step"]
+    keep = [r for r in steps if r["step"] > skip and r["step"] % inner_steps not in (0, 1)]
+    rates = [r["global_tokens_per_s"] for r in keep if "global_tokens_per_s" in r]
+    outer = [r["seconds"] for r in rows if r.get("kind") == "outer"]
+    return {"global_tokens_per_s": statistics.median(rates) if rates else None, "steady_steps": len(rates),
+            "mfu": statistics.median([r["mfu"] for r in keep if "mfu" in r]) if any("mfu" in r for r in keep) else None,
+            "peak_memory_gib_writers": max((r.get("peak_memory_bytes", 0) for r in steps), default=0) / 2**30,
+            "outer_step_seconds": outer, "final_loss": steps[-1]["loss"] if steps else None}
+
+
+def profiles(directory: str) -> dict:
+    out = {}
+    if os.path.isdir(directory):
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".json"):
+                with open(os.path.join(directory, name)) as f:
+                    out[name[:-5]] = json.load(f)
+    return out
+
+
+def run_cmd(argv: list[str], log: str, timeout: float, env: dict | None = None, done=None) -> tuple[int, float]:
+    """Run `argv` in its own session; `done()` true ends it early (its whole process group), rc 0."""
+    start = time.time()
+    with open(log, "w") as f:
+        f.write(" ".join(argv) + "\n")
+        f.flush()
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
+                                start_new_session=True)
+        rc = None
+        while rc is None and time.time() - start < timeout:
+            time.sleep(1.0)
+            rc = proc.poll()
+            if rc is None and done is not None and done():
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = 0
+        if rc is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 124
+    return rc, time.time() - start
+
+
+def step_rows(metrics_path: str) -> int:
+    try:
+        with open(metrics_path) as f:
+            return sum('"kind": "step"' in line for line in f)
+    except OSError:
+        return 0
+
+
+def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int, timeout: float,
+         env: dict | None = None, stop_after: int | None = None) -> dict:
+    """`hetloco-ds train --nproc N` on `config`; the steady rates, profiles and checkpoint sizes.
+    `stop_after`: end the run once that many step rows are written (a speed run skips the final
+    checkpoint and export)."""
+    run_dir = os.path.join(work, name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(work, exist_ok=True)
+    cfg_path = os.path.join(work, f"{name}.json")
+    with open(cfg_path, "w") as f:
+        json.dump(config, f, indent=1)
+    argv = [sys.executable, "-m", "hetloco_ds.cli", "train", "--config", cfg_path, "--model-config", model,
+            "--steps", str(steps), "--nproc", str(nproc), "--out", run_dir]
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    done = (lambda: step_rows(metrics) >= stop_after) if stop_after else None
+    rc, wall = run_cmd(argv, os.path.join(work, f"{name}.log"), timeout, env, done)
+    row = {"system": "ours", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc, "model": model,
+           "steps": steps, "config": config, "stopped_after_step_rows": stop_after}
+    if os.path.exists(metrics):
+        row.update(steady_rates(metrics, config["hetloco"]["sparseloco"]["inner_steps"]))
+        row["checkpoints"] = checkpoint_facts(metrics, run_dir)
+    row["profile"] = profiles(os.path.join(run_dir, "profile"))
+    return row
+
+
+def checkpoint_facts(metrics_path: str, run_dir: str) -> dict:
+    """Bytes on disk of the newest checkpoint and what metrics.jsonl says of each save."""
+    ckpt = os.path.join(run_dir, "checkpoints")
+    latest = os.path.join(ckpt, "latest")
+    size = None
+    if os.path.exists(latest):
+        tag = open(latest).read().strip()
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(ckpt, tag)) for f in fs)
+    saves = [json.loads(line) for line in open(metrics_path)]
+    return {"bytes": size, "saves": [r for r in saves if r.get("kind") == "checkpoint"]}
+
+
+def stock(name: str, work: str, nproc: int, stages: int, model: str, mb: int, gas: int, seq: int, steps: int,
+          timeout: float, vocab: int = 8192, profile_step: int = 0, bf16: bool = True) -> dict:
+    out = os.path.join(work, f"{name}.json")
+    prof = os.path.join(work, f"{name}_profile")
+    shutil.rmtree(prof, ignore_errors=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            os.path.join(HERE, "stock_pipe.py"), "--stages", str(stages), "--model", model, "--vocab", str(vocab),
+            "--mb", str(mb), "--gas", str(gas), "--seq", str(seq), "--steps", str(steps), "--out-json", out]
+    if bf16:
+        argv.append("--bf16")
+    if profile_step:
+        argv += ["--profile-step", str(profile_step), "--profile-dir", prof]
+    rc, wall = run_cmd(argv, os.path.join(work, f"{name}.log"), timeout)
+    row = {"system": "stock_deepspeed", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc}
+    if os.path.exists(out):
+        with open(out) as f:
+            row.update(json.load(f))
+    row["profile"] = profiles(prof)
+    return row
+
+
+class Results:
+    """OUT/scale.json, rewritten (atomically) after every row, so a call cut short keeps what ran."""
+
+    def __init__(self, path: str, card: str):
+        self.path = path
+        self.data = {"card": card, "rows": []}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.data = json.load(f)
+
+    def add(self, part: str, row: dict) -> None:
+        row = {"part": part, **row}
+        self.data["rows"].append(row)
+        brief = {k: row.get(k) for k in ("part", "name", "rc", "global_tokens_per_s", "median_step_seconds",
+                                         "peak_allocated_gib_by_rank", "wall_seconds")}
+        print(json.dumps(brief), flush=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def part_profile(res: Results, work: str, a) -> None:
+    s = a.shapes
+    res.add("profile", stock("stock_1b_s2", work, s["nproc"], 2, s["model"], s["mb"], s["gas"], s["seq"],
+                             s["stock_steps"], a.timeout, vocab=s["vocab"], profile_step=s["profile_step"]))
+    for name, over in (("ours_1b_default", {}), ("ours_1b_blocking", {"hetloco": {"pipeline": {"schedule": "blocking"}}})):
+        cfg = deep_update(s["config"], deep_update(over, {"hetloco": {"train": {"profile_step": s["profile_step"]}}}))
+        res.add("profile", ours(name, work, s["nproc"], cfg, s["ours_model"], s["ours_steps"], a.timeout))
+
+
+def part_speed(res: Results, work: str, a) -> None:
+    s = a.shapes
+    variants = [("ours_1b_default", {}), ("ours_1b_blocking", {"hetloco": {"pipeline": {"schedule": "blocking"}}})]
+    for r in range(a.repeats):
+        res.add("speed", stock(f"stock_1b_s2_r{r}", work, s["nproc"], 2, s["model"], s["mb"], s["gas"], s["seq"],
+                               s["stock_steps"], a.timeout, vocab=s["vocab"]))
+        for name, over in variants:
+            res.add("speed", ours(f"{name}_r{r}", work, s["nproc"], deep_update(s["config"], over), s["ours_model"],
+                                  s["ours_steps"], a.timeout, stop_after=2 * s["ours_steps"]))
+
+
+PARTS = {"profile": part_profile, "speed": part_speed}
+
+
+def shapes(cpu: bool) -> dict:
+    if cpu:
+        cfg = deep_update(HET_1B, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                                   "bf16": {"enabled": False},
+                                   "hetloco": {"sparseloco": {"inner_steps": 3}, "train": {"seq_len": 32}}})
+        return dict(nproc=4, model="tiny", ours_model="tiny", vocab=256, mb=2, gas=4, seq=32, stock_steps=4,
+                    ours_steps=4, profile_step=3, config=cfg)
+    return dict(nproc=4, model="1B", ours_model="1B", vocab=8192, mb=4, gas=8, seq=1024, stock_steps=16,
+                ours_steps=30, profile_step=12, config=HET_1B)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="profile")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/tmp/hetloco_scale", help="run directories (large: checkpoints)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=420.0, help="seconds for one run")
+    ap.add_argument("--cpu-smoke", action="store_true")
+    a = ap.parse_args(argv)
+    a.shapes = shapes(a.cpu_smoke)
+    if a.cpu_smoke:
+        a.repeats = 1
+    import torch
+
+    card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.work, exist_ok=True)
+    res = Results(os.path.join(a.out, "scale.json"), card)
+    for part in a.parts.split(","):
+        PARTS[part](res, a.work, a)
+    return 0 if all(r.get("rc") == 0 for r in res.data["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
