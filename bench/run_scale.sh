@@ -13,5 +13,5 @@ timeout -k 10 "$left" python3 bench/scale.py $ARGS --parts "${PARTS:-profile}" -
 rc=$?
 traces=$(cd /tmp/hetloco_scale 2>/dev/null && find . -name 'rank[02].trace.json.gz' -size -5M | head -8)
 [ -n "$traces" ] && tar czf "$OUT/traces.tgz" -C /tmp/hetloco_scale $traces
-cp /tmp/hetloco_scale/*.log "$OUT/" 2>/dev/null; (cd "$OUT" && tar czf logs.tgz *_r*.log ours_*.log stock_*.log 2>/dev/null && rm -f ours_*.log stock_*.log)
+(cd /tmp/hetloco_scale 2>/dev/null && tar czf "$OUT/logs.tgz" *.log $(ls -d */metrics.jsonl 2>/dev/null))
 bench_end "$rc"

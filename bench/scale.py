@@ -48,12 +48,13 @@ def deep_update(base: dict, over: dict) -> dict:
     return out
 
 
-def steady_rates(metrics_path: str, inner_steps: int, skip: int = 5) -> dict:
-    """Median global tokens/s over the step rows, leaving out the first `skip` steps and the steps
-    at and right after each outer step (ANCHORS.md's rule); peak memory the writers saw."""
+def steady_rates(metrics_path: str, inner_steps: int, skip: int = 5, profiled: int = 0) -> dict:
+    """Median global tokens/s over the step rows, leaving out the first `skip` steps, the steps
+    at and right after each outer step (ANCHORS.md's rule) and the profiled step; peak memory the
+    writers saw."""
     rows = [json.loads(line) for line in open(metrics_path)]
     steps = [r for r in rows if r.get("kind") == "step"]
-    keep = [r for r in steps if r["step"] > skip and r["step"] % inner_steps not in (0, 1)]
+    keep = [r for r in steps if r["step"] > skip and r["step"] % inner_steps not in (0, 1) and r["step"] != profiled]
     rates = [r["global_tokens_per_s"] for r in keep if "global_tokens_per_s" in r]
     outer = [r["seconds"] for r in rows if r.get("kind") == "outer"]
     return {"global_tokens_per_s": statistics.median(rates) if rates else None, "steady_steps": len(rates),
@@ -122,7 +123,8 @@ def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int,
     row = {"system": "ours", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc, "model": model,
            "steps": steps, "config": config, "stopped_after_step_rows": stop_after}
     if os.path.exists(metrics):
-        row.update(steady_rates(metrics, config["hetloco"]["sparseloco"]["inner_steps"]))
+        row.update(steady_rates(metrics, config["hetloco"]["sparseloco"]["inner_steps"],
+                                profiled=config["hetloco"]["train"].get("profile_step", 0)))
         row["checkpoints"] = checkpoint_facts(metrics, run_dir)
     row["profile"] = profiles(os.path.join(run_dir, "profile"))
     return row
@@ -193,14 +195,18 @@ def part_profile(res: Results, work: str, a) -> None:
 
 
 def part_speed(res: Results, work: str, a) -> None:
+    """Stock, ours (defaults) and ours (blocking), interleaved, `repeats` times; the first repeat
+    also profiles one steady step of each (left out of its median)."""
     s = a.shapes
     variants = [("ours_1b_default", {}), ("ours_1b_blocking", {"hetloco": {"pipeline": {"schedule": "blocking"}}})]
-    for r in range(a.repeats):
+    for r in range(a.first_repeat, a.first_repeat + a.repeats):
+        prof = s["profile_step"] if r == 0 else 0
         res.add("speed", stock(f"stock_1b_s2_r{r}", work, s["nproc"], 2, s["model"], s["mb"], s["gas"], s["seq"],
-                               s["stock_steps"], a.timeout, vocab=s["vocab"]))
+                               s["stock_steps"], a.timeout, vocab=s["vocab"], profile_step=prof))
         for name, over in variants:
-            res.add("speed", ours(f"{name}_r{r}", work, s["nproc"], deep_update(s["config"], over), s["ours_model"],
-                                  s["ours_steps"], a.timeout, stop_after=2 * s["ours_steps"]))
+            cfg = deep_update(s["config"], deep_update(over, {"hetloco": {"train": {"profile_step": prof}}}))
+            res.add("speed", ours(f"{name}_r{r}", work, s["nproc"], cfg, s["ours_model"], s["ours_steps"], a.timeout,
+                                  stop_after=2 * s["ours_steps"]))
 
 
 PARTS = {"profile": part_profile, "speed": part_speed}
@@ -213,8 +219,8 @@ def shapes(cpu: bool) -> dict:
                                    "hetloco": {"sparseloco": {"inner_steps": 3}, "train": {"seq_len": 32}}})
         return dict(nproc=4, model="tiny", ours_model="tiny", vocab=256, mb=2, gas=4, seq=32, stock_steps=4,
                     ours_steps=4, profile_step=3, config=cfg)
-    return dict(nproc=4, model="1B", ours_model="1B", vocab=8192, mb=4, gas=8, seq=1024, stock_steps=16,
-                ours_steps=30, profile_step=12, config=HET_1B)
+    return dict(nproc=4, model="1B", ours_model="1B", vocab=8192, mb=4, gas=8, seq=1024, stock_steps=14,
+                ours_steps=28, profile_step=12, config=HET_1B)
 
 
 def main(argv=None) -> int:
@@ -223,6 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/hetloco_scale", help="run directories (large: checkpoints)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--first-repeat", type=int, default=0, help="number of the first repeat (runs split over calls)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds for one run")
     ap.add_argument("--cpu-smoke", action="store_true")
     a = ap.parse_args(argv)

@@ -68,8 +68,13 @@ def summarize(events, rank: int, extra: dict | None = None) -> dict:
         raise ValueError(f"no {STEP_RANGE!r} range in the profile")
     t0, t1 = step[0].time_range.start, step[0].time_range.end
     wall_us = t1 - t0
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    # record_function ranges appear twice: on the host, and on the device spanning the kernels
+    # they launched; the device copies are no kernels.
+    ranges = {e.name for e in cpu if getattr(e, "is_user_annotation", False)} | {STEP_RANGE}
     device = [e for e in events if e.device_type == DeviceType.CUDA]
-    kernels = [e for e in device if not e.name.startswith("gpu_user_annotation") and e.time_range.end > e.time_range.start]
+    kernels = [e for e in device if e.name not in ranges and not e.name.startswith(("pipe.", "gpu_user_annotation"))
+               and e.time_range.end > e.time_range.start]
     by_class: dict[str, float] = {}
     top: dict[str, float] = {}
     for k in kernels:
@@ -81,7 +86,6 @@ def summarize(events, rank: int, extra: dict | None = None) -> dict:
                          if k.time_range.end > t0 and k.time_range.start < t1])
     non_nccl_busy_us = _union_us([(max(k.time_range.start, t0), min(k.time_range.end, t1)) for k in kernels
                                   if kernel_class(k.name) != "nccl" and k.time_range.end > t0 and k.time_range.start < t1])
-    cpu = [e for e in events if e.device_type == DeviceType.CPU]
     waits: dict[str, dict] = {}
     for e in cpu:
         if e.name in HOST_WAITS:
@@ -91,12 +95,17 @@ def summarize(events, rank: int, extra: dict | None = None) -> dict:
     pageable = sum(1 for k in kernels if _PAGEABLE.search(k.name))
     items = sum(1 for e in cpu if e.name == "aten::_local_scalar_dense")
     syncs = sorted(e.time_range.start for e in cpu if e.name in HOST_WAITS or e.name == "aten::_local_scalar_dense")
+    on_device = sorted((e for e in device if e.name.startswith("pipe.")), key=lambda e: e.time_range.start)
+    on_host = sorted((e for e in cpu if e.name.startswith("pipe.")), key=lambda e: e.time_range.start)
     timeline = []
-    for e in sorted((e for e in cpu if e.name.startswith("pipe.")), key=lambda e: e.time_range.start):
+    for i, e in enumerate(on_host):
         a, b = e.time_range.start, e.time_range.end
-        timeline.append([e.name[5:], round((a - t0) / 1e3, 3), round((b - a) / 1e3, 3),
-                         round(sum(k.time_range.end - k.time_range.start for k in e.kernels) / 1e3, 3),
-                         sum(1 for t in syncs if a <= t < b)])
+        row = [e.name[5:], round((a - t0) / 1e3, 3), round((b - a) / 1e3, 3), None, None,
+               sum(1 for t in syncs if a <= t < b)]
+        if len(on_device) == len(on_host) and on_device[i].name == e.name:
+            g = on_device[i].time_range
+            row[3:5] = [round((g.start - t0) / 1e3, 3), round((g.end - g.start) / 1e3, 3)]
+        timeline.append(row)
     out = {
         "rank": rank,
         "step_ms": round(wall_us / 1e3, 3),
@@ -110,7 +119,7 @@ def summarize(events, rank: int, extra: dict | None = None) -> dict:
         "pageable_copies": pageable,
         "item_calls": items,
         "timeline": timeline,
-        "timeline_columns": ["instruction", "host_start_ms", "host_ms", "kernel_ms_launched", "host_syncs"],
+        "timeline_columns": ["instruction", "host_start_ms", "host_ms", "device_start_ms", "device_ms", "host_syncs"],
     }
     out.update(extra or {})
     return out
