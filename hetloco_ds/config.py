@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .sparseloco.outer import PRESETS as OUTER_PRESETS
+from .sizes import MAX_CHUNK
+from .sparseloco.presets import PRESETS as OUTER_PRESETS
 
 
 class ConfigError(ValueError):
@@ -29,7 +30,7 @@ class _Section(BaseModel):
 
 class SparseLoCoConfig(_Section):
     preset: Literal["templar", "diloco", "paper"] | None = None
-    """Fill the fields below from a named rule set (sparseloco/outer.py PRESETS) when the section is read;
+    """Fill the fields below from a named rule set (sparseloco/presets.py) when the section is read;
     fields given next to it win. templar: the SparseLoCo authors' code; diloco: dense, Nesterov outer SGD;
     paper: eq. (2) as written (divide by M, no clip)."""
     enabled: bool = True
@@ -40,7 +41,7 @@ class SparseLoCoConfig(_Section):
     """Outer SGD learning rate; multiplies the aggregated pseudo-gradient once."""
     error_decay: float = Field(0.95, ge=0, le=1)
     """beta in e = beta * e + delta."""
-    chunk_size: int = Field(4096, ge=1, le=4096)
+    chunk_size: int = Field(MAX_CHUNK, ge=1, le=MAX_CHUNK)
     """Largest chunk in elements; 2-D tensors are tiled sqrt(chunk_size) square. <= 4096 so indices fit 12 bits."""
     topk: int = Field(32, ge=1)
     """Values kept per chunk of `chunk_size` elements (scaled for smaller chunks, at least 1)."""
