@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .sizes import MAX_CHUNK
+from .sizes import CHUNKINGS, MAX_CHUNK, QUANT_BITS, TOPK_RULES
 from .sparseloco.presets import PRESETS as OUTER_PRESETS
 
 
@@ -45,15 +45,15 @@ class SparseLoCoConfig(_Section):
     """Largest chunk in elements; 2-D tensors are tiled sqrt(chunk_size) square. <= 4096 so indices fit 12 bits."""
     topk: int = Field(32, ge=1)
     """Values kept per chunk of `chunk_size` elements (scaled for smaller chunks, at least 1)."""
-    quant_bits: Literal[2, 4, 8] | None = None
+    quant_bits: Literal[QUANT_BITS] | None = None
     """Quantise the selected values to this many bits with a per-tensor lookup table; null sends float32."""
     aggregation: Literal["mean", "selected_count", "dense"] = "selected_count"
     """selected_count (default, the SparseLoCo authors' rule): divide each coordinate's sum by the replicas that
     selected it. mean: by the replicas that contributed (paper eq. 2). dense: whole pseudo-gradients, no top-k,
     no error feedback (DiLoCo control). README, "Aggregation", has the measurement behind the default."""
-    chunking: Literal["tiles", "per_dim"] = "tiles"
+    chunking: Literal[CHUNKINGS] = "tiles"
     """tiles: non-2-D tensors in chunks of <= chunk_size. per_dim (templar): every dimension <= sqrt(chunk_size)."""
-    topk_rule: Literal["scaled", "fixed"] = "scaled"
+    topk_rule: Literal[TOPK_RULES] = "scaled"
     """scaled: k = topk * chunk_len / chunk_size, >= 1. fixed (templar): k = topk in every chunk, even, >= 2."""
     quant_rounding: Literal["floor", "nearest"] = "floor"
     """Quantisation bin of a value: floor (ours) or round to nearest (templar)."""
