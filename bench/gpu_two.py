@@ -31,7 +31,7 @@ Every configuration: preset `--shape` (178M), vocab 32000, seq 2048, random toke
 (4) x gradient_accumulation_steps `--gas` (8) per optimizer step and replica (so an S = 2 pipeline runs 8
 micro-batches per step), gradient clipping 1.0, AdamW(lr 1e-3, betas (0.9, 0.95), wd 0.1), bf16.
 Ours: bf16 autocast over fp32 weights; the stage link carries bf16 (on compressed boundaries also the
-int16 ids, as their 2 raw bytes: uint8 [b, 2L], hetloco_ds.pipe.module.BoundaryCodec; NCCL has no int16).
+int16 ids, as their 2 raw bytes: uint8 [b, 2L], hetloco_ds.boundary.BoundaryCodec; NCCL has no int16).
 Stock: bf16 weights; its stage link carries the layers' (hidden bf16, ids int64) pair.
 
 Timing: each step is `train_batch` between a device synchronisation + barrier before and a device
@@ -163,7 +163,7 @@ def parse_args(argv=None):
     p.add_argument("--no-bf16", action="store_true", help="fp32 everywhere (fallback)")
     p.add_argument("--ids-as-bytes", action="store_true",
                    help="no-op, kept so older command lines parse: ids always cross a compressed boundary as "
-                        "uint8 bytes (hetloco_ds.pipe.module.BoundaryCodec)")
+                        "uint8 bytes (hetloco_ds.boundary.BoundaryCodec)")
     p.add_argument("--config-timeout", type=float, default=120.0, help="seconds per configuration (both ranks)")
     p.add_argument("--time-budget", type=float, default=300.0,
                    help="seconds; a configuration that would start after this is skipped")

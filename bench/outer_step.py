@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     out_path = args.out or (os.path.join(os.environ["OUT"], "outer_step.json") if os.environ.get("OUT")
                             else os.path.join(REPO, "bench", "results", "outer_step.json"))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    from hetloco_ds.sparseloco import SparseLoCoState, payload_nbytes
+    from hetloco_ds.sparseloco.outer import SparseLoCoState, payload_nbytes
     from hetloco_ds.sparseloco.outer import OuterConfig
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

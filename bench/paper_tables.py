@@ -49,7 +49,7 @@ from hetloco_ds import checkpoint  # noqa: E402
 from hetloco_ds.config import ConfigError, SparseLoCoConfig, parse_config  # noqa: E402
 from hetloco_ds.data import Corpus  # noqa: E402
 from hetloco_ds.presets import model_config_for  # noqa: E402
-from hetloco_ds.simulate import degradation_table, parse_variants, simulate_variant  # noqa: E402
+from hetloco_ds.sim.rows import degradation_table, parse_variants, simulate_variant  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, as bench/gpu_throughput.py
 

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(kind: str, args, cfg, run_cfg, hetloco, data):
-    from hetloco_ds.simulate import Simulation
-    from hetloco_ds.simulate_batched import BatchedSimulation
+    from hetloco_ds.sim.replica import Simulation
+    from hetloco_ds.sim.batched import BatchedSimulation
 
     torch.manual_seed(0)
     dev = torch.device(args.device)
@@ -41,7 +41,7 @@ def run(kind: str, args, cfg, run_cfg, hetloco, data):
 def main() -> int:
     from hetloco_ds.config import parse_config
     from hetloco_ds.presets import model_config_for
-    from hetloco_ds.simulate import parse_variants
+    from hetloco_ds.sim.rows import parse_variants
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="20M")

@@ -4,10 +4,10 @@ Systems (one after another, memory freed in between; `--systems` picks):
   engine               HetlocoEngine, S = 1, M = 1: one GPU trains one replica's whole model on
                        micro x gas x seq tokens a step (SparseLoCo on, H out of reach, bf16 autocast),
                        timed as bench/gpu_throughput.py times `ours`.
-  sim_batched          simulate_batched.BatchedSimulation: M replicas x S virtual stages on the same GPU,
+  sim_batched          sim.batched.BatchedSimulation: M replicas x S virtual stages on the same GPU,
                        each replica on micro x gas x seq tokens a step, row `--variant`.
   sim_batched_compile  the same with its stage functions, codec and loss torch.compile'd.
-  sim_per_replica      simulate.Simulation, one module set and optimizer per replica (the reference).
+  sim_per_replica      sim.replica.Simulation, one module set and optimizer per replica (the reference).
 
 tokens/s per GPU = tokens every replica on the GPU trains in a step / step seconds (median of
 `--steps` timed steps after `--warmup`, each between device synchronisations). Each simulator's
@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--inner-steps", type=int, default=50, help="H, to amortise the outer step")
-    p.add_argument("--variant", default="het:8", help="simulate.parse_variants row the simulators run")
+    p.add_argument("--variant", default="het:8", help="sim.rows.parse_variants row the simulators run")
     p.add_argument("--systems", default="engine,sim_batched,sim_batched_compile,sim_per_replica",
                    help=f"comma-separated subset of {ALL_SYSTEMS}, run in this order")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
@@ -134,8 +134,9 @@ def run_sim(cfg, args, result, system: str) -> None:
     import torch
 
     from hetloco_ds.config import parse_config
-    from hetloco_ds.simulate import Simulation, parse_variants
-    from hetloco_ds.simulate_batched import BatchedSimulation
+    from hetloco_ds.sim.replica import Simulation
+    from hetloco_ds.sim.rows import parse_variants
+    from hetloco_ds.sim.batched import BatchedSimulation
 
     dev = device()
     run = parse_config({

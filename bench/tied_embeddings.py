@@ -57,7 +57,7 @@ def one(row: str, seed: int, steps: int, model: str) -> dict:
     from hetloco_ds import data
     from hetloco_ds.config import load_config
     from hetloco_ds.presets import model_config_for
-    from hetloco_ds.simulate import Variant, simulate_variant
+    from hetloco_ds.sim.rows import Variant, simulate_variant
 
     torch.set_num_threads(1)
     if row == "outer_mean":

@@ -3,8 +3,9 @@
     engine = hetloco_ds.initialize(model=..., config=...)   # as deepspeed.initialize; see api.py
 """
 import os as _os
+import sys as _sys
 
-__version__ = "0.2.0"
+from .version import __version__
 
 
 def _deepspeed_accelerator_from_torch() -> None:
@@ -23,8 +24,27 @@ def _deepspeed_accelerator_from_torch() -> None:
         _os.environ["DS_ACCELERATOR"] = "cpu"
 
 
-_deepspeed_accelerator_from_torch()
+class _BeforeDeepSpeed:
+    """Settles the accelerator when DeepSpeed is first looked up, not when hetloco_ds is imported:
+    the config and the cost model (`plan`) run without torch, and asking torch for CUDA imports it.
+    It stays on sys.meta_path, spent (removing a finder while the import system walks that list
+    would skip the next one)."""
 
-from .api import initialize  # noqa: E402  (after the accelerator is settled: DeepSpeed reads it at import)
+    pending = True
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if cls.pending and name == "deepspeed":
+            cls.pending = False
+            _deepspeed_accelerator_from_torch()
+        return None  # the ordinary finders import it
+
+
+if "deepspeed" in _sys.modules:
+    _deepspeed_accelerator_from_torch()  # DeepSpeed has chosen; the processes this one starts have not
+else:
+    _sys.meta_path.insert(0, _BeforeDeepSpeed)
+
+from .api import initialize  # noqa: E402
 
 __all__ = ["__version__", "initialize"]

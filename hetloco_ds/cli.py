@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(argv[1:])
     if argv[:1] == ["simulate"]:
-        from .simulate import main as simulate_main
+        from .sim.cli import main as simulate_main
 
         return simulate_main(argv[1:])
     if argv[:1] == ["lighthouse"]:

@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .sparseloco.outer import PRESETS as OUTER_PRESETS
+from .sizes import CHUNKINGS, MAX_CHUNK, QUANT_BITS, TOPK_RULES
+from .sparseloco.presets import PRESETS as OUTER_PRESETS
 
 
 class ConfigError(ValueError):
@@ -29,7 +30,7 @@ class _Section(BaseModel):
 
 class SparseLoCoConfig(_Section):
     preset: Literal["templar", "diloco", "paper"] | None = None
-    """Fill the fields below from a named rule set (sparseloco/outer.py PRESETS) when the section is read;
+    """Fill the fields below from a named rule set (sparseloco/presets.py) when the section is read;
     fields given next to it win. templar: the SparseLoCo authors' code; diloco: dense, Nesterov outer SGD;
     paper: eq. (2) as written (divide by M, no clip)."""
     enabled: bool = True
@@ -40,19 +41,19 @@ class SparseLoCoConfig(_Section):
     """Outer SGD learning rate; multiplies the aggregated pseudo-gradient once."""
     error_decay: float = Field(0.95, ge=0, le=1)
     """beta in e = beta * e + delta."""
-    chunk_size: int = Field(4096, ge=1, le=4096)
+    chunk_size: int = Field(MAX_CHUNK, ge=1, le=MAX_CHUNK)
     """Largest chunk in elements; 2-D tensors are tiled sqrt(chunk_size) square. <= 4096 so indices fit 12 bits."""
     topk: int = Field(32, ge=1)
     """Values kept per chunk of `chunk_size` elements (scaled for smaller chunks, at least 1)."""
-    quant_bits: Literal[2, 4, 8] | None = None
+    quant_bits: Literal[QUANT_BITS] | None = None
     """Quantise the selected values to this many bits with a per-tensor lookup table; null sends float32."""
     aggregation: Literal["mean", "selected_count", "dense"] = "selected_count"
     """selected_count (default, the SparseLoCo authors' rule): divide each coordinate's sum by the replicas that
     selected it. mean: by the replicas that contributed (paper eq. 2). dense: whole pseudo-gradients, no top-k,
     no error feedback (DiLoCo control). README, "Aggregation", has the measurement behind the default."""
-    chunking: Literal["tiles", "per_dim"] = "tiles"
+    chunking: Literal[CHUNKINGS] = "tiles"
     """tiles: non-2-D tensors in chunks of <= chunk_size. per_dim (templar): every dimension <= sqrt(chunk_size)."""
-    topk_rule: Literal["scaled", "fixed"] = "scaled"
+    topk_rule: Literal[TOPK_RULES] = "scaled"
     """scaled: k = topk * chunk_len / chunk_size, >= 1. fixed (templar): k = topk in every chunk, even, >= 2."""
     quant_rounding: Literal["floor", "nearest"] = "floor"
     """Quantisation bin of a value: floor (ours) or round to nearest (templar)."""

@@ -45,6 +45,7 @@ from transformers import GenerationConfig, LlamaConfig
 from .model import layer_list
 from .patches import layer_checkpoint_name
 from .sizes import LayerLayout
+from .version import __version__
 
 
 HF_META = "hf_meta"
@@ -661,8 +662,6 @@ def _export_plan(config: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Ten
 
 def _provenance(config: LlamaConfig, **fields) -> dict:
     """What goes under config.json's PROVENANCE_KEY: ours, on top of what training recorded."""
-    from . import __version__
-
     recorded = getattr(config, PROVENANCE_KEY, None)
     return {**(recorded if isinstance(recorded, dict) else {}), "version": __version__,
             **{k: v for k, v in fields.items() if v is not None}}

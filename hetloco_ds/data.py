@@ -747,3 +747,14 @@ class ReplicaBatches:
             if state[name] != getattr(self, name):
                 raise ValueError(f"data state was saved with {name}={state[name]}, this run has {getattr(self, name)}")
         self._position = int(state["position"])
+
+
+def validation_batches(blocks: torch.Tensor, micro: int):
+    """The held-out blocks in order, `micro` at a time, cycling: the same batches at every validation."""
+    n = blocks.shape[0]
+    start = 0
+    while True:
+        idx = torch.arange(start, start + micro) % n
+        ids = blocks[idx].long()
+        yield ids, ids.clone()
+        start = (start + micro) % n

@@ -341,17 +341,6 @@ def own_run(plan: RunPlan) -> rundir.RunLock:
 # ------------------------------------------------------------------------------------ ranks
 
 
-def validation_batches(blocks: torch.Tensor, micro: int):
-    """The held-out blocks in order, `micro` at a time, cycling: the same batches at every validation."""
-    n = blocks.shape[0]
-    start = 0
-    while True:
-        idx = torch.arange(start, start + micro) % n
-        ids = blocks[idx].long()
-        yield ids, ids.clone()
-        start = (start + micro) % n
-
-
 def _all_replicas_nonfinite(engine, rec) -> bool:
     """Whether no replica's update was usable at this sync point; the same answer on every rank.
 
@@ -524,7 +513,7 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
                 # compressed boundaries) on the same held-out batches; the row has each loss and
                 # their mean, as the paper averages validation over the data-parallel replicas. An
                 # elastic replica (its own job) knows and writes only its own.
-                losses = engine.validation_losses(validation_batches(corpus.val, micro) if needs_data else None,
+                losses = engine.validation_losses(data.validation_batches(corpus.val, micro) if needs_data else None,
                                                   train_cfg.eval_batches)
                 mean = sum(losses.values()) / len(losses)
                 if engine.is_last_stage() and (elastic or engine.replica == 0):
@@ -648,5 +637,5 @@ def main_rank(args: TrainArgs) -> int:
             pass
 
 
-__all__ = ["TrainArgs", "RunPlan", "plan_run", "own_run", "run_rank", "main_rank", "validation_batches",
+__all__ = ["TrainArgs", "RunPlan", "plan_run", "own_run", "run_rank", "main_rank",
            "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_STALLED", "EXIT_REFUSED"]

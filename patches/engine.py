@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from .checks import check_instance
+
 
 def _by_name(name: str):
     label = f"pipe.{name.lstrip('_')}"
@@ -42,8 +44,6 @@ class PipelineEngineAdapter(PipelineEngine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from . import check_instance
-
         check_instance(self, "PipelineEngine")
 
     # ---------------------------------------------------------- hooks (implemented by hetloco_ds)
@@ -143,8 +143,6 @@ class PipelineEngineAdapter(PipelineEngine):
 
     def run_inference(self, micro_batches: int) -> list[torch.Tensor]:
         """DeepSpeed's inference schedule over `micro_batches`; the last stage's losses."""
-        from . import check_instance
-
         self._compute_loss = True  # what eval_batch sets: the last stage computes the loss
         self._exec_schedule(self._inference_schedule(micro_batches))
         check_instance(self, "PipelineEngine after _exec_schedule")

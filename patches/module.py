@@ -8,6 +8,8 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime import utils as ds_utils
 from torch import nn
 
+from .checks import check_instance
+
 
 def seed_layer(base_seed: int, layer_idx: int) -> None:
     """Seed every RNG as PipelineModule._build does before building layer `layer_idx` with
@@ -26,8 +28,6 @@ class PipelineModuleAdapter(PipelineModule):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from . import check_instance
-
         check_instance(self, "PipelineModule")
         # Seeding was for construction only; forward() would otherwise reseed every layer call.
         self.seed_layers = False

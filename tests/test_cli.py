@@ -110,7 +110,7 @@ def transformers_validation_loss(hf_dir, data_dir, config_path, cache) -> float:
 
     from hetloco_ds.config import load_config
     from hetloco_ds.data import load_corpus
-    from hetloco_ds.train import validation_batches
+    from hetloco_ds.data import validation_batches
 
     run = load_config(config_path)
     tok = AutoTokenizer.from_pretrained(hf_dir)

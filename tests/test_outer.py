@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hetloco_ds.sparseloco.compress import TensorCodec
-from hetloco_ds.sparseloco.outer import HEADER, PRESETS, OuterConfig, SparseLoCoState, payload_nbytes
+from hetloco_ds.sparseloco.outer import HEADER, OuterConfig, SparseLoCoState, payload_nbytes
+from hetloco_ds.sparseloco.presets import PRESETS
 
 SHAPES = [(65, 130), (10000,), (65, 130), (7,), (3, 5), (128, 96)]  # a repeated shape exercises grouping
 DENSE = dict(topk=4096, error_decay=0.0, quant_bits=None, outer_lr=1.0)  # k = whole chunk: no compression

@@ -278,7 +278,7 @@ def test_plan_boundary_bytes_equal_the_engine_message(vocab, wire):
     int32), the bytes `plan` counts for a compressed boundary equal the tensors the engine's
     BoundaryCodec puts on the wire, and the largest id survives the trip. Breaks if plan and
     the codec disagree on the id width (they once did: 2 bytes up to 65536 vs int32 above 32768)."""
-    from hetloco_ds.pipe.module import BoundaryCodec
+    from hetloco_ds.boundary import BoundaryCodec
     from hetloco_ds.subspace import make_basis
 
     b, L, d, ratio = 2, 3, 16, 4

@@ -63,7 +63,8 @@ def test_simulator_ablation_switches(tmp_path_factory):
     from hetloco_ds import subspace
     from hetloco_ds.config import parse_config
     from hetloco_ds.presets import model_config_for
-    from hetloco_ds.simulate import Simulation, Variant
+    from hetloco_ds.sim.replica import Simulation
+    from hetloco_ds.sim.rows import Variant
 
     cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                         "hetloco": {"sparseloco": {"inner_steps": 2}, "train": {"seq_len": 16}}})
@@ -95,7 +96,7 @@ def test_per_replica_ratios_share_the_smallest_subspace():
     from hetloco_ds import subspace
     from hetloco_ds.config import parse_config
     from hetloco_ds.presets import model_config_for
-    from hetloco_ds.simulate import Simulation
+    from hetloco_ds.sim.replica import Simulation
 
     cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                         "hetloco": {"sparseloco": {"inner_steps": 2},
@@ -117,8 +118,8 @@ def test_per_replica_ratios_share_the_smallest_subspace():
 
 
 def _sim_classes():
-    from hetloco_ds.simulate import Simulation
-    from hetloco_ds.simulate_batched import BatchedSimulation
+    from hetloco_ds.sim.replica import Simulation
+    from hetloco_ds.sim.batched import BatchedSimulation
 
     return {"per_replica": Simulation, "batched": BatchedSimulation}
 
@@ -204,7 +205,7 @@ def test_outer_step_diagnostics_on_a_dense_sync():
     the cosine drop. Breaks if a diagnostic is computed from the wrong tensors."""
     from hetloco_ds.config import parse_config
     from hetloco_ds.presets import model_config_for
-    from hetloco_ds.simulate import Simulation
+    from hetloco_ds.sim.replica import Simulation
 
     llama = model_config_for("tiny", 96)
     out = {}
@@ -239,7 +240,7 @@ def test_a_saved_row_resumes_where_it_stopped(tmp_path):
     from hetloco_ds.config import parse_config
     from hetloco_ds.data import Corpus
     from hetloco_ds.presets import model_config_for
-    from hetloco_ds.simulate import parse_variants, simulate_variant
+    from hetloco_ds.sim.rows import parse_variants, simulate_variant
 
     cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                         "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2}},

@@ -1,20 +1,21 @@
 """LLaMA as a DeepSpeed PipelineModule whose stage boundaries may be subspace-compressed.
 
 The layers (hetloco_ds.model) know nothing of this: the module adds a boundary codec
-around each stage's slice of layers. On an uncompressed replica a boundary carries the
-hidden state alone; on a compressed one it carries (X - T_perp[x]) U and the token ids, and
-the next stage rebuilds X^ = X~ U^T + T_perp[x]. Autograd then sends grad(X^) U backward.
+(`boundary.BoundaryCodec`) around each stage's slice of layers. On an uncompressed replica a
+boundary carries the hidden state alone; on a compressed one it carries (X - T_perp[x]) U and
+the token ids, and the next stage rebuilds X^ = X~ U^T + T_perp[x]. Autograd then sends
+grad(X^) U backward.
 """
 from __future__ import annotations
 
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-from torch import nn
 from transformers import LlamaConfig
 
-from .. import sizes, subspace
-from ..model import TokenEmbedding, causal_lm_loss, layer_list, residual_dtype
+from .. import sizes
+from ..boundary import BoundaryCodec
+from ..model import TokenEmbedding, causal_lm_loss, layer_list
 from ..patches import PipelineModuleAdapter
 
 
@@ -22,57 +23,6 @@ def layer_specs(config: LlamaConfig) -> list:
     """`model.layer_list` as DeepSpeed LayerSpecs (tied layers as TiedLayerSpecs of one module)."""
     return [TiedLayerSpec(e.tied, e.cls, *e.args, forward_fn=e.forward_fn, tied_weight_attr=["weight"]) if e.tied
             else LayerSpec(e.cls, *e.args) for e in layer_list(config)]
-
-
-class BoundaryCodec(nn.Module):
-    """Encodes a stage's output for the wire and decodes the previous stage's message.
-
-    `basis` is None on uncompressed replicas. `perp` is T_perp (the stage's StageAlgorithm
-    owns it). `wire_dtype` is what crosses the link (bf16 under bf16 training).
-    """
-
-    def __init__(self, hidden_size: int, vocab_size: int, basis: torch.Tensor | None = None,
-                 wire_dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.hidden_size = hidden_size
-        self.register_buffer("basis", basis, persistent=False)
-        self.register_buffer("perp", None, persistent=False)
-        self.wire_dtype = wire_dtype
-        self.id_dtype = {1: torch.int8, 2: torch.int16, 4: torch.int32}[sizes.id_bytes(vocab_size)]
-
-    @property
-    def compressed(self) -> bool:
-        return self.basis is not None
-
-    @property
-    def width(self) -> int:
-        """Elements per token of the boundary tensor: k on a compressed replica, d otherwise."""
-        return self.basis.shape[1] if self.compressed else self.hidden_size
-
-    def message_spec(self, micro_batch: int, seq_len: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """(shape, dtype) of each tensor `encode` puts on the wire, in order."""
-        spec = [((micro_batch, seq_len, self.width), self.wire_dtype)]
-        if self.compressed:
-            id_bytes = torch.empty((), dtype=self.id_dtype).element_size()
-            spec.append(((micro_batch, seq_len * id_bytes), torch.uint8))
-        return spec
-
-    def encode(self, outputs):
-        hidden, ids = outputs
-        if not self.compressed:
-            return hidden.to(self.wire_dtype)
-        reduced = subspace.encode(hidden.float(), ids, self.perp, self.basis)
-        # Ids travel as the bytes of the narrowest integer type: NCCL has no int16, so they
-        # are viewed as uint8 on the wire (same bytes) and viewed back on receipt.
-        return reduced.to(self.wire_dtype), ids.to(self.id_dtype).view(torch.uint8)
-
-    def decode(self, message):
-        if not self.compressed:
-            return message.to(residual_dtype(message)), None
-        reduced, ids = message
-        ids = ids.view(self.id_dtype).long()
-        hidden = subspace.decode(reduced.float(), ids, self.perp, self.basis)
-        return hidden.to(residual_dtype(hidden)), ids
 
 
 class HetlocoPipelineModule(PipelineModuleAdapter):

@@ -198,32 +198,13 @@ def plan_fleet(
     except TypeError as err:
         raise ValueError(f"plan_fleet: {err}") from None
     groups = load_fleet(fleet)
-    if not 0 < target_utilisation <= 1:
-        raise ValueError(f"target_utilisation must be in (0, 1], got {target_utilisation!r}")
-    if not 0 < memory_headroom <= 1:
-        raise ValueError(f"memory_headroom must be in (0, 1], got {memory_headroom!r}")
-    bad = [r for r in ratios if not isinstance(r, int) or r < 1]
-    if bad:
-        raise ValueError(f"ratios must be integers >= 1, got {bad}")
-    valid_ratios = sorted({r for r in ratios if r <= m.d and m.d % r == 0})
-    if 1 not in valid_ratios:
-        valid_ratios.insert(0, 1)
+    valid_ratios = _checked_ratios(m, target_utilisation, memory_headroom, ratios)
     mem_kw = dict(micro_batch=base.micro_batch, bytes_per_param=bytes_per_param,
                   outer_state_bytes_per_param=outer_state_bytes_per_param,
                   activation_checkpointing=activation_checkpointing)
     notes: list[str] = []
     need = {g.name: min_stages(m, g.memory_gb * 1e9 * memory_headroom, **mem_kw) for g in groups}
-    if stages is None:
-        feasible = [n for g in groups if (n := need[g.name]) is not None and n <= g.devices]
-        if not feasible:
-            raise ValueError("no group can hold a replica: every group has fewer devices than "
-                             f"stages it needs ({need})")
-        stages = max(feasible)
-        notes.append(f"S = {stages}: the most stages any group that can hold a replica needs "
-                     "(one S for all replicas, as the engine's M x S topology requires).")
-    else:
-        check_positive("stages", stages, integer=True)
-        stage_tensors(m, stages)
+    stages = _fleet_stages(m, groups, need, stages, notes)
     stage_mem = max(stage_memory_bytes(m, stages, **mem_kw))
 
     hosts = [g for g in groups if g.devices >= stages
@@ -231,51 +212,22 @@ def plan_fleet(
     M = sum(g.devices // stages for g in hosts)
     if M == 0:
         raise ValueError(f"no group can host a replica of {stages} stages")
-    hops_bw, hops_lat = [], []
-    for g in hosts:
-        if g.devices // stages > 1:
-            hops_bw.append(g.intra_bandwidth_bps)
-            hops_lat.append(g.intra_latency_s)
-        if len(hosts) > 1:
-            hops_bw.append(g.inter_bandwidth_bps)
-            hops_lat.append(g.inter_latency_s)
-    ring_bw = min(hops_bw) if hops_bw else None
-    ring_lat = max(hops_lat) if hops_lat else 0.0
+    ring_bw, ring_lat = _replica_ring(hosts, stages)
 
     plans: list[GroupPlan] = []
     preds: dict[str, Prediction] = {}
     for g in groups:
-        fits_one = need[g.name] == 1
         if g not in hosts:
             why = (f"{g.devices} device(s) < S = {stages}" if g.devices < stages else
                    f"a stage needs {stage_mem / 1e9:.1f} GB > {memory_headroom:g} x {g.memory_gb:g} GB")
-            plans.append(GroupPlan(g.name, g.devices, need[g.name], fits_one, 0, "excluded", None,
+            plans.append(GroupPlan(g.name, g.devices, need[g.name], need[g.name] == 1, 0, "excluded", None,
                                    None, None, None, None, None, None, f"excluded: {why}"))
             continue
         group = dataclasses.replace(base, stages=stages, replicas=M, stage_bw=g.intra_bandwidth_bps,
                                     stage_latency=g.intra_latency_s, replica_bw=ring_bw or 1.0,
                                     replica_latency=ring_lat, tflops=g.tflops, mfu=g.mfu or base.mfu, k=None)
-        cand = {r: predict(m, group, ratio=r) for r in valid_ratios}
-        util = {r: p.utilisation for r, p in cand.items()}
-        ok = [r for r in valid_ratios if util[r] >= target_utilisation]
-        if ok:
-            r = ok[0]
-            reason = (f"ratio {r} is the least that reaches {target_utilisation:.0%} on "
-                      f"{fmt_rate(g.intra_bandwidth_bps)} stage links")
-        else:
-            best = max(util.values())
-            r = next(x for x in valid_ratios if util[x] >= best - tolerance)
-            reason = (f"target {target_utilisation:.0%} unreachable: best {best:.1%} at ratio {r}, "
-                      f"limited by {cand[r].dominant_overhead}")
-        if stages == 1:
-            reason = "one device holds a replica: no stage links"
-        p = cand[r]
-        preds[g.name] = p
-        plans.append(GroupPlan(
-            g.name, g.devices, need[g.name], fits_one, g.devices // stages,
-            "uncompressed" if r == 1 else "compressed", r, p.k, p.utilisation, None,
-            bool(ok), p.schedule_time, p.dominant_overhead, reason,
-            {x: round(u, 6) for x, u in util.items()}))
+        plan, preds[g.name] = _group_plan(m, g, group, need[g.name], valid_ratios, target_utilisation, tolerance)
+        plans.append(plan)
 
     sync = max(p.outer_sync_time for p in preds.values())
     slowest = max(p.schedule_time for p in preds.values())
@@ -297,3 +249,76 @@ def plan_fleet(
                 ratios=list(valid_ratios), stage_memory_gb=stage_mem / 1e9)
     return FleetPlan(m.name, stages, M, target_utilisation, ring_bw, ring_lat, sync, outer_step,
                      tokens / outer_step, plans, used, notes)
+
+
+def _checked_ratios(m: ModelShape, target_utilisation: float, memory_headroom: float,
+                    ratios: Sequence[int]) -> list[int]:
+    """The ratios to try (those dividing d, and 1), after plan_fleet's arguments are checked."""
+    if not 0 < target_utilisation <= 1:
+        raise ValueError(f"target_utilisation must be in (0, 1], got {target_utilisation!r}")
+    if not 0 < memory_headroom <= 1:
+        raise ValueError(f"memory_headroom must be in (0, 1], got {memory_headroom!r}")
+    bad = [r for r in ratios if not isinstance(r, int) or r < 1]
+    if bad:
+        raise ValueError(f"ratios must be integers >= 1, got {bad}")
+    valid_ratios = sorted({r for r in ratios if r <= m.d and m.d % r == 0})
+    if 1 not in valid_ratios:
+        valid_ratios.insert(0, 1)
+    return valid_ratios
+
+
+def _fleet_stages(m: ModelShape, groups: list, need: dict[str, int | None], stages: int | None,
+                  notes: list[str]) -> int:
+    """The fleet's one S: `stages` if given (checked), else the most any group that can hold a replica needs."""
+    if stages is not None:
+        check_positive("stages", stages, integer=True)
+        stage_tensors(m, stages)
+        return stages
+    feasible = [n for g in groups if (n := need[g.name]) is not None and n <= g.devices]
+    if not feasible:
+        raise ValueError("no group can hold a replica: every group has fewer devices than "
+                         f"stages it needs ({need})")
+    stages = max(feasible)
+    notes.append(f"S = {stages}: the most stages any group that can hold a replica needs "
+                 "(one S for all replicas, as the engine's M x S topology requires).")
+    return stages
+
+
+def _replica_ring(hosts: list, stages: int) -> tuple[float | None, float]:
+    """Bandwidth and latency of the outer sync's ring: its slowest hop (intra links between a
+    group's replicas, inter links between groups); None where no replica link is crossed."""
+    hops_bw, hops_lat = [], []
+    for g in hosts:
+        if g.devices // stages > 1:
+            hops_bw.append(g.intra_bandwidth_bps)
+            hops_lat.append(g.intra_latency_s)
+        if len(hosts) > 1:
+            hops_bw.append(g.inter_bandwidth_bps)
+            hops_lat.append(g.inter_latency_s)
+    return (min(hops_bw) if hops_bw else None), (max(hops_lat) if hops_lat else 0.0)
+
+
+def _group_plan(m: ModelShape, g, group: Settings, need: int | None, valid_ratios: list[int],
+                target_utilisation: float, tolerance: float) -> tuple[GroupPlan, Prediction]:
+    """A hosting group's least ratio reaching the target (or the least within `tolerance` of its best)."""
+    stages = group.stages
+    cand = {r: predict(m, group, ratio=r) for r in valid_ratios}
+    util = {r: p.utilisation for r, p in cand.items()}
+    ok = [r for r in valid_ratios if util[r] >= target_utilisation]
+    if ok:
+        r = ok[0]
+        reason = (f"ratio {r} is the least that reaches {target_utilisation:.0%} on "
+                  f"{fmt_rate(g.intra_bandwidth_bps)} stage links")
+    else:
+        best = max(util.values())
+        r = next(x for x in valid_ratios if util[x] >= best - tolerance)
+        reason = (f"target {target_utilisation:.0%} unreachable: best {best:.1%} at ratio {r}, "
+                  f"limited by {cand[r].dominant_overhead}")
+    if stages == 1:
+        reason = "one device holds a replica: no stage links"
+    p = cand[r]
+    return GroupPlan(
+        g.name, g.devices, need, need == 1, g.devices // stages,
+        "uncompressed" if r == 1 else "compressed", r, p.k, p.utilisation, None,
+        bool(ok), p.schedule_time, p.dominant_overhead, reason,
+        {x: round(u, 6) for x, u in util.items()}), p

@@ -1,6 +1,7 @@
-"""SparseLoCo: per-chunk top-k compression with error feedback (compress.py) and the outer step (outer.py)."""
-from .compress import ChunkLayout, TensorCodec
-from .outer import OuterConfig, OuterReport, SparseLoCoState, payload_nbytes
+"""SparseLoCo, one module per job (import them by name; this package imports nothing, so the
+config reads `presets` without torch):
 
-__all__ = ["ChunkLayout", "TensorCodec", "OuterConfig", "OuterReport", "SparseLoCoState",
-           "payload_nbytes"]
+    compress.py  per-chunk top-k, quantisation, index packing: one tensor's wire format
+    outer.py     SparseLoCoState: error feedback, the two-phase outer step, the payload header
+    presets.py   the named rule sets of the config's `sparseloco.preset`
+"""

@@ -16,7 +16,7 @@ Aggregation rules (`OuterConfig`; every rule a named option, the defaults are th
     outer_momentum mu > 0         Nesterov outer SGD: b = mu*b + avg; theta -= outer_lr*(avg + mu*b).
     The sender's error feedback never sees any of this: it subtracts what it sent, and the
     division, the clip and the momentum act on the receivers' aggregate only.
-    Presets (`PRESETS`): "templar" (below), "diloco" (dense, outer_lr 0.7, Nesterov 0.9).
+    Presets (`presets.PRESETS`): "templar" (below), "diloco" (dense, outer_lr 0.7, Nesterov 0.9).
 
 What the SparseLoCo authors' code does (github.com/tplr-ai/templar, v2.1.3, Sept 2025:
 src/tplr/compress.py, src/tplr/neurons.py, src/tplr/distributed.py, hparams/hparams.json)
@@ -118,24 +118,10 @@ AGGREGATIONS = ("mean", "selected_count", "dense")
 NORM_CLIPS = ("none", "median")
 CLIP_EPS = 1e-8  # templar's: factor = min(1, median / (norm + 1e-8))
 
-# Named combinations (config.SparseLoCoConfig `preset`); fields given explicitly next to a preset win.
-PRESETS: dict[str, dict] = {
-    # The SparseLoCo authors' code (tplr-ai/templar v2.1.3, see the module docstring).
-    "templar": dict(chunking="per_dim", topk_rule="fixed", quant_rounding="nearest", quant_std="sample",
-                    aggregation="selected_count", norm_clip="median", topk=32, chunk_size=4096,
-                    error_decay=0.95, outer_lr=1.0),
-    # DiLoCo (Douillard et al. 2023): dense pseudo-gradients, outer Nesterov SGD lr 0.7, momentum 0.9.
-    "diloco": dict(aggregation="dense", outer_lr=0.7, outer_momentum=0.9, norm_clip="none"),
-    # The paper's eq. (2) as written: the sum of the sparse pseudo-gradients over M, no clip.
-    "paper": dict(aggregation="mean", norm_clip="none", chunking="tiles", topk_rule="scaled", quant_rounding="floor",
-                  quant_std="population", outer_momentum=0.0),
-}
-
-
 @dataclass(frozen=True)
 class OuterConfig:
     """The outer step's settings (field names match `config.SparseLoCoConfig`). Its own defaults
-    are the paper's equations as written (PRESETS["paper"]); a run's defaults are the config's,
+    are the paper's equations as written (presets.PRESETS["paper"]); a run's defaults are the config's,
     chosen by measurement (README, "Aggregation")."""
 
     error_decay: float = 0.95

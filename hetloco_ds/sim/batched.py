@@ -1,6 +1,6 @@
 """The simulator with the M replicas of a row run as one batched computation on one device.
 
-`simulate.Simulation` gives each replica its own modules, so a step launches every kernel M
+`replica.Simulation` gives each replica its own modules, so a step launches every kernel M
 times at a size one replica fills; on a GPU a 20M-parameter model is then bound by kernel
 launches, not by arithmetic. Here every parameter is stored once, stacked along a leading replica
 dimension ([M, *shape]); each virtual stage's layers (the same `model.py` modules the engine
@@ -12,27 +12,29 @@ elementwise, so it is M AdamWs); clipping scales each replica by its own norm.
 The method is not re-implemented: each (replica, stage) keeps its own `StageAlgorithm` and
 `LocalStageLink`, built on per-replica modules whose parameters are views of row m of the stacked
 tensors and whose T_perp is a view of a stacked buffer. The embedding split, the T_S projection
-after inner steps, the AdamW-het re-split and the outer step (`simulate.outer_step_all`, shared
+after inner steps, the AdamW-het re-split and the outer step (`core.outer_step_all`, shared
 with the per-replica simulator) write through those views into the tensors the batched forward
 reads.
 
 Stage boundaries: a compressed replica's message is ((X - T_perp[x]) U, ids) and the next stage
-rebuilds X~ U^T + T_perp[x] (`subspace.encode` / `decode` under vmap); bases are zero-padded to the
-largest k, whose extra columns carry zeros both ways, so replicas of different ratios share one
-batched codec. An uncompressed replica's boundary is the cast to the wire dtype, as its codec's.
+rebuilds X~ U^T + T_perp[x]: the codec's own `boundary.encode_hidden` / `decode_hidden` under vmap;
+bases are zero-padded to the largest k, whose extra columns carry zeros both ways, so replicas of
+different ratios share one batched codec.
 """
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from . import optim, sizes, subspace
-from .config import HetlocoConfig, RunConfig
-from .model import TokenEmbedding, causal_lm_loss, layer_list, residual_dtype
-from .simulate import build_layers, link_bytes, outer_step_all, stage_algorithms, tied_apart
+from .. import optim, sizes
+from ..boundary import decode_hidden, encode_hidden
+from ..config import HetlocoConfig, RunConfig
+from ..model import TokenEmbedding, causal_lm_loss, layer_list
+from .core import build_layers, link_bytes, outer_step_all, stage_algorithms, tied_apart
 
 
 class _Stage(nn.Module):
@@ -71,7 +73,7 @@ class ReplicaView:
 
 class BatchedSimulation:
     """M replicas x S virtual stages as one batched computation; the interface of
-    `simulate.Simulation` (train_step, outer_step, validation_losses, link_bytes_per_step)."""
+    `replica.Simulation` (train_step, outer_step, validation_losses, link_bytes_per_step)."""
 
     def __init__(self, run: RunConfig, hetloco: HetlocoConfig, llama_config, replicas: int, stages: int, device,
                  compile: bool = False):
@@ -137,7 +139,8 @@ class BatchedSimulation:
             for m, b in enumerate(bases):
                 if b is not None:
                     self.basis[m, :, :b.shape[1]] = b
-        self._encode, self._decode = vmap(subspace.encode), vmap(subspace.decode)
+        self._encode = vmap(functools.partial(encode_hidden, wire_dtype=self.wire))
+        self._decode = vmap(decode_hidden)
         # One compiled graph for the whole forward and loss: compiling the vmapped pieces one
         # by one would put them all in the cache of functorch's one `wrapped` code object.
         if torch.device(device).type == "cuda":
@@ -162,13 +165,10 @@ class BatchedSimulation:
     def _boundary(self, s: int, x):
         """Stage s's output as stage s + 1 receives it, every replica through its own codec."""
         hidden, ids = x
-        message = hidden.to(self.wire)
-        plain = message.to(residual_dtype(message))
+        plain = decode_hidden(encode_hidden(hidden, None, None, None, self.wire), None, None, None)
         if not self.any_compressed:
             return plain, ids
-        reduced = self._encode(hidden.float(), ids, self.perp[s], self.basis).to(self.wire)
-        rebuilt = self._decode(reduced.float(), ids, self.perp[s + 1], self.basis)
-        rebuilt = rebuilt.to(residual_dtype(rebuilt))
+        rebuilt = self._decode(self._encode(hidden, ids, self.perp[s], self.basis), ids, self.perp[s + 1], self.basis)
         if self.all_compressed:
             return rebuilt, ids
         return torch.where(self.compressed.view(-1, *([1] * (hidden.dim() - 1))), rebuilt, plain), ids

@@ -1,0 +1,301 @@
+"""The rows of `hetloco-ds simulate`: a `Variant` per row, each trained and validated by
+`simulate_variant` on either simulator, and the table of their degradation against the
+uncompressed row.
+
+Per-step losses go to metrics.jsonl with the bytes each link would carry (computed from the
+shapes that would cross it, not measured), and the outer steps' diagnostics as
+`"kind": "outer"` rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..config import ConfigError, HetlocoConfig, RunConfig, SparseLoCoConfig
+from ..data import ReplicaBatches, validation_batches
+from .batched import BatchedSimulation
+from .replica import Simulation
+
+
+@dataclass
+class Variant:
+    """One row of a sweep."""
+
+    name: str
+    mode: str = "sparseloco"  # or "adamw" (H = 1, dense gradient averaging every step)
+    ratio: int = 1
+    compressed: int = 0  # how many replicas compress (the last ones)
+    embedding_adaptation: bool = True
+    project_residual_weights: bool = False
+    seed: int = 0
+    lr: float | None = None
+    """Inner AdamW lr of this row (None: the run's)."""
+    sparseloco: dict = field(default_factory=dict)
+    """`hetloco.sparseloco` fields this row sets (e.g. aggregation, outer_lr), validated by the config."""
+
+    def hetloco(self, base: HetlocoConfig, replicas: int) -> HetlocoConfig:
+        cfg = base.model_copy(deep=True)
+        cfg.sparseloco.enabled = self.mode == "sparseloco"
+        ids = list(range(replicas - self.compressed, replicas))
+        cfg.subspace.compressed_replicas = ids if (self.ratio > 1 and ids) else "none"
+        cfg.subspace.ratio = self.ratio
+        cfg.subspace.embedding_adaptation = self.embedding_adaptation
+        cfg.subspace.project_residual_weights = self.project_residual_weights
+        cfg.train.seed = self.seed
+        if self.sparseloco:
+            # Validated as a whole, so a `preset` expands; what the base config set explicitly
+            # stays unless the row overrides it (a field written next to a preset wins).
+            merged = {**cfg.sparseloco.model_dump(exclude_unset=True), **self.sparseloco}
+            try:
+                cfg.sparseloco = SparseLoCoConfig.model_validate(merged)
+            except ValueError as err:  # pydantic's ValidationError is a ValueError
+                raise ConfigError(f"row {self.name}: sparseloco {self.sparseloco}: "
+                                  f"{str(err).splitlines()[-1].strip()}") from None
+        return cfg
+
+    def run(self, run: RunConfig) -> RunConfig:
+        """The run's settings with this row's inner lr."""
+        if self.lr is None:
+            return run
+        return dataclasses.replace(run, optimizer=dataclasses.replace(run.optimizer, lr=self.lr))
+
+    @property
+    def base_key(self) -> tuple:
+        """What a row shares with the uncompressed row it is measured against: mode, seed, inner lr,
+        outer-step settings (so 'het:8' is against 'sparseloco', 'adamw-het:8' against 'adamw')."""
+        return self.mode, self.seed, self.lr, tuple(sorted(self.sparseloco.items()))
+
+
+def replica_losses(losses: torch.Tensor) -> list[list[float]]:
+    """[steps, M, gas] micro-batch losses -> per step, each replica's mean (one host sync)."""
+    return [[sum(mb) / len(mb) for mb in step] for step in losses.tolist()]
+
+
+def step_batches(feeds, gas: int, device) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The next `gas` micro-batches of every feed, moved to `device` in one pinned,
+    non-blocking copy; ids serve as labels (the loss shifts them and never writes them)."""
+    ids = torch.stack([torch.stack([next(f)[0] for _ in range(gas)]) for f in feeds])
+    if device.type == "cuda":
+        ids = ids.pin_memory().to(device, non_blocking=True)
+    return [[(ids[m, g], ids[m, g]) for g in range(gas)] for m in range(len(feeds))]
+
+
+class _RowLog:
+    """A row's losses as they come off the device, its progress bar and its metrics.jsonl lines.
+
+    Losses stay on the device until an outer step (which syncs anyway), every 50 steps or the
+    end: the host never waits on the device between those, so it keeps queueing work."""
+
+    def __init__(self, variant: Variant, sim, hetloco: HetlocoConfig, steps: int, metrics_path: str | None,
+                 progress: bool, history: list, outer_rows: list, done: int):
+        from tqdm import tqdm
+
+        self.variant, self.M, self.S, self.steps = variant.name, sim.M, sim.S, steps
+        self.enabled = hetloco.sparseloco.enabled
+        self.H = hetloco.sparseloco.inner_steps if self.enabled else 1
+        self.link = sim.link_bytes_per_step(hetloco.train.seq_len)
+        self.tokens_per_step = sim.micro * sim.gas * hetloco.train.seq_len
+        self.history, self.outer_rows = history, outer_rows
+        self.pending: list[torch.Tensor] = []
+        self.out = open(metrics_path, "a") if metrics_path else None
+        self.bar = tqdm(total=steps, initial=done, desc=variant.name, disable=not progress, dynamic_ncols=True)
+
+    def syncs(self, step: int) -> bool:
+        return self.enabled and (step % self.H == 0 or step == self.steps)
+
+    def flush(self) -> None:
+        first = len(self.history) + 1
+        self.history.extend(replica_losses(torch.stack(self.pending)))
+        self.pending.clear()
+        self.bar.update(len(self.history) - first + 1)
+        self.bar.set_postfix_str(f"loss {sum(self.history[-1]) / len(self.history[-1]):.3f}", refresh=False)
+        if not self.out:
+            return
+        for step in range(first, len(self.history) + 1):
+            for m, loss in enumerate(self.history[step - 1]):
+                stage_bytes = self.link["stage_links_per_step"][m]
+                sync = self.link["outer_payload_per_replica"] * self.S if self.syncs(step) else 0
+                self.out.write(json.dumps({
+                    "kind": "step", "variant": self.variant, "step": step, "replica": m, "loss": loss,
+                    "tokens": self.tokens_per_step, "seconds": None,
+                    "bytes": {"activation": {"sent": stage_bytes // 2, "recv": stage_bytes // 2},
+                              "activation_grad": {"sent": stage_bytes // 2, "recv": stage_bytes // 2},
+                              "outer_sync": {"sent": sync, "recv": sync * (self.M - 1)}},
+                }) + "\n")
+        for row in self.outer_rows:
+            if first <= row["step"] <= len(self.history):  # this flush's syncs, after their steps' rows
+                self.out.write(json.dumps({"kind": "outer", "variant": self.variant, **row}) + "\n")
+
+    def close(self, validation: dict | None = None) -> None:
+        """The bar, and the file after the row's validation line, if any."""
+        self.bar.close()
+        if self.out:
+            if validation is not None:
+                self.out.write(json.dumps({"kind": "validation", "variant": self.variant, **validation}) + "\n")
+            self.out.close()
+
+
+def _resume(sim, state_path: str | None, variant: Variant, steps: int, device) -> tuple[list, list, int, float]:
+    """(history, outer rows, steps done, seconds spent) of the row's saved state at `state_path`,
+    loaded into `sim`; an empty start where there is none."""
+    if not (state_path and os.path.exists(state_path)):
+        return [], [], 0, 0.0
+    state = torch.load(state_path, map_location=device, weights_only=False)
+    if state["variant"] != asdict(variant) or state["steps"] != steps:
+        raise ConfigError(f"{state_path} holds row {state['variant']['name']} of {state['steps']} steps, "
+                          f"not {variant.name} of {steps}")
+    sim.load_state_dict(state["sim"])
+    return state["history"], state["outer"], state["step"], state["seconds"]
+
+
+def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], steps: int, seconds: float,
+                batched: bool, compile: bool) -> dict:
+    """A finished row: its losses, validation, bytes per token and per outer step, and timing."""
+    history, H = log.history, log.H
+    tail = max(1, min(H, steps) if log.enabled else min(10, steps))
+    return {
+        "status": "done",
+        "variant": asdict(variant),
+        "replicas": sim.M, "stages": sim.S, "steps": steps, "inner_steps": H,
+        "train_losses": [sum(l) / len(l) for l in history],
+        "replica_losses": history,
+        "final_train_loss": sum(sum(l) / len(l) for l in history[-tail:]) / tail,
+        "val_loss": sum(val_losses) / len(val_losses),
+        "val_losses": val_losses,
+        "stage_link_bytes_per_token": sum(log.link["stage_links_per_step"]) / sim.M / log.tokens_per_step,
+        "outer_sync_bytes_per_replica_per_outer_step": log.link["outer_payload_per_replica"],
+        "seconds": seconds,
+        "simulator": "batched" if batched else "per_replica",
+        "compile": compile,
+        "tokens_per_replica_step": log.tokens_per_step,
+        "n_params": sum(p.numel() for p in sim.replicas[0].params),
+        "outer_steps": len(log.outer_rows),
+        "outer": log.outer_rows,
+    }
+
+
+def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, replicas: int, stages: int, steps: int,
+                     device, metrics_path: str | None = None, progress: bool = True, batched: bool = True,
+                     compile: bool = False, deadline: float | None = None, state_path: str | None = None) -> dict:
+    """Train one row and validate every replica; the result's "status" is "done".
+
+    `batched` runs the replicas as one batched computation (`batched.BatchedSimulation`), else one
+    `SimReplica` each (the reference); `compile` torch.compiles the batched forward.
+    `deadline` (a time.time() value): at each outer-step boundary (every 50 steps without outer
+    steps) the row stops when, at this call's pace, it could not reach the next boundary before
+    the deadline. With `state_path` it then saves its state there ("status": "saved") and a later
+    call with the same path continues from it, ending exactly as an uninterrupted run; without,
+    it stops as soon as it is projected to end after the deadline ("status": "abandoned")."""
+    hetloco = variant.hetloco(run.hetloco, replicas)
+    run = variant.run(run)
+    torch.manual_seed(hetloco.train.seed)
+    if batched:
+        sim = BatchedSimulation(run, hetloco, llama_config, replicas, stages, device, compile=compile)
+    else:
+        sim = Simulation(run, hetloco, llama_config, replicas, stages, device)
+    if state_path and not batched:
+        raise ConfigError("resuming a row (state_path) needs the batched simulator")
+    history, outer_rows, done, spent = _resume(sim, state_path, variant, steps, device)
+    feeds = [ReplicaBatches(corpus.train, m, replicas, sim.micro, seed=hetloco.train.seed, position=done * sim.gas)
+             for m in range(replicas)]
+    val_it = validation_batches(corpus.val, sim.micro)
+    val_batches = [tuple(t.to(device) for t in next(val_it)) for _ in range(hetloco.train.eval_batches)]
+    t0 = time.perf_counter()
+    log = _RowLog(variant, sim, hetloco, steps, metrics_path, progress, history, outer_rows, done)
+    interval = log.H if log.enabled else 50  # steps between boundaries (nothing pending)
+    for step in range(done + 1, steps + 1):
+        log.pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
+        if log.syncs(step):
+            outer_rows.append({"step": step, **sim.outer_step()})
+            if len(outer_rows[-1].get("excluded", [])) == replicas:
+                raise FloatingPointError(f"{variant.name}: every replica's pseudo-gradient was non-finite at the "
+                                         f"outer step after step {step}; the row cannot go on")
+        if log.syncs(step) or step == steps or len(log.pending) >= 50:
+            log.flush()
+        if deadline is None or step == steps or step % interval:
+            continue
+        pace = (time.perf_counter() - t0) / (step - done)
+        stop = (time.time() + pace * interval > deadline if state_path
+                else time.time() + pace * (steps - step) > deadline)
+        if stop:
+            log.close()
+            seconds = spent + time.perf_counter() - t0
+            if state_path:
+                tmp = state_path + ".tmp"
+                torch.save({"variant": asdict(variant), "steps": steps, "step": step, "sim": sim.state_dict(),
+                            "history": history, "outer": outer_rows, "seconds": seconds}, tmp)
+                os.replace(tmp, state_path)
+            return {"status": "saved" if state_path else "abandoned", "variant": asdict(variant), "step": step,
+                    "steps": steps, "seconds": seconds}
+    log.bar.close()
+    val_losses = sim.validation_losses(val_batches)
+    log.close({"step": steps, "loss": sum(val_losses) / len(val_losses), "replica_losses": val_losses})
+    if state_path and os.path.exists(state_path):
+        os.remove(state_path)
+    return _row_result(sim, variant, log, val_losses, steps, spent + time.perf_counter() - t0, batched, compile)
+
+
+ROW_HEADS = ("sparseloco", "pp", "het", "adamw", "adamw-pp", "adamw-het", "diloco")
+
+
+def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Variant]:
+    """Rows HEAD[:RATIO][:FLAG...] x seeds. HEAD: sparseloco, pp (every replica compresses at
+    RATIO), het (the last half do), adamw, adamw-pp, adamw-het (plain data parallelism), diloco
+    (SparseLoCo's loop with `aggregation: dense`, the dense-averaging control). FLAG: noadapt
+    (Table 5a), wproj (Table 5b), lr=X (this row's inner lr), or KEY=VALUE for any
+    `hetloco.sparseloco` field (e.g. aggregation=selected_count, outer_lr=2)."""
+    variants = []
+    for item, seed in itertools.product(spec, seeds):
+        parts = item.split(":")
+        head, rest = parts[0], parts[1:]
+        ratio = int(rest.pop(0)) if rest and rest[0].isdigit() else 1
+        if head not in ROW_HEADS:
+            raise ConfigError(f"--variants: unknown row {item!r} (rows start with one of {', '.join(ROW_HEADS)})")
+        kind = head.split("-")[-1]
+        compressed = {"pp": replicas, "het": replicas // 2}.get(kind, 0)
+        if compressed and ratio < 2:
+            raise ConfigError(f"--variants: row {item!r} needs a ratio >= 2 (e.g. {head}:8)")
+        settings = dict(f.split("=", 1) for f in rest if "=" in f)
+        unknown = [f for f in rest if "=" not in f and f not in ("noadapt", "wproj")]
+        if unknown:
+            raise ConfigError(f"--variants: row {item!r}: unknown flag(s) {unknown}")
+        if head == "diloco":
+            settings.setdefault("aggregation", "dense")
+        try:
+            lr = float(settings.pop("lr")) if "lr" in settings else None
+        except ValueError:
+            raise ConfigError(f"--variants: row {item!r}: lr must be a number") from None
+        variants.append(Variant(name=f"{item}@seed{seed}", mode="adamw" if head.startswith("adamw") else "sparseloco",
+                                ratio=ratio if compressed else 1, compressed=compressed,
+                                embedding_adaptation="noadapt" not in rest, project_residual_weights="wproj" in rest,
+                                seed=seed, lr=lr, sparseloco=settings))
+    return variants
+
+
+def degradation_table(results: list[dict]) -> list[dict]:
+    """Relative degradation of each row's validation loss (the mean over replicas) vs the
+    uncompressed row it shares `Variant.base_key` with."""
+    def key(r):
+        return Variant(**r["variant"]).base_key
+
+    base = {key(r): r["val_loss"] for r in results if r["variant"]["compressed"] == 0}
+    rows = []
+    for r in results:
+        b = base.get(key(r))
+        rows.append({**r, "delta_pct": None if b is None else 100.0 * (r["val_loss"] - b) / b})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'configuration':<28}{'train':>9}{'val':>9}{'delta%':>9}{'stage B/tok':>13}{'outer B/sync':>14}"]
+    for r in rows:
+        delta = "" if r["delta_pct"] is None else f"{r['delta_pct']:.2f}"
+        lines.append(f"{r['variant']['name']:<28}{r['final_train_loss']:>9.4f}{r['val_loss']:>9.4f}{delta:>9}"
+                     f"{r['stage_link_bytes_per_token']:>13.1f}{r['outer_sync_bytes_per_replica_per_outer_step']:>14,}")
+    return "\n".join(lines)
