@@ -1,10 +1,10 @@
 """The paper's Tables 1, 2, 4 and 5a in the paper's regime, at small scale, with the batched simulator.
 
-The regime (issue 16; METHOD.md "The paper's training regime"), not the absolute sizes: a 20M
+The regime (METHOD.md "The paper's training regime"), not the absolute sizes: a 20M
 LLaMA, M = 8 replicas x S = 4 virtual stages, H = 50, 32 x 2 x 256 = 16,384 tokens per replica
 step (524K global in the paper, 131K here), 5000 steps = 100 outer syncs, about 32 tokens per
 parameter, every replica validated through its own pipeline and the mean reported, AdamW at its
-own tuned lr (`--lr-sweep`), 2 seeds, on real code (bench/make_code_corpus.py, int16 blocks).
+own tuned lr (`--lr-sweep`), 2 seeds, on real code (bench/make_corpus.py, int16 blocks).
 
 Rows in priority order (`--rows`; ROW[:RATIO][:FLAG...] as `hetloco-ds simulate --variants`):
 SparseLoCo, AdamW, PP-Compress and Het at 1/8 and 1/96, AdamW with compression and its het mix,
@@ -16,12 +16,12 @@ A` / `--outer-lr X` set those on every SparseLoCo row, and a row can carry any s
 Rows x seeds are spread over every visible GPU, `--procs-per-gpu` worker processes on each (one
 batched row fills a GPU: 1). Workers take the next unclaimed row in priority order and rewrite
 their own `paper_tables_<tag>_g<gpu>p<proc>.json` under `--out` after every row, so a killed
-call keeps what finished; `bench/summarize_tables.py` merges them.
+run keeps what finished; `bench/summarize_tables.py` merges them.
 
 Budget: a worker starts no row it cannot finish before `--budget-s` (judged by `--s-per-step` or
 its previous row's pace), and a running row stops at its last outer-step boundary before the
-deadline: abandoned, or with `--state-dir` saved there and resumed by the next call (the device
-keeps ignored paths such as runs/ while it stays warm), so rows longer than one call still finish.
+deadline: abandoned, or with `--state-dir` saved there and resumed by the next run on the same
+machine, so rows longer than one run's time limit still finish.
 
     python bench/paper_tables.py --data .benchdata/code_bpe8192_seq256.pt --lr-sweep 3e-4,1e-3,2e-3 \\
         --steps 1000 --tag sweep --out $OUT                                  # short lr sweep, seed 0
@@ -59,7 +59,7 @@ def dense_aggregation_supported() -> bool:
     return "dense" in typing.get_args(SparseLoCoConfig.model_fields["aggregation"].annotation)
 
 
-# Issue 16's order: SparseLoCo, AdamW, PP-Compress and Het at 1/8 and 1/96, AdamW with and without
+# The tables' order: SparseLoCo, AdamW, PP-Compress and Het at 1/8 and 1/96, AdamW with and without
 # compression and its het mix, the embedding-adaptation ablation, then the dense control.
 PRIORITY_ROWS = ("sparseloco", "adamw", "pp:8", "het:8", "pp:96", "het:96", "adamw-pp:8", "adamw-het:8",
                  "het:8:noadapt", "diloco")
@@ -135,7 +135,7 @@ def gpu_ids(device: str) -> list[str]:
 
 def load(args):
     blob = torch.load(args.data)
-    # bench/make_code_corpus.py stores int16 (carry limit); the feed indexes with int32 like data.load_corpus.
+    # bench/make_corpus.py stores int16 (half the file); the feed indexes with int32 like data.load_corpus.
     corpus = Corpus(train=blob["train"].to(torch.int32), val=blob["val"].to(torch.int32),
                     description=blob["description"], cache_path=args.data)
     seq_len = corpus.train.shape[1]
@@ -354,7 +354,7 @@ def estimate(args) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", required=True, help="torch file with int16 or int32 'train'/'val' blocks [N, seq] (bench/make_code_corpus.py)")
+    p.add_argument("--data", required=True, help="torch file with int16 or int32 'train'/'val' blocks [N, seq] (bench/make_corpus.py)")
     p.add_argument("--model", default="20M")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--stages", type=int, default=4)
@@ -408,8 +408,7 @@ def main() -> int:
     except ConfigError as err:
         raise SystemExit(f"paper_tables: {err}") from None
     if not os.path.isfile(args.data):
-        raise SystemExit(f"paper_tables: --data {args.data}: no such file (bench/make_code_corpus.py or "
-                         "bench/make_device_corpus.py makes one)")
+        raise SystemExit(f"paper_tables: --data {args.data}: no such file (bench/make_corpus.py makes one)")
     if args.estimate:
         return estimate(args)
     gpus = gpu_ids(args.device)
