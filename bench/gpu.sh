@@ -71,14 +71,13 @@ sys.exit(tuple(int(x) for x in m.version('typing_extensions').split('.')[:3]) < 
 fi
 
 BENCH_NEED_GPUS=$GPUS timeout -k 5 60 python3 - >> "$OUT/env.txt" 2>&1 <<'EOF'
-import importlib, os, sys
+import importlib.metadata as md, importlib.util, os, sys
 print("python", sys.version.split()[0], sys.executable)
 for name in ("torch", "transformers", "deepspeed", "pydantic", "typing_extensions", "torchft"):
-    try:
-        mod = importlib.import_module(name)
-        print(f"{name:18} {getattr(mod, '__version__', '?'):12} {getattr(mod, '__file__', '')}")
+    try:  # versions and paths without importing them (deepspeed alone takes seconds)
+        print(f"{name:18} {md.version(name):12} {importlib.util.find_spec(name).origin}")
     except Exception as err:  # noqa: BLE001 - recorded; the bench that needs it fails on its own
-        print(f"{name:18} missing: {err}")
+        print(f"{name:18} missing: {err!r}")
 import torch
 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
 print("cuda", torch.version.cuda, "devices", n, [torch.cuda.get_device_name(i) for i in range(n)])

@@ -28,6 +28,7 @@ machine, so rows longer than one run's time limit still finish.
     python bench/paper_tables.py --data ... --lr-from bench/results/paper_tables_sweep/paper_tables_summary.json \\
         --state-dir runs/paper_tables_state --tag h100x8 --out $OUT          # the tables
     python bench/paper_tables.py --data ... --estimate                      # FLOPs and GPU-minutes per row
+    python bench/paper_tables.py --data ... --cpu-smoke --out /tmp/tables   # tiny, M = 2 x S = 2, 2 steps, CPU
 """
 from __future__ import annotations
 
@@ -352,7 +353,7 @@ def estimate(args) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="torch file with int16 or int32 'train'/'val' blocks [N, seq] (bench/make_corpus.py)")
     p.add_argument("--model", default="20M")
@@ -387,6 +388,9 @@ def main() -> int:
     p.add_argument("--calibrate", action="store_true", help="time s/step at each concurrency of --procs")
     p.add_argument("--procs", default="1,2", help="with --calibrate: processes per GPU to try")
     p.add_argument("--estimate", action="store_true", help="print each row's FLOPs and GPU-minutes, train nothing")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="preset tiny, M 2 x S 2, H 1, 2 steps of 2 x 1 micro-batches, rows sparseloco and het:8, "
+                        "seed 0, one worker on the CPU")
     # Internal: what the launcher tells each worker.
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
@@ -395,11 +399,14 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
     p.add_argument("--gpus", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
+        p.set_defaults(model="tiny", replicas=2, stages=2, steps=2, inner_steps=1, micro=2, gas=1, eval_batches=1,
+                       rows="sparseloco,het:8", seeds="0", device="cpu", tag="smoke", threads=1)
+    args = p.parse_args(argv)
     if args.worker is not None:
         return calibrate_worker(args) if args.calibrate_worker else worker(args)
 
-    args.command = " ".join(sys.argv)
+    args.command = " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else argv))
     try:  # every row's config checked here, before any worker (or GPU) starts
         variants = ordered_variants(args)
         base = parse_config(run_config(args, 256)).hetloco
