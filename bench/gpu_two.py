@@ -136,7 +136,7 @@ def parse_args(argv=None):
                         "(0: NCCL's choice; default: the config's default)")
     p.add_argument("--sm-carveout", type=lambda v: v if v == "auto" else int(v), default=None,
                    help="ours only: hetloco.pipeline.gemm_sm_carveout (N or auto): persistent cuBLASLt GEMMs "
-                        "sized to the SMs the resident link CTAs leave (https://github.com/pytorch/pytorch/issues/143988); each rank's part "
+                        "sized to the SMs the resident link CTAs leave (wave quantisation of persistent kernels); each rank's part "
                         "records what its engine applied")
     p.add_argument("--link-transport", default=None, choices=("auto", "process_group", "copy_engine"),
                    help="ours only: hetloco.pipeline.link_transport (default: the product's, auto; copy_engine: the "

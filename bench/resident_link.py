@@ -3,7 +3,7 @@
 The overlapped schedule posts its NCCL receives ahead, and each stays on the device as a kernel (one
 CTA per communicator with `pipeline.link_max_ctas` 1) until its message comes. Hopper's cuBLAS GEMMs are
 often persistent: one CTA per SM, each working through many tiles. With one SM taken, such a grid
-runs in two waves and the GEMM takes up to twice as long (https://github.com/pytorch/pytorch/issues/143988). On 2 H100s the
+runs in two waves and the GEMM takes up to twice as long (wave quantisation of persistent kernels). On 2 H100s the
 overlapped S = 2 stayed 4-7% behind the blocking one whatever the cores (docs/bench-notes.md); this
 measures the suspected mechanism alone, without a pipeline.
 
