@@ -1,7 +1,7 @@
 """A tied model's loss: the embedding and head copies tied apart between outer steps vs tied exactly.
 
     python bench/tied_embeddings.py [--steps 300] [--seeds 0,1] [--model tiny] [--out bench/results]
-    python bench/tied_embeddings.py --cpu-smoke --out /tmp/tied   # every_step and outer_step, H = 2, 3 steps
+    python bench/tied_embeddings.py --cpu-smoke --out /tmp/tied   # every_step and outer_step, H = 2, 4 steps
 
 `hetloco-ds simulate` (the simulator computes what the engine computes: tests/test_simulate.py)
 on the packaged CPU config (configs/cpu_tiny.json: M = 2 replicas, S = 2 stages, replica 1
@@ -66,6 +66,8 @@ def one(row: str, seed: int, steps: int, model: str, inner_steps: int | None = N
         _patch_mean()
     run = load_config(None)
     run.scheduler["params"]["total_num_steps"] = steps
+    # The config's 20 warm-up steps, or a tenth of a shorter run (else its lr would never leave ~0).
+    run.scheduler["params"]["warmup_num_steps"] = min(run.scheduler["params"]["warmup_num_steps"], max(1, steps // 10))
     if inner_steps:
         run.hetloco.sparseloco.inner_steps = inner_steps
     tok = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size, progress=False)
@@ -92,10 +94,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--inner-steps", type=int, default=None, help="H (default: the config's, 20)")
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="rows every_step and outer_step, seed 0, H = 2, 3 steps, in this process")
+                    help="rows every_step and outer_step, seed 0, H = 2, 4 steps, in this process")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: ROW:SEED
     if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
-        ap.set_defaults(steps=3, seeds="0", rows="every_step,outer_step", inner_steps=2)
+        ap.set_defaults(steps=4, seeds="0", rows="every_step,outer_step", inner_steps=2)
     args = ap.parse_args(argv)
     if args.one:
         row, seed = args.one.split(":")

@@ -1,7 +1,9 @@
-"""Every bench script on the CPU: its `--cpu-smoke` mode (or, for the shaped-link benches, which
-need network namespaces and minutes, its committed results replayed through its own code), each
-checked on numbers a reader of the results relies on, against a reference the bench did not compute
-(transformers' parameter count, the per-replica simulator, the payload a real outer step made)."""
+"""Every bench script on the CPU, each checked on numbers a reader of its results relies on, against
+a reference the bench did not compute (transformers' parameter count, the per-replica simulator, the
+payload a real outer step made, the analytic link bytes). Most run their `--cpu-smoke` mode; the
+shaped-link benches (root and minutes) replay their committed results through their own code; the
+4-rank gpu_four.py and the elastic gpu_elastic.py (each over a minute of CPU) are checked through
+their verdict and summary code on hand-made inputs."""
 from __future__ import annotations
 
 import json
@@ -9,7 +11,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,10 +22,10 @@ RESULTS = BENCH / "results"
 
 def _env(**extra) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HETLOCO_QUIET="1", TQDM_DISABLE="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **extra)
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "OUT"):
         env.pop(k, None)
-    return env
+    return {**env, **extra}
 
 
 def _run(argv: list[str], timeout: float, **env) -> subprocess.CompletedProcess:
@@ -119,7 +120,7 @@ def test_corpus_then_paper_tables_then_summary(tmp_path):
     """make_corpus.py -> paper_tables.py -> summarize_tables.py, as the tables are made. Breaks if the
     corpus stops decoding to its source text, a table row stops training on it, the FLOP count's
     parameter rule drifts from transformers', or the summary loses a row."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     src = tmp_path / "src"
@@ -129,6 +130,7 @@ def test_corpus_then_paper_tables_then_summary(tmp_path):
         (src / "pkg" / f"m{i}.py").write_text(f"# module {i}\n" + text)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"]))
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(tmp_path / "tok")
     corpus = tmp_path / "corpus.pt"
@@ -142,7 +144,7 @@ def test_corpus_then_paper_tables_then_summary(tmp_path):
     assert "return x * 2  # doubles" in back
 
     out = tmp_path / "tables"
-    _run([sys.executable, "bench/paper_tables.py", "--data", str(corpus), "--cpu-smoke", "--out", str(out)], timeout=600)
+    assert bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--out", str(out)]) == 0
     run = json.loads((out / "paper_tables_smoke_g0p0.json").read_text())
     assert run["n_params"] == _hf_params("tiny", blob["vocab_size"])
     rows = {r["variant"]["name"].split("@")[0]: r for r in run["rows"]}
@@ -193,20 +195,34 @@ def test_overlap_links_committed_predictions_are_the_plans(tmp_path):
     assert sl.agreement(shaped["points"]) == shaped["agreement"]
 
 
-def test_gpu_two_and_gpu_four_count_the_bytes_and_keep_replicas_in_step(tmp_path):
-    """Breaks if gpu_two.py's measured stage-link bytes stop equalling the analytic count, or if
-    gpu_four.py's replicas stop being bitwise equal after the outer step (and apart between)."""
+def test_gpu_two_counts_the_stage_link_bytes_it_sends(tmp_path):
+    """Breaks if gpu_two.py's measured stage-link bytes (two real ranks) stop equalling the analytic count."""
     _run([sys.executable, "bench/gpu_two.py", "--cpu-smoke", "--configs", "a_ours_r8", "--out", str(tmp_path / "g2.json")],
          timeout=600)
     (two,) = json.loads((tmp_path / "g2.json").read_text())["results"]
     link = two["stage_link"]
     assert link["match"] and link["ratio"] == 8 and link["k"] == 128 // 8
     assert link["activation_grad_sent"] == 2 * 2 * 64 * link["k"] * (2 if two["ds_config"]["bf16"]["enabled"] else 4)
-    _run([sys.executable, "bench/gpu_four.py", "--cpu-smoke", "--configs", "ours_het", "--out", str(tmp_path / "g4.json")],
-         timeout=900)
-    (four,) = json.loads((tmp_path / "g4.json").read_text())["results"]
-    assert four["identical_at_init"] == four["identical_after_outer"] == {"stage0": True, "stage1": True}
-    assert four["identical_after_inner"] == {"stage0": False, "stage1": False}
+
+
+def test_gpu_four_judges_the_replicas_hashes():
+    """gpu_four.py's verdict on its per-stage parameter hashes, on hand-made ones (its --cpu-smoke runs
+    4 DeepSpeed ranks: over a minute of CPU, run by hand). Breaks if replicas that differ are called
+    identical, or a missing hash passes."""
+    g4 = bench_module("gpu_four")
+
+    def entry(stage, replica, **hashes):
+        return {"stage": stage, "replica": replica, "hashes": {k: {"sha256": v, "step": 1} for k, v in hashes.items()}}
+
+    table = g4.compare_hashes([entry(0, 0, init="a", inner="b", after_outer="c"),
+                               entry(0, 1, init="a", inner="x", after_outer="c"),
+                               entry(1, 0, init="d", inner="e", after_outer="f"),
+                               entry(1, 1, init="d", inner="y", after_outer=None)])
+    assert table["identical_init"] == {"stage0": True, "stage1": True}
+    assert table["identical_inner"] == {"stage0": False, "stage1": False}
+    assert table["identical_after_outer"] == {"stage0": True, "stage1": False}
+    with pytest.raises(SystemExit):
+        g4.parse_args(["--cpu-smoke", "--warmup", "3"])  # H = 3: the outer step would not be timed
 
 
 def test_resident_link_times_every_condition(tmp_path):
