@@ -209,9 +209,8 @@ def worker(args) -> int:
     }
     results, unfinished, pace, eager_rows = [], [], args.s_per_step, []
     done = finished_rows(args.skip_done)
-    # A row finished by an earlier call on the same machine is marked in the state folder: a chained
-    # call skips it even when its JSON was not named in --skip-done (it came back, uncommitted, as
-    # that call's output).
+    # A row finished by an earlier run on the same machine is marked in the state folder: the next run
+    # skips it even when its JSON was not named in --skip-done (it was that run's output, not committed).
     def in_state_dir(name: str, suffix: str) -> str | None:
         return os.path.join(args.state_dir, safe_name(name) + suffix) if args.state_dir else None
 
@@ -219,12 +218,12 @@ def worker(args) -> int:
     marks = {v.name: in_state_dir(v.name, ".done") for v in variants}
     variants = [v for v in variants if not (marks[v.name] and os.path.exists(marks[v.name]))]
     states = {v.name: in_state_dir(v.name, ".pt") for v in variants}
-    # Rows saved by an earlier call first: they are the closest to done.
+    # Rows saved by an earlier run first: they are the closest to done.
     variants.sort(key=lambda v: not (states[v.name] and os.path.exists(states[v.name])))
     for v in variants:
         state = states[v.name]
         if pace and not state and time.time() + pace * args.steps + 60 > args.deadline:
-            continue  # would not end in time; another worker or a later call takes it
+            continue  # would not end in time; another worker or a later run takes it
         if not claim(args.claims, v.name):
             continue
         t0 = time.time()
@@ -381,7 +380,7 @@ def main(argv=None) -> int:
                         "its last outer-step boundary before it)")
     p.add_argument("--s-per-step", type=float, default=0.0,
                    help="expected seconds a step (bench/sim_throughput.py) for the budget's first-row judgement")
-    p.add_argument("--state-dir", default="", help="save rows stopped by the budget here and resume them next call")
+    p.add_argument("--state-dir", default="", help="save rows stopped by the budget here and resume them in the next run")
     p.add_argument("--skip-done", default="", help="run JSONs (files or folders, comma-separated) whose rows are done")
     p.add_argument("--tag", default="run", help="names the partial JSONs: paper_tables_<tag>_g<gpu>p<proc>.json")
     p.add_argument("--out", required=True, help="directory for the JSONs (a worker: its JSON file)")
