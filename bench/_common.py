@@ -31,7 +31,7 @@ if REPO not in sys.path:
 
 # Every system in every bench trains with the same AdamW, so the comparisons are like for like.
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-# The NVLink-multicast / accelerator switches the run_gpu*.sh scripts export; recorded in each JSON
+# The NVLink-multicast / accelerator switches bench/gpu.sh exports; recorded in each JSON
 # so a result says under which settings it was taken.
 ENV_KEYS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "DS_ACCELERATOR")
 
@@ -508,11 +508,11 @@ def spawn_workers(script: str, name: str, world: int, argv: list[str], tmp: str,
     """Every rank of one configuration in fresh processes (`script` --worker name); returns (parts,
     error, wall seconds). Rank 0 prints live; the others log to files whose tails are printed and
     kept when a rank fails. The first failure or the timeout stops the rest; so does SIGTERM to the
-    driver (the workers share its process group, which `timeout` in run_gpu*.sh signals).
+    driver (the workers share its process group, which `timeout` in bench/gpu.sh signals).
     `bind_cores`: each rank pinned to its own share of the cores (`launch.core_shares`), OpenMP sized
     to it; otherwise unpinned, OpenMP sized to the driver's cores shared out (`launch.threads_per_rank`,
-    as `hetloco-ds train --nproc` does; before 2026-11-26's third session, the machine's count shared
-    out, which oversubscribed a `taskset` driver)."""
+    as `hetloco-ds train --nproc` does: the machine's count shared out would oversubscribe a `taskset`
+    driver)."""
     from hetloco_ds.launch import core_shares, free_port, threads_per_rank
 
     port = free_port()

@@ -28,7 +28,7 @@ Everything is read back from the replicas' metrics.jsonl (rows carry wall-clock 
   recovery                restart -> replica 1's first step row (process start, imports, model, CUDA), ->
                           its healed outer row, -> replica 0's first outer row with 2 members again
 
-    python bench/gpu_elastic.py --out $OUT/gpu_elastic.json     # 2 GPUs (bench/run_gpu_elastic.sh)
+    OUT=... bash bench/gpu.sh --gpus 2 gpu_elastic.py              # 2 GPUs
     python bench/gpu_elastic.py --cpu-smoke                      # tiny model on this CPU, gloo, ~2 min
 """
 from __future__ import annotations

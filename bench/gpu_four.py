@@ -64,7 +64,7 @@ ours), per rank; gathered to rank 0 with all_gather_object; per stage, `identica
 hashes equal. Expected: identical at init, different after an inner step (each replica trained on
 its own data), identical right after the outer step.
 
-    python bench/gpu_four.py --out $OUT/gpu_four.json     # the GPU run (bench/run_gpu4.sh)
+    OUT=... bash bench/gpu.sh --gpus 4 gpu_four.py        # the GPU run
     python bench/gpu_four.py --cpu-smoke                  # tiny, seq 64, gloo, 4 ranks, H = 3
 """
 from __future__ import annotations

@@ -76,10 +76,11 @@ def parse_args(argv=None):
     p.add_argument("--no-bf16", action="store_true", help="fp32 everywhere (CPU smoke fallback)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_throughput.json or bench/results/)")
     p.add_argument("--cpu-smoke", action="store_true",
-                   help="preset tiny, vocab 1024, seq 64, micro 2, 1+2 steps, on the CPU")
+                   help="preset tiny, vocab 1024, seq 64, micro 2, 1+2 steps, on the CPU; the eager systems "
+                        "(compiling on a CPU takes minutes)")
     if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
         p.set_defaults(shapes="tiny", vocab=1024, seq=64, micro="", micro_default=2, warmup=1, steps=2,
-                       outer_repeats=2, profile_shapes="tiny")
+                       outer_repeats=2, profile_shapes="tiny", systems="ours,ds,hf")
     return p.parse_args(argv)
 
 

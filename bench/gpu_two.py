@@ -23,9 +23,8 @@ With `--compiled-rows` (opt-in; off by default, and then rows, keys and order ar
   b_ours_sl_compiled  b_ours_sl with hetloco.train.compile
   Their rows have the eager rows' fields; every row then also has "compile" (true / false). Compilation
   happens in the untimed warm-up steps (at least 1 even under `--warmup 0`; see warmup_s_all), and a
-  compiled row may run `--compiled-timeout` (300 s) instead of `--config-timeout`. From run_gpu2.sh:
-  BENCH_GPU2_ARGS="--compiled-rows" BENCH_GPU2_TIMEOUT=480 bash bench/run_gpu2.sh (device tool timeout_s
-  600; ~2 min more than without).
+  compiled row may run `--compiled-timeout` (300 s) instead of `--config-timeout` (about 2 minutes more
+  in all on 2 H100s).
 
 Every configuration: preset `--shape` (178M), vocab 32000, seq 2048, random tokens, micro-batch `--micro`
 (4) x gradient_accumulation_steps `--gas` (8) per optimizer step and replica (so an S = 2 pipeline runs 8
@@ -70,7 +69,7 @@ Bytes (per optimizer step):
            For b_ours_sl the outer step is one all_gather of the SparseLoCo payload q (q sent, q*(M-1)
            received per rank); per step amortised: /H.
 
-    python bench/gpu_two.py --out $OUT/gpu_two.json       # the GPU run (bench/run_gpu2.sh)
+    OUT=... bash bench/gpu.sh --gpus 2 gpu_two.py         # the GPU run
     python bench/gpu_two.py --cpu-smoke                   # tiny, seq 64, gloo, 2 ranks, 1+2 steps, 1 repeat
     python bench/gpu_two.py --compiled-rows ...           # + the 3 compiled rows of ours (see above)
 """
@@ -137,7 +136,7 @@ def parse_args(argv=None):
                         "(0: NCCL's choice; default: the config's default)")
     p.add_argument("--sm-carveout", type=lambda v: v if v == "auto" else int(v), default=None,
                    help="ours only: hetloco.pipeline.gemm_sm_carveout (N or auto): persistent cuBLASLt GEMMs "
-                        "sized to the SMs the resident link CTAs leave (pytorch issue 143988); each rank's part "
+                        "sized to the SMs the resident link CTAs leave (wave quantisation of persistent kernels); each rank's part "
                         "records what its engine applied")
     p.add_argument("--link-transport", default=None, choices=("auto", "process_group", "copy_engine"),
                    help="ours only: hetloco.pipeline.link_transport (default: the product's, auto; copy_engine: the "

@@ -59,9 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--copy-mib", type=int, default=1024, help="size of each buffer of the bandwidth copy")
     p.add_argument("--throughput-json", default=None, help="gpu_throughput.json for the H = 50 comparison")
     p.add_argument("--out", default=None)
-    p.add_argument("--cpu-smoke", action="store_true", help="preset tiny, vocab 1024, 2 repeats, on the CPU")
+    p.add_argument("--cpu-smoke", action="store_true", help="preset tiny, vocab 1024, M 2, 1 repeat, on the CPU")
     if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
-        p.set_defaults(shape="tiny", vocab=1024, repeats=2, copy_mib=16)
+        p.set_defaults(shape="tiny", vocab=1024, replicas=2, repeats=1, copy_mib=4)
     return p.parse_args(argv)
 
 
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     params = make_params(shapes, dev)
     state = SparseLoCoState(params, cfg)
     payload_bytes = payload_nbytes([s for _, s in shapes], cfg)
-    report["payload_bytes"] = payload_bytes
+    report["payload_bytes"] = payload_bytes  # the size rule; payload_bytes_made: what prepare() made
 
     # M distinct payloads: this state's own, from M different pseudo-gradients.
     payloads = []
@@ -247,6 +247,7 @@ def main(argv=None) -> int:
         p = state.prepare(params)
         payloads.append(p.clone())
         state.finish(params, [p])
+    report["payload_bytes_made"] = sorted({p.numel() * p.element_size() for p in payloads})
     if dev.type == "cuda":
         torch.cuda.synchronize()
 

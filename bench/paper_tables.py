@@ -1,10 +1,10 @@
 """The paper's Tables 1, 2, 4 and 5a in the paper's regime, at small scale, with the batched simulator.
 
-The regime (issue 16; METHOD.md "The paper's training regime"), not the absolute sizes: a 20M
+The regime (METHOD.md "The paper's training regime"), not the absolute sizes: a 20M
 LLaMA, M = 8 replicas x S = 4 virtual stages, H = 50, 32 x 2 x 256 = 16,384 tokens per replica
 step (524K global in the paper, 131K here), 5000 steps = 100 outer syncs, about 32 tokens per
 parameter, every replica validated through its own pipeline and the mean reported, AdamW at its
-own tuned lr (`--lr-sweep`), 2 seeds, on real code (bench/make_code_corpus.py, int16 blocks).
+own tuned lr (`--lr-sweep`), 2 seeds, on real code (bench/make_corpus.py, int16 blocks).
 
 Rows in priority order (`--rows`; ROW[:RATIO][:FLAG...] as `hetloco-ds simulate --variants`):
 SparseLoCo, AdamW, PP-Compress and Het at 1/8 and 1/96, AdamW with compression and its het mix,
@@ -16,18 +16,19 @@ A` / `--outer-lr X` set those on every SparseLoCo row, and a row can carry any s
 Rows x seeds are spread over every visible GPU, `--procs-per-gpu` worker processes on each (one
 batched row fills a GPU: 1). Workers take the next unclaimed row in priority order and rewrite
 their own `paper_tables_<tag>_g<gpu>p<proc>.json` under `--out` after every row, so a killed
-call keeps what finished; `bench/summarize_tables.py` merges them.
+run keeps what finished; `bench/summarize_tables.py` merges them.
 
 Budget: a worker starts no row it cannot finish before `--budget-s` (judged by `--s-per-step` or
 its previous row's pace), and a running row stops at its last outer-step boundary before the
-deadline: abandoned, or with `--state-dir` saved there and resumed by the next call (the device
-keeps ignored paths such as runs/ while it stays warm), so rows longer than one call still finish.
+deadline: abandoned, or with `--state-dir` saved there and resumed by the next run on the same
+machine, so rows longer than one run's time limit still finish.
 
     python bench/paper_tables.py --data .benchdata/code_bpe8192_seq256.pt --lr-sweep 3e-4,1e-3,2e-3 \\
         --steps 1000 --tag sweep --out $OUT                                  # short lr sweep, seed 0
     python bench/paper_tables.py --data ... --lr-from bench/results/paper_tables_sweep/paper_tables_summary.json \\
         --state-dir runs/paper_tables_state --tag h100x8 --out $OUT          # the tables
     python bench/paper_tables.py --data ... --estimate                      # FLOPs and GPU-minutes per row
+    python bench/paper_tables.py --data ... --cpu-smoke --out /tmp/tables   # tiny, M = 2 x S = 2, 2 steps, CPU
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def dense_aggregation_supported() -> bool:
     return "dense" in typing.get_args(SparseLoCoConfig.model_fields["aggregation"].annotation)
 
 
-# Issue 16's order: SparseLoCo, AdamW, PP-Compress and Het at 1/8 and 1/96, AdamW with and without
+# The tables' order: SparseLoCo, AdamW, PP-Compress and Het at 1/8 and 1/96, AdamW with and without
 # compression and its het mix, the embedding-adaptation ablation, then the dense control.
 PRIORITY_ROWS = ("sparseloco", "adamw", "pp:8", "het:8", "pp:96", "het:96", "adamw-pp:8", "adamw-het:8",
                  "het:8:noadapt", "diloco")
@@ -135,7 +136,7 @@ def gpu_ids(device: str) -> list[str]:
 
 def load(args):
     blob = torch.load(args.data)
-    # bench/make_code_corpus.py stores int16 (carry limit); the feed indexes with int32 like data.load_corpus.
+    # bench/make_corpus.py stores int16 (half the file); the feed indexes with int32 like data.load_corpus.
     corpus = Corpus(train=blob["train"].to(torch.int32), val=blob["val"].to(torch.int32),
                     description=blob["description"], cache_path=args.data)
     seq_len = corpus.train.shape[1]
@@ -208,9 +209,8 @@ def worker(args) -> int:
     }
     results, unfinished, pace, eager_rows = [], [], args.s_per_step, []
     done = finished_rows(args.skip_done)
-    # A row finished by an earlier call on the same machine is marked in the state folder: a chained
-    # call skips it even when its JSON was not named in --skip-done (it came back, uncommitted, as
-    # that call's output).
+    # A row finished by an earlier run on the same machine is marked in the state folder: the next run
+    # skips it even when its JSON was not named in --skip-done (it was that run's output, not committed).
     def in_state_dir(name: str, suffix: str) -> str | None:
         return os.path.join(args.state_dir, safe_name(name) + suffix) if args.state_dir else None
 
@@ -218,12 +218,12 @@ def worker(args) -> int:
     marks = {v.name: in_state_dir(v.name, ".done") for v in variants}
     variants = [v for v in variants if not (marks[v.name] and os.path.exists(marks[v.name]))]
     states = {v.name: in_state_dir(v.name, ".pt") for v in variants}
-    # Rows saved by an earlier call first: they are the closest to done.
+    # Rows saved by an earlier run first: they are the closest to done.
     variants.sort(key=lambda v: not (states[v.name] and os.path.exists(states[v.name])))
     for v in variants:
         state = states[v.name]
         if pace and not state and time.time() + pace * args.steps + 60 > args.deadline:
-            continue  # would not end in time; another worker or a later call takes it
+            continue  # would not end in time; another worker or a later run takes it
         if not claim(args.claims, v.name):
             continue
         t0 = time.time()
@@ -352,9 +352,9 @@ def estimate(args) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", required=True, help="torch file with int16 or int32 'train'/'val' blocks [N, seq] (bench/make_code_corpus.py)")
+    p.add_argument("--data", required=True, help="torch file with int16 or int32 'train'/'val' blocks [N, seq] (bench/make_corpus.py)")
     p.add_argument("--model", default="20M")
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--stages", type=int, default=4)
@@ -380,13 +380,16 @@ def main() -> int:
                         "its last outer-step boundary before it)")
     p.add_argument("--s-per-step", type=float, default=0.0,
                    help="expected seconds a step (bench/sim_throughput.py) for the budget's first-row judgement")
-    p.add_argument("--state-dir", default="", help="save rows stopped by the budget here and resume them next call")
+    p.add_argument("--state-dir", default="", help="save rows stopped by the budget here and resume them in the next run")
     p.add_argument("--skip-done", default="", help="run JSONs (files or folders, comma-separated) whose rows are done")
     p.add_argument("--tag", default="run", help="names the partial JSONs: paper_tables_<tag>_g<gpu>p<proc>.json")
     p.add_argument("--out", required=True, help="directory for the JSONs (a worker: its JSON file)")
     p.add_argument("--calibrate", action="store_true", help="time s/step at each concurrency of --procs")
     p.add_argument("--procs", default="1,2", help="with --calibrate: processes per GPU to try")
     p.add_argument("--estimate", action="store_true", help="print each row's FLOPs and GPU-minutes, train nothing")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="preset tiny, M 2 x S 2, H 1, 2 steps of 2 x 1 micro-batches, rows sparseloco and het:8, "
+                        "seed 0, one worker on the CPU")
     # Internal: what the launcher tells each worker.
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--calibrate-worker", action="store_true", help=argparse.SUPPRESS)
@@ -395,11 +398,14 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=float("inf"), help=argparse.SUPPRESS)
     p.add_argument("--command", help=argparse.SUPPRESS)
     p.add_argument("--gpus", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
+        p.set_defaults(model="tiny", replicas=2, stages=2, steps=2, inner_steps=1, micro=2, gas=1, eval_batches=1,
+                       rows="sparseloco,het:8", seeds="0", device="cpu", tag="smoke", threads=1)
+    args = p.parse_args(argv)
     if args.worker is not None:
         return calibrate_worker(args) if args.calibrate_worker else worker(args)
 
-    args.command = " ".join(sys.argv)
+    args.command = " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else argv))
     try:  # every row's config checked here, before any worker (or GPU) starts
         variants = ordered_variants(args)
         base = parse_config(run_config(args, 256)).hetloco
@@ -408,8 +414,7 @@ def main() -> int:
     except ConfigError as err:
         raise SystemExit(f"paper_tables: {err}") from None
     if not os.path.isfile(args.data):
-        raise SystemExit(f"paper_tables: --data {args.data}: no such file (bench/make_code_corpus.py or "
-                         "bench/make_device_corpus.py makes one)")
+        raise SystemExit(f"paper_tables: --data {args.data}: no such file (bench/make_corpus.py makes one)")
     if args.estimate:
         return estimate(args)
     gpus = gpu_ids(args.device)

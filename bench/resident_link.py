@@ -3,8 +3,8 @@
 The overlapped schedule posts its NCCL receives ahead, and each stays on the device as a kernel (one
 CTA per communicator with `pipeline.link_max_ctas` 1) until its message comes. Hopper's cuBLAS GEMMs are
 often persistent: one CTA per SM, each working through many tiles. With one SM taken, such a grid
-runs in two waves and the GEMM takes up to twice as long (pytorch issue 143988). On 2 H100s the
-overlapped S = 2 stayed 4-7% behind the blocking one whatever the cores (bench/README.md); this
+runs in two waves and the GEMM takes up to twice as long (wave quantisation of persistent kernels). On 2 H100s the
+overlapped S = 2 stayed 4-7% behind the blocking one whatever the cores (docs/bench-notes.md); this
 measures the suspected mechanism alone, without a pipeline.
 
 Two ranks, one GPU each. Rank 0 times a stage's GEMMs (a 178M layer's projections and the LM head at

@@ -9,8 +9,8 @@ Parts (each appends its rows to OUT/scale.json and can be run alone):
   8b        a Llama-3-8B shape in 4 stages, M = 1: tokens/s, MFU, peak memory, checkpoint bytes
             and the seconds training blocked for it
 
-    python bench/scale.py --parts profile,speed --out OUT      # on the GPU machine (bench/gpu.sh)
-    python bench/scale.py --cpu-smoke --out DIR                 # tiny shapes, gloo, this CPU
+    OUT=DIR bash bench/gpu.sh --gpus 4 --timeout 570 scale.py --parts speed --out DIR   # GPU machine
+    python bench/scale.py --cpu-smoke --parts speed --out DIR                         # this CPU
 """
 from __future__ import annotations
 
@@ -242,9 +242,32 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
     res = Results(os.path.join(a.out, "scale.json"), card)
-    for part in a.parts.split(","):
-        PARTS[part](res, a.work, a)
+    try:
+        for part in a.parts.split(","):
+            PARTS[part](res, a.work, a)
+    finally:
+        pack(a.work, a.out)
     return 0 if all(r.get("rc") == 0 for r in res.data["rows"]) else 1
+
+
+def pack(work: str, out: str) -> None:
+    """Runs' logs and metrics, and the chrome traces of each system's first two ranks, as two
+    tarballs in `out` (a GPU machine may give back only a few files)."""
+    import tarfile
+
+    logs, traces = [], []
+    for d, _, files in os.walk(work):
+        for f in files:
+            path = os.path.join(d, f)
+            if f.endswith(".log") or f == "metrics.jsonl":
+                logs.append(path)
+            elif f in ("rank0.trace.json.gz", "rank2.trace.json.gz") and os.path.getsize(path) < 5 * 2**20:
+                traces.append(path)
+    for name, paths in (("logs.tgz", logs), ("traces.tgz", traces)):
+        if paths:
+            with tarfile.open(os.path.join(out, name), "w:gz") as tar:
+                for path in paths:
+                    tar.add(path, arcname=os.path.relpath(path, work))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ wire as fp32, token ids as int16).
     inner_steps 2; the replica link's rate changes as in (a) (unlimited, 100, 20, 5 Mbit/s,
     twice). Ours: per outer step, the smaller of the two replicas' `kind: outer` row `seconds`
     (the whole outer step: error feedback, top-k, packing, the exchange of the payloads -- on
-    gloo `hetloco_ds.exchange.all_gather_payloads`, every receive posted before any send --,
+    gloo `hetloco_ds.transport.static.all_gather_payloads`, every receive posted before any send --,
     decode, average, outer SGD), median over the outer steps that started inside a visit. The
     replica that reaches the exchange last does not wait for its peer, so the smaller time is
     the outer step's own cost; the larger one also holds the inner-step skew between the two
@@ -579,7 +579,7 @@ NOTES = [
     "it posts its receive, so the two directions of the pair run partly one after the other: the probe's "
     "`all_gather_seconds` of our payload size is 1.0x-1.5x its one-way send, race-dependent (per-rate medians in "
     "agreement.b_gloo_probe_payload_size), and the plan (full duplex) does not model it. The engine therefore does not use all_gather on gloo: "
-    "hetloco_ds.exchange.all_gather_payloads posts every irecv before any isend, so both directions move at "
+    "hetloco_ds.transport.static.all_gather_payloads posts every irecv before any isend, so both directions move at "
     "once (probe `exchange_seconds`); on NCCL it calls all_gather.",
     "(b) For one large transfer the rendezvous costs only its start, so gloo's stock all_reduce of the dense fp32 "
     "vector (`dense`) and the engine's exchange of it (`dense_exchange`) both follow the plan's formula; plan "
@@ -794,8 +794,8 @@ def main(argv: list[str] | None = None) -> int:
             "b": {"stages": 1, "replicas": 2, "n_mb": N_MB_B, "inner_steps": H_B, "topk": 32, "chunk": 4096,
                   "replica_rates_bps": list(REPLICA_RATES),
                   "dense": "4 * params bytes (fp32), direct, same namespaces and link: gloo's all_reduce, and "
-                           "the engine's exchange (hetloco_ds.exchange.all_gather_payloads) + mean",
-                  "outer_sync_collective": "gloo: hetloco_ds.exchange.all_gather_payloads (every irecv posted "
+                           "the engine's exchange (hetloco_ds.transport.static.all_gather_payloads) + mean",
+                  "outer_sync_collective": "gloo: hetloco_ds.transport.static.all_gather_payloads (every irecv posted "
                                            "before any isend)"},
             "unlimited": f"the same htb class at {UNLIMITED / 1e9:g} Gbit/s",
             "netlab": {"gso_max_segs": 1, "htb_burst": "tc default (1600 bytes at these rates)",

@@ -6,7 +6,8 @@ for both simulators and for the compiled batched one, and exits 1 if a batched r
 non-finite, excludes a replica at its outer step, or its losses differ from the reference by
 more than --rtol (bf16 reorders reductions; the CPU test holds them to 1e-5 in fp32).
 
-    python bench/sim_check.py --out $OUT/sim_check.json
+    OUT=... bash bench/gpu.sh sim_check.py --out $OUT/sim_check.json
+    python bench/sim_check.py --cpu-smoke --out /tmp/sim_check.json   # tiny, M = 2 x S = 2, fp32, eager
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def run(kind: str, args, cfg, run_cfg, hetloco, data):
     return losses, outer
 
 
-def main() -> int:
+def main(argv=None) -> int:
     from hetloco_ds.config import parse_config
     from hetloco_ds.presets import model_config_for
     from hetloco_ds.sim.rows import parse_variants
@@ -55,9 +56,16 @@ def main() -> int:
     p.add_argument("--rtol", type=float, default=0.02)
     p.add_argument("--kinds", default="per_replica,batched,compiled")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--out")
-    args = p.parse_args()
-    cfg = model_config_for(args.shape, 8192)
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="preset tiny, vocab 256, M 2 x S 2, micro 2, seq 32, 2 steps, per_replica and batched, fp32 "
+                        "(where the CPU test holds them to 1e-5)")
+    if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
+        p.set_defaults(shape="tiny", vocab=256, replicas=2, stages=2, micro=2, seq=32, steps=2,
+                       kinds="per_replica,batched", device="cpu", rtol=1e-5)
+    args = p.parse_args(argv)
+    cfg = model_config_for(args.shape, args.vocab)
     run_cfg = parse_config({
         "train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.gas,
         "gradient_clipping": 1.0, "bf16": {"enabled": args.device == "cuda"},

@@ -13,7 +13,7 @@ tokens/s per GPU = tokens every replica on the GPU trains in a step / step secon
 `--steps` timed steps after `--warmup`, each between device synchronisations). Each simulator's
 outer step (all M x S stage algorithms, with the per-sync diagnostics) is timed on its own
 (`--outer-repeats`) and amortised over H in `tokens_per_s_with_outer`. `vs_engine` divides by
-the engine's tokens/s (the issue's target: >= 0.7). MFU uses gpu_throughput.py's convention
+the engine's tokens/s (the target: >= 0.7). MFU uses gpu_throughput.py's convention
 (6 N + 12 L d seq FLOPs a token, 989e12 peak). `--profile` adds one profiled step per system:
 kernel launches (GPU) or aten ops (CPU) a step, the count batching divides by about M.
 

@@ -1,6 +1,7 @@
 """A tied model's loss: the embedding and head copies tied apart between outer steps vs tied exactly.
 
     python bench/tied_embeddings.py [--steps 300] [--seeds 0,1] [--model tiny] [--out bench/results]
+    python bench/tied_embeddings.py --cpu-smoke --out /tmp/tied   # every_step and outer_step, H = 2, 4 steps
 
 `hetloco-ds simulate` (the simulator computes what the engine computes: tests/test_simulate.py)
 on the packaged CPU config (configs/cpu_tiny.json: M = 2 replicas, S = 2 stages, replica 1
@@ -50,8 +51,9 @@ def _patch_mean() -> None:
     algorithm.StageAlgorithm.sync_embeddings = torch.no_grad()(ns["sync_embeddings"])
 
 
-def one(row: str, seed: int, steps: int, model: str) -> dict:
-    """One simulation in this process (rows run in separate processes: the mean row patches)."""
+def one(row: str, seed: int, steps: int, model: str, inner_steps: int | None = None) -> dict:
+    """One simulation in this process (rows run in separate processes: the mean row patches).
+    `inner_steps`: H instead of the config's."""
     import torch
 
     from hetloco_ds import data
@@ -64,6 +66,10 @@ def one(row: str, seed: int, steps: int, model: str) -> dict:
         _patch_mean()
     run = load_config(None)
     run.scheduler["params"]["total_num_steps"] = steps
+    # The config's 20 warm-up steps, or a tenth of a shorter run (else its lr would never leave ~0).
+    run.scheduler["params"]["warmup_num_steps"] = min(run.scheduler["params"]["warmup_num_steps"], max(1, steps // 10))
+    if inner_steps:
+        run.hetloco.sparseloco.inner_steps = inner_steps
     tok = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size, progress=False)
     cfg = model_config_for(model, len(tok))
     cfg.tie_word_embeddings = True
@@ -86,27 +92,45 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="every_step,outer_step,outer_mean")
     ap.add_argument("--parallel", type=int, default=2, help="simulations at once")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
+    ap.add_argument("--inner-steps", type=int, default=None, help="H (default: the config's, 20)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="rows every_step and outer_step, seed 0, H = 2, 4 steps, in this process")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: ROW:SEED
+    if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # defaults only: explicit flags win
+        ap.set_defaults(steps=4, seeds="0", rows="every_step,outer_step", inner_steps=2)
     args = ap.parse_args(argv)
     if args.one:
         row, seed = args.one.split(":")
-        print(json.dumps(one(row, int(seed), args.steps, args.model)), flush=True)
+        print(json.dumps(one(row, int(seed), args.steps, args.model, args.inner_steps)), flush=True)
         return 0
+    jobs = [(r, int(s)) for s in args.seeds.split(",") for r in args.rows.split(",")]
+    t0, load0 = time.time(), os.getloadavg()
+    if args.cpu_smoke:
+        if "outer_mean" in args.rows:
+            ap.error("--cpu-smoke runs the rows in this process; outer_mean patches the engine's class")
+        results = [one(row, seed, args.steps, args.model, args.inner_steps) for row, seed in jobs]
+    else:
+        results = run_apart(jobs, args)
+    report_rows(results, args, argv, t0, load0)
+    return 0
+
+
+def run_apart(jobs: list[tuple[str, int]], args) -> list[dict]:
+    """Each (row, seed) in its own process, `args.parallel` at a time."""
     import subprocess
 
-    jobs = [(r, int(s)) for s in args.seeds.split(",") for r in args.rows.split(",")]
     env = dict(os.environ, TQDM_DISABLE="1", HETLOCO_QUIET="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=REPO)
     # Tokenizer and corpus cache once, before the simulations read them side by side.
     subprocess.run([sys.executable, "-c", "from hetloco_ds import data; from hetloco_ds.config import load_config; "
                     "t = data.default_tokenizer(vocab_size=load_config(None).hetloco.train.vocab_size, progress=False); "
                     "data.load_corpus(None, t, load_config(None).hetloco.train.seq_len, progress=False)"],
                    env=env, check=True, capture_output=True)
-    t0, load0 = time.time(), os.getloadavg()
     results, running = [], []
     while jobs or running:
         while jobs and len(running) < args.parallel:
             row, seed = jobs.pop(0)
             cmd = [sys.executable, __file__, "--one", f"{row}:{seed}", "--steps", str(args.steps), "--model", args.model]
+            cmd += ["--inner-steps", str(args.inner_steps)] if args.inner_steps else []
             running.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         p = running.pop(0)
         out, err = p.communicate(timeout=7200)
@@ -116,6 +140,11 @@ def main(argv=None) -> int:
         results.append(res)
         print(f"{res['row']:>11} seed {res['seed']}: val {res['val_loss']:.4f} train {res['final_train_loss']:.4f} "
               f"({res['seconds']:.0f} s)", flush=True)
+    return results
+
+
+def report_rows(results: list[dict], args, argv, t0: float, load0) -> None:
+    """Each row against every_step of the same seed; writes tied_embeddings.json under --out."""
     base = {r["seed"]: r["val_loss"] for r in results if r["row"] == "every_step"}
     for r in results:
         r["val_vs_every_step_pct"] = 100 * (r["val_loss"] - base[r["seed"]]) / base[r["seed"]] if r["seed"] in base else None
@@ -131,6 +160,7 @@ def main(argv=None) -> int:
         "machine": {"cpu": platform.processor(), "cores": os.cpu_count(), "loadavg_at_start": load0,
                     "loadavg_at_end": os.getloadavg()},
         "settings": {"config": "hetloco_ds/configs/cpu_tiny.json", "model": args.model, "steps": args.steps,
+                     "inner_steps": args.inner_steps or "the config's",
                      "replicas": 2, "stages": 2, "compressed_replicas": [1]},
         "summary": table,
         "results": results,
@@ -144,7 +174,6 @@ def main(argv=None) -> int:
     for row, t in table.items():
         print(f"{row:>11}: mean val {t['val_loss_mean']:.4f}; vs every_step {t['val_vs_every_step_pct']} %")
     print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

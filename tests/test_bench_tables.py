@@ -7,7 +7,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def _module(name: str):
+def bench_module(name: str):
+    """bench/NAME.py as a module (bench/ is scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -23,7 +24,7 @@ def _row(mode: str, lr: float, per_seed: dict[int, float], **extra) -> dict:
 def test_best_lr_compares_rows_on_the_seeds_they_all_ran():
     # The committed 5000-step sweep: 4e-3 beats 3e-3 on seed 0 (1.5723 vs 1.5745); its second seed
     # (1.5858) lifts its mean above 3e-3's single seed, which must not decide.
-    st = _module("summarize_tables")
+    st = bench_module("summarize_tables")
     rows = [_row("adamw", 2e-3, {0: 1.5827}), _row("adamw", 3e-3, {0: 1.5745}),
             _row("adamw", 4e-3, {0: 1.5723, 1: 1.5858}), _row("adamw", 6e-3, {0: 1.5882}),
             _row("sparseloco", 2e-3, {0: 1.7636, 1: 1.7586}), _row("sparseloco", 3e-3, {0: 1.7707}),
@@ -34,7 +35,7 @@ def test_best_lr_compares_rows_on_the_seeds_they_all_ran():
 
 
 def test_best_lr_without_a_shared_seed_falls_back_to_each_rows_mean_and_lr_from_reads_both_forms(tmp_path):
-    st, pt = _module("summarize_tables"), _module("paper_tables")
+    st, pt = bench_module("summarize_tables"), bench_module("paper_tables")
     rows = [_row("adamw", 3e-3, {0: 1.60}), _row("adamw", 4e-3, {1: 1.58, 2: 1.61})]
     best = st.best_lr(rows)
     assert best == {"adamw": {"lr": 4e-3, "seeds": None}}

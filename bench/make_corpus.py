@@ -1,20 +1,25 @@
-"""A large real corpus built on the GPU machine itself, from the source files it already has.
+"""The paper-table corpus: source files tokenised into int16 blocks, for bench/paper_tables.py.
 
-The paper-regime table rows (bench/paper_tables.py) read 8 replicas x 16K tokens x 5000 steps =
-655M tokens each; the device tool carries at most 64 MiB (about 30M int16 tokens), which a row
-would repeat about 25 times. The GPU machine's image holds far more source text (PyTorch, JAX,
-CuPy, transformers, ... and their C/CUDA headers), so this script tokenises it there, with the
-tokenizer carried from here (the default BPE-8192, `hetloco_ds.data.default_tokenizer`):
+The paper-regime table rows read 8 replicas x 16K tokens x 5000 steps = 655M tokens each, so the
+corpus is built where much text is: on the GPU machine, from the source files its image already
+holds (PyTorch, JAX, CuPy, transformers, ... and their C/CUDA headers), with a tokenizer saved
+here (the default BPE-8192 of `hetloco_ds.data.default_tokenizer`):
 
-    python bench/make_device_corpus.py --tokenizer .benchdata/tokenizer --out /tmp/corpus.pt \\
+    python -c "from hetloco_ds import data; data.default_tokenizer(vocab_size=8192).save_pretrained('.benchdata/tokenizer')"
+    python bench/make_corpus.py --tokenizer .benchdata/tokenizer --out runs/corpus_seq256.pt \\
         --roots /opt/torch/.venv/lib/python3.12/site-packages /usr/local/cuda/include
+    python bench/make_corpus.py --tokenizer .benchdata/tokenizer --out .benchdata/code_bpe8192_seq256.pt \\
+        --suffixes .py --max-bytes 9e7       # a smaller one: this interpreter's stdlib and site-packages
 
-Files (.py, .pyi, .h, .hpp, .cuh, .c, .cc, .cpp, .cu, .md, .rst, .txt; UTF-8, 64 B .. 400 KB, test
-and example folders left out) are ordered by the SHA-256 of their path relative to their root;
-a file whose content hash was already taken is skipped (vendored copies). Validation documents
-are held out whole by `hetloco_ds.data`'s own hash rule (2%). Tokens go through the Rust
-tokenizer's parallel batch encoding, no `datasets` needed. Output: the same layout as
-bench/make_code_corpus.py ({"train", "val"} int16 [N, seq_len] blocks, "vocab_size", "description").
+Files (`--suffixes`: .py, .pyi, .h, .hpp, .cuh, .c, .cc, .cpp, .cu, .md, .rst, .txt by default;
+UTF-8, 64 B .. 400 KB, test and example folders left out) are ordered by the SHA-256 of their path
+relative to their root; a file whose content hash was already taken is skipped (vendored copies).
+Validation documents are held out whole by `hetloco_ds.data`'s own hash rule (2%). Tokens go
+through the Rust tokenizer's parallel batch encoding, no `datasets` needed. Output: {"train",
+"val"} int16 [N, seq_len] blocks (vocab <= 32768; paper_tables widens them on load),
+"vocab_size", "description".
+
+`--cpu-smoke` is the same path with at most 1 MB of text.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ SUFFIXES = {".py", ".pyi", ".h", ".hpp", ".cuh", ".c", ".cc", ".cpp", ".cu", ".m
 SKIP_DIRS = {"tests", "test", "testing", "__pycache__", "examples", "benchmarks", ".git"}
 
 
-def source_files(roots: list[Path], min_bytes: int, max_bytes: int) -> list[tuple[str, Path]]:
+def source_files(roots: list[Path], suffixes: set[str], min_bytes: int, max_bytes: int) -> list[tuple[str, Path]]:
     """(key, path) of every candidate file, in SHA-256 order of the key (root index + relative path)."""
     found = []
     for i, root in enumerate(roots):
@@ -44,7 +49,7 @@ def source_files(roots: list[Path], min_bytes: int, max_bytes: int) -> list[tupl
             dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
             for name in files:
                 path = Path(folder, name)
-                if path.suffix not in SUFFIXES or name.startswith("test_") or path.is_symlink():
+                if path.suffix not in suffixes or name.startswith("test_") or path.is_symlink():
                     continue
                 try:
                     size = path.stat().st_size
@@ -95,14 +100,19 @@ def pack(docs: list[np.ndarray], seq_len: int) -> torch.Tensor:
     return torch.from_numpy(stream[: n * seq_len].reshape(n, seq_len).copy())
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", required=True, help="directory of a saved PreTrainedTokenizerFast (vocab <= 32768)")
-    p.add_argument("--roots", nargs="+", default=[next(x for x in sys.path if x.endswith("site-packages"))])
+    p.add_argument("--roots", nargs="+", default=[str(data.stdlib_root()),
+                                                  next(x for x in sys.path if x.endswith("site-packages"))])
+    p.add_argument("--suffixes", default=",".join(sorted(SUFFIXES)), help="comma-separated file suffixes to read")
     p.add_argument("--max-bytes", type=float, default=6e8, help="stop adding files past this much text")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--out", required=True)
-    args = p.parse_args()
+    p.add_argument("--cpu-smoke", action="store_true", help="at most 1 MB of text")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        args.max_bytes = min(args.max_bytes, 1e6)
     from transformers import PreTrainedTokenizerFast
 
     t0 = time.time()
@@ -110,7 +120,8 @@ def main() -> int:
     if len(tok) > 2**15:
         sys.exit(f"vocabulary {len(tok)} does not fit int16")
     roots = [Path(r) for r in args.roots if Path(r).is_dir()]
-    keys, texts = read_unique(source_files(roots, 64, 400_000), int(args.max_bytes))
+    suffixes = {x if x.startswith(".") else "." + x for x in args.suffixes.split(",") if x}
+    keys, texts = read_unique(source_files(roots, suffixes, 64, 400_000), int(args.max_bytes))
     nbytes = sum(len(t) for t in texts)
     print(f"read {len(texts)} files ({nbytes / 1e6:.0f}M characters) in {time.time() - t0:.0f} s", flush=True)
     held = set(data._holdout_order(keys)[: data._holdout_count(len(keys), data.DEFAULT_VAL_FRACTION)])

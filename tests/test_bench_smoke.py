@@ -1,0 +1,265 @@
+"""Every bench script on the CPU, each checked on numbers a reader of its results relies on, against
+a reference the bench did not compute (transformers' parameter count, the per-replica simulator, the
+payload a real outer step made, the analytic link bytes). Most run their `--cpu-smoke` mode; the
+shaped-link benches (root and minutes) replay their committed results through their own code; the
+4-rank gpu_four.py and the elastic gpu_elastic.py (each over a minute of CPU) are checked through
+their verdict and summary code on hand-made inputs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_bench_tables import BENCH, bench_module
+
+REPO = BENCH.parent
+RESULTS = BENCH / "results"
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HETLOCO_QUIET="1", TQDM_DISABLE="1",
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "OUT"):
+        env.pop(k, None)
+    return {**env, **extra}
+
+
+def _run(argv: list[str], timeout: float, **env) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _hf_params(preset: str, vocab: int) -> int:
+    """transformers' own count for the preset: the reference every bench's n_params must equal."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hetloco_ds.presets import model_config_for
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(model_config_for(preset, vocab)).num_parameters()
+
+
+def test_gpu_sh_runs_gpu_throughput_on_the_cpu_and_every_system_trains_the_same_model(tmp_path):
+    """Breaks if bench/gpu.sh stops running a bench (its --cpu path, the environment record, the log,
+    the exit status), or if the three systems of gpu_throughput.py stop training the same model or
+    report tokens/s that are not their tokens over their step time."""
+    out = tmp_path / "out"
+    _run(["bash", "bench/gpu.sh", "--cpu", "gpu_throughput.py", "--cpu-smoke", "--profile-shapes", "",
+          "--out", str(out / "tp.json")], timeout=600, OUT=str(out))
+    assert "torch" in (out / "env.txt").read_text() and "[bench] wrote" in (out / "gpu_throughput.log").read_text()
+    report = json.loads((out / "tp.json").read_text())
+    rows = {r["system"]: r for r in report["results"]}
+    assert sorted(rows) == ["ds", "hf", "ours"]
+    for r in rows.values():
+        assert r["n_params"] == _hf_params("tiny", 1024)
+        assert r["tokens_per_step"] == 2 * 64
+        assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_s_median"])
+        assert abs(r["last_loss"] - math.log(1024)) < 1.0  # a fresh model on random tokens
+
+
+def test_gpu_sh_stops_before_the_bench_without_the_gpus_it_asks_for(tmp_path):
+    """Breaks if bench/gpu.sh starts a bench on a machine with fewer GPUs than --gpus says."""
+    proc = subprocess.run(["bash", "bench/gpu.sh", "--gpus", "2", "plan_figures.py", "--out", str(tmp_path / "pf")],
+                          cwd=REPO, env=_env(OUT=str(tmp_path)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "need 2 GPUs, found 0" in proc.stdout
+    assert not (tmp_path / "pf").exists()
+
+
+def test_outer_step_payload_is_what_the_size_rule_says(tmp_path):
+    """Breaks if outer_step.py's byte and parameter counts stop being the real ones."""
+    os_ = bench_module("outer_step")
+    assert os_.main(["--cpu-smoke", "--out", str(tmp_path / "os.json")]) == 0
+    r = json.loads((tmp_path / "os.json").read_text())
+    assert r["n_params"] == _hf_params("tiny", 1024)
+    assert r["payload_bytes_made"] == [r["payload_bytes"]]
+    assert r["outer_M1_ms"] > 0 and r["bandwidth_floor"]["prepare_floor_ms"] > 0
+
+
+def test_sim_check_batched_simulator_equals_the_per_replica_one(tmp_path):
+    """Breaks if sim_check.py stops comparing the two simulators (or they part)."""
+    sc = bench_module("sim_check")
+    assert sc.main(["--cpu-smoke", "--out", str(tmp_path / "sc.json")]) == 0
+    r = json.loads((tmp_path / "sc.json").read_text())["results"]
+    assert r["batched"]["max_rel_vs_per_replica"] <= 1e-5 and len(r["per_replica"]["losses"]) == 2
+    assert r["batched"]["outer"] == {"outer_step": 1, "excluded": []}
+
+
+def test_sim_throughput_simulators_agree_at_the_outer_step(tmp_path):
+    """Breaks if sim_throughput.py's simulators stop running the same model and outer step as the engine."""
+    _run([sys.executable, "bench/sim_throughput.py", "--cpu-smoke", "--replicas", "2", "--steps", "1",
+          "--out", str(tmp_path / "st.json")], timeout=600)
+    rows = {r["system"]: r for r in json.loads((tmp_path / "st.json").read_text())["results"]}
+    assert sorted(rows) == ["engine", "sim_batched", "sim_per_replica"]
+    assert {r["n_params"] for r in rows.values()} == {_hf_params("tiny", 1024)}
+    a, b = rows["sim_batched"]["last_outer_diagnostics"], rows["sim_per_replica"]["last_outer_diagnostics"]
+    assert a["excluded"] == b["excluded"] == [] and a["outer_step"] == b["outer_step"] == 2
+    assert a["replicas_per_selected"] == pytest.approx(b["replicas_per_selected"], rel=1e-5)
+
+
+def test_tied_embeddings_rows_start_from_the_same_model_and_part_after_it(tmp_path):
+    """Breaks if tied_embeddings.py's rows stop being like for like (same start, same data) or stop
+    differing in what they compare (how the two copies are tied)."""
+    te = bench_module("tied_embeddings")
+    te.main(["--cpu-smoke", "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "tied_embeddings.json").read_text())
+    rows = {x["row"]: x for x in r["results"]}
+    assert rows["every_step"]["train_losses"][0] == rows["outer_step"]["train_losses"][0]
+    assert rows["every_step"]["train_losses"][1:] != rows["outer_step"]["train_losses"][1:]
+    got = r["summary"]["outer_step"]["val_vs_every_step_pct"][0]
+    want = 100 * (rows["outer_step"]["val_loss"] / rows["every_step"]["val_loss"] - 1)
+    assert got == pytest.approx(want, abs=1e-3)
+
+
+def test_corpus_then_paper_tables_then_summary(tmp_path):
+    """make_corpus.py -> paper_tables.py -> summarize_tables.py, as the tables are made. Breaks if the
+    corpus stops decoding to its source text, a table row stops training on it, the FLOP count's
+    parameter rule drifts from transformers', or the summary loses a row."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    text = "def f(x):\n    return x * 2  # doubles\n" * 400
+    for i in range(12):
+        (src / "pkg" / f"m{i}.py").write_text(f"# module {i}\n" + text)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<unk>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(tmp_path / "tok")
+    corpus = tmp_path / "corpus.pt"
+    assert bench_module("make_corpus").main(["--tokenizer", str(tmp_path / "tok"), "--roots", str(src),
+                                             "--seq-len", "32", "--out", str(corpus), "--cpu-smoke"]) == 0
+    import torch
+
+    blob = torch.load(corpus)
+    assert blob["train"].dtype == torch.int16 and blob["train"].shape[1] == 32 and len(blob["val"]) > 0
+    back = PreTrainedTokenizerFast.from_pretrained(tmp_path / "tok").decode(blob["train"][:4].flatten().tolist())
+    assert "return x * 2  # doubles" in back
+
+    out = tmp_path / "tables"
+    assert bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--out", str(out)]) == 0
+    run = json.loads((out / "paper_tables_smoke_g0p0.json").read_text())
+    assert run["n_params"] == _hf_params("tiny", blob["vocab_size"])
+    rows = {r["variant"]["name"].split("@")[0]: r for r in run["rows"]}
+    assert sorted(rows) == ["het:8", "sparseloco"] and all(math.isfinite(r["val_loss"]) for r in rows.values())
+    st = bench_module("summarize_tables")
+    summary = {s["row"]: s for s in st.summarize(*st.load_rows([str(out)])[:2])}
+    assert summary["het:8"]["compressed_replicas"] == 1 and summary["sparseloco"]["compressed_replicas"] == 0
+    het, sl = rows["het:8"]["val_loss"], rows["sparseloco"]["val_loss"]
+    assert summary["het:8"]["delta_pct_mean"] == pytest.approx(100 * (het - sl) / sl)
+
+
+def test_plan_figures_reproduces_its_committed_results(tmp_path):
+    """Breaks if the cost model or plan_figures.py drift from bench/results/plan_figures.json."""
+    pf = bench_module("plan_figures")
+    assert pf.main(["--out", str(tmp_path)]) == 0
+    got, want = (json.loads(p.read_text()) for p in (tmp_path / "plan_figures.json", RESULTS / "plan_figures.json"))
+    assert _close(got, want)
+    assert (tmp_path / "plan_fig2.png").stat().st_size > 0
+
+
+def _close(a, b, path="") -> bool:
+    if isinstance(b, dict):
+        assert sorted(a) == sorted(b), path
+        return all(_close(a[k], b[k], f"{path}.{k}") for k in b)
+    if isinstance(b, list):
+        assert len(a) == len(b), path
+        return all(_close(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
+    if isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-9), path
+        return True
+    assert a == b, path
+    return True
+
+
+def test_overlap_links_committed_predictions_are_the_plans(tmp_path):
+    """Breaks if overlap_links.py's prediction or pass criteria, or the cost model under them, no longer
+    give what bench/results/overlap_links.json recorded (the shaped runs themselves need root and
+    minutes; tests/test_netlab.py runs the engine on a shaped link with shaped_links.py's method)."""
+    ol = bench_module("overlap_links")
+    sl = bench_module("shaped_links")
+    result = json.loads((RESULTS / "overlap_links.json").read_text())
+    for p in result["points"]:
+        bw = min(p["stage_bw_bps"] or sl.UNLIMITED, 1e15)
+        pred = ol.predict(p["stages"], p["ratio"], bw, p["schedule"], p["compute_seconds_per_microbatch_busiest"])
+        assert pred.total_time == pytest.approx(p["predicted"]["step_seconds"], rel=1e-9)
+    assert ol.agreement(result["points"]) == result["agreement"]
+    shaped = json.loads((RESULTS / "shaped_links.json").read_text())
+    assert sl.agreement(shaped["points"]) == shaped["agreement"]
+
+
+def test_gpu_two_counts_the_stage_link_bytes_it_sends(tmp_path):
+    """Breaks if gpu_two.py's measured stage-link bytes (two real ranks) stop equalling the analytic count."""
+    _run([sys.executable, "bench/gpu_two.py", "--cpu-smoke", "--configs", "a_ours_r8", "--out", str(tmp_path / "g2.json")],
+         timeout=600)
+    (two,) = json.loads((tmp_path / "g2.json").read_text())["results"]
+    link = two["stage_link"]
+    assert link["match"] and link["ratio"] == 8 and link["k"] == 128 // 8
+    assert link["activation_grad_sent"] == 2 * 2 * 64 * link["k"] * (2 if two["ds_config"]["bf16"]["enabled"] else 4)
+
+
+def test_gpu_four_judges_the_replicas_hashes():
+    """gpu_four.py's verdict on its per-stage parameter hashes, on hand-made ones (its --cpu-smoke runs
+    4 DeepSpeed ranks: over a minute of CPU, run by hand). Breaks if replicas that differ are called
+    identical, or a missing hash passes."""
+    g4 = bench_module("gpu_four")
+
+    def entry(stage, replica, **hashes):
+        return {"stage": stage, "replica": replica, "hashes": {k: {"sha256": v, "step": 1} for k, v in hashes.items()}}
+
+    table = g4.compare_hashes([entry(0, 0, init="a", inner="b", after_outer="c"),
+                               entry(0, 1, init="a", inner="x", after_outer="c"),
+                               entry(1, 0, init="d", inner="e", after_outer="f"),
+                               entry(1, 1, init="d", inner="y", after_outer=None)])
+    assert table["identical_init"] == {"stage0": True, "stage1": True}
+    assert table["identical_inner"] == {"stage0": False, "stage1": False}
+    assert table["identical_after_outer"] == {"stage0": True, "stage1": False}
+    with pytest.raises(SystemExit):
+        g4.parse_args(["--cpu-smoke", "--warmup", "3"])  # H = 3: the outer step would not be timed
+
+
+def test_resident_link_times_every_condition(tmp_path):
+    """Breaks if resident_link.py stops timing its GEMMs in each condition it lists."""
+    _run([sys.executable, "bench/resident_link.py", "--cpu-smoke", "--out", str(tmp_path / "rl.json")], timeout=600)
+    r = json.loads((tmp_path / "rl.json").read_text())
+    want = {f"{b}/carveout{c}/{res}" for b, c, res in bench_module("resident_link").conditions(False, 0)}
+    assert set(r["results"]) == want and len(want) == 4
+    assert all(x["ms_median"] > 0 for x in r["results"].values())
+    assert r["results"]["cpu/carveout0/none"]["vs_same_blas_alone"] == 1.0
+
+
+def test_gpu_elastic_summary_reads_the_phases_from_the_metrics_rows():
+    """gpu_elastic.py's summary on hand-made metrics rows with known answers (its --cpu-smoke starts
+    three training processes and a lighthouse: a minute on 2 cores, run by hand). Breaks if a phase
+    takes the wrong rows: the fault's outer step, the heal, the rejoin."""
+    ge = bench_module("gpu_elastic")
+
+    def step(s, t, secs=1.0):
+        return {"kind": "step", "step": s, "time": t, "tokens": 100, "seconds": secs}
+
+    def outer(s, t, members, secs, quorum, healed=False):
+        return {"kind": "outer", "step": s, "time": t, "members": members, "seconds": secs, "quorum_seconds": quorum,
+                "payload_bytes": 64, "healed": healed, "params_checksum": [s]}
+
+    # H = 2; replica 1 killed at t = 6.5, restarted at t = 10.5, healed at step 12 (t = 12).
+    r0 = [step(s, float(s)) for s in range(1, 15)]
+    r0 += [outer(2, 2.0, [0, 1], 0.9, 0.5), outer(4, 4.0, [0, 1], 0.1, 0.05), outer(6, 6.0, [0, 1], 0.3, 0.1),
+           outer(8, 8.0, [0], 3.2, 3.0), outer(10, 10.0, [0], 0.2, 0.1), outer(12, 12.0, [0, 1], 0.6, 0.4),
+           outer(14, 14.0, [0, 1], 0.2, 0.1)]
+    r1 = [step(s, float(s)) for s in range(1, 7)] + [step(s, 11.0 + s / 10) for s in (11, 12)]
+    r1 += [outer(12, 12.0, [0, 1], 0.6, 0.4, healed=True), outer(14, 14.0, [0, 1], 0.2, 0.1)]
+    s = ge.summarize(r0, r1, 6.5, 10.5, ge.parse_args(["--cpu-smoke"]))
+    assert s["fault_cost_s"]["first_outer_step_alone_quorum_s"] == 3.0
+    assert s["outer_step_s"]["two_members"] == {"median": 0.2, "n": 3, "quorum_median": 0.1}  # steps 4, 6, 14
+    assert s["outer_step_s"]["one_member"] == {"median": 0.2, "n": 1, "quorum_median": 0.1}  # step 10
+    assert s["recovery_s"]["healed_step"] == 12
+    assert s["recovery_s"]["restart_to_first_step"] == pytest.approx(11.0 + 1.1 - 10.5)
+    assert s["tokens_per_s_replica0"]["alone"]["steps"] == 3  # steps 9, 10, 11: between t 8 and t 12
+    assert s["checksums_equal_after_heal"]
