@@ -21,6 +21,9 @@ steps (outer steps inside steps H, 2H, ...); M = world / stages replicas, replic
                        peaks by; `stock_state_gib` stock DeepSpeed's bf16 state for the same parameters
   param_sha256         the stage's parameters after the last step: equal across placements when the
                        kernels are deterministic (`--deterministic`; flash attention's backward is not)
+  snapshot             with `--snapshot-step N`: the allocator's history over step N (the outer step's
+                       when N is a multiple of H), dumped to --snapshot-dir as <placement>_rank<r>.pickle
+                       for https://pytorch.org/memory_viz: which tensors make each peak
 
 The summary per placement takes the max over ranks; `saved_gib` is gpu - cpu of peak_gib per rank (max),
 `outer_s_added` the median outer step's cpu - gpu, `same_bits` whether every rank's hash agrees.
@@ -76,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated subset of gpu,cpu")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels (math attention), so the placements' parameter hashes can agree")
+    p.add_argument("--snapshot-step", type=int, default=0, help="record the allocator's history over this step")
+    p.add_argument("--snapshot-dir", default=None, help="where the snapshots go (default $OUT or the --out folder)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per placement (all ranks)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/outer_state.json or bench/results/)")
     p.add_argument("--cpu-smoke", action="store_true", help="preset tiny, vocab 256, seq 32, micro 2, gas 2, "
@@ -89,6 +94,8 @@ def parse_args(argv=None):
         args.steps = 2 * args.inner_steps + 1
     if args.world % args.stages:
         p.error(f"--world {args.world} is not a multiple of --stages {args.stages}")
+    if args.snapshot_step and args.snapshot_dir is None:
+        args.snapshot_dir = os.environ.get("OUT") or os.path.dirname(os.path.abspath(args.out or "outer_state.json"))
     if args.steps < args.inner_steps + 1:
         p.error(f"--steps {args.steps} must reach past the first outer step at step H = {args.inner_steps}")
     bad = [x for x in args.placements.split(",") if x not in PLACEMENTS]
@@ -140,7 +147,14 @@ def run_placement(cfg, args, part) -> None:
     for i in range(1, args.steps + 1):
         train_peak.clear()
         reset_peak()
+        snapshot = cuda and i == args.snapshot_step
+        if snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         rec, dt, _ = timed_call(lambda: engine.train_step(data), COUNTER, count=False)
+        if snapshot:
+            part["snapshot"] = os.path.join(args.snapshot_dir, f"{args.worker}_rank{part['rank']}.pickle")
+            torch.cuda.memory._dump_snapshot(part["snapshot"])
+            torch.cuda.memory._record_memory_history(enabled=None)
         outer = rec.outer
         steps.append({"step": i, "s": dt, "loss": rec.loss,
                       "train_peak_gib": train_peak[0] if train_peak else mem_gib("peak"),
@@ -238,7 +252,8 @@ def _drive(args) -> dict:
     report = new_report(args, "this script spawns --world processes per placement (fresh), one per GPU; "
                               "the driver writes this file", __doc__.split("The summary")[0].strip())
     passthru = worker_argv(args, ["--shape", "--vocab", "--seq", "--micro", "--gas", "--world", "--stages",
-                                  "--ratio", "--inner-steps", "--steps"], ["--cpu-smoke", "--deterministic"])
+                                  "--ratio", "--inner-steps", "--steps", "--snapshot-step", "--snapshot-dir"],
+                           ["--cpu-smoke", "--deterministic"])
     ok, rows = True, {}
     with tempfile.TemporaryDirectory(prefix="outer_state_") as tmp:
         for name in args.placements.split(","):
@@ -261,13 +276,15 @@ def measure_outer_state(shape: str | None = None, vocab: int | None = None, worl
                         stages: int | None = None, micro: int | None = None, gas: int | None = None,
                         seq: int | None = None, inner_steps: int | None = None, steps: int | None = None,
                         ratio: int | None = None, placements=PLACEMENTS, deterministic: bool = False,
+                        snapshot_step: int | None = None, snapshot_dir: str | None = None,
                         timeout: float | None = None, out: str | None = None, cpu_smoke: bool = False) -> dict:
     """One run of this bench (module docstring), returned as a dict: `results` (a row per placement, its
     ranks under `ranks`), `comparison` (saved_gib, outer_s_added, same_bits, same_losses) and `ok`.
     Arguments left None take the command line's defaults (the smoke's under `cpu_smoke`); the JSON
     goes to `out`, or to a temporary file that is removed."""
     options = dict(shape=shape, vocab=vocab, world=world, stages=stages, micro=micro, gas=gas, seq=seq,
-                   inner_steps=inner_steps, steps=steps, ratio=ratio, timeout=timeout)
+                   inner_steps=inner_steps, steps=steps, ratio=ratio, snapshot_step=snapshot_step,
+                   snapshot_dir=snapshot_dir, timeout=timeout)
     argv = ["--cpu-smoke"] if cpu_smoke else []
     for key, value in options.items():
         if value is not None:
