@@ -94,6 +94,21 @@ def barrier():
     dist.barrier()
 
 
+def deterministic_kernels() -> None:
+    """Kernels that give the same bits run after run (before the first CUDA work of the process): torch's
+    deterministic algorithms (warn_only), a fixed cuBLAS workspace and the math attention backend."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first starts
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # Under warn_only, flash and cuDNN attention keep their non-deterministic backward (they only
+    # warn: the first GPU bit check, two blocking runs, differed from step 1 on); the math backend
+    # is plain GEMMs and softmax, deterministic under the fixed cuBLAS workspace.
+    for backend in ("flash", "mem_efficient", "cudnn"):
+        getattr(torch.backends.cuda, f"enable_{backend}_sdp")(False)
+    torch.backends.cuda.enable_math_sdp(True)
+
+
 def mem_gib(kind: str) -> float | None:
     """Device memory in GiB, "peak" (max allocated since the last reset) or now; None on the CPU."""
     import torch

@@ -87,7 +87,8 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
 from _common import (  # noqa: E402 - stdlib-only at import; torch / deepspeed are imported inside
-    CollectiveCounter, add_model_args, batches, build_ours, build_stock, config_row, device_time_us, driver_setup,
+    CollectiveCounter, add_model_args, batches, build_ours, build_stock, config_row, deterministic_kernels,
+    device_time_us, driver_setup,
     finish_report, fmt_bytes, new_report, ours_config, ours_part_info, peak_gib, pick_configs, profiled, run_main, run_worker, same,
     spawn_workers, stage_hash, stock_config, stock_p2p_meter, stock_part_info, timed_call, versions_line, worker_argv,
     write_report,
@@ -321,16 +322,7 @@ def run_ds(spec, cfg, args, part) -> None:
 
 def worker_main(args) -> int:
     if args.deterministic:
-        import torch
-
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS first starts
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        # Under warn_only, flash and cuDNN attention keep their non-deterministic backward (they only
-        # warn: the first GPU bit check, two blocking runs, differed from step 1 on); the math backend
-        # is plain GEMMs and softmax, deterministic under the fixed cuBLAS workspace.
-        for backend in ("flash", "mem_efficient", "cudnn"):
-            getattr(torch.backends.cuda, f"enable_{backend}_sdp")(False)
-        torch.backends.cuda.enable_math_sdp(True)
+        deterministic_kernels()
     spec = {c["name"]: c for c in args_configs(args)}[args.worker]
     run = run_ours if spec["system"] == "ours" else run_ds
     return run_worker(args, COUNTER, lambda cfg, part: run(spec, cfg, args, part), system=spec["system"], spec=spec)

@@ -126,7 +126,8 @@ class StageAlgorithm:
                 emb.weight.copy_(t_s)
                 emb.perp = self.perp
         if self.sparseloco:
-            self.outer = SparseLoCoState(self.params, self.cfg.sparseloco)
+            self.outer = SparseLoCoState(self.params, self.cfg.sparseloco,
+                                         on_host=self.cfg.sparseloco.outer_state_device == "cpu")
 
     # ------------------------------------------------------------------ inner loop
     @torch.no_grad()
@@ -161,7 +162,7 @@ class StageAlgorithm:
         keep = self.kept_average
         theta_old = None
         if self.tied_apart and keep:
-            theta_old = self.outer.theta_prev[keep[0]].clone()
+            theta_old = self.outer.synced(keep[0])
         report = self.outer.finish(self.params, gathered.payloads, keep_average=keep, count_selected=count_selected)
         if self._syncs_embedding:
             own = report.averages[keep[0]] if keep else None

@@ -64,6 +64,11 @@ class SparseLoCoConfig(_Section):
     aggregating (a no-op among honest replicas; bounds what one outlier moves); none: no clip."""
     outer_momentum: float = Field(0.0, ge=0, lt=1)
     """Nesterov momentum of the outer SGD; 0 is the paper's plain SGD (DiLoCo: 0.9 with outer_lr 0.7)."""
+    outer_state_device: Literal["gpu", "cpu"] = "gpu"
+    """Where theta at the last sync and the error-feedback buffers (and the outer momentum) live between outer
+    steps. gpu: on the stage's device. cpu: in host memory (pinned on a GPU machine), 8 B/parameter (12 with
+    outer momentum) off the device, brought over in slices during the outer step on a side stream that
+    overlaps its compute; the same bits train, the outer step pays the copies it cannot hide."""
     tied_embeddings: Literal["outer_step", "every_step"] = "outer_step"
     """A tied model split over stages (tie_word_embeddings, S > 1). outer_step: the embedding and the head copy
     train separately between outer steps and are made equal again at each one from their sparse aggregates;

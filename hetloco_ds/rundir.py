@@ -38,6 +38,8 @@ RESUME_MAY_CHANGE = (
     # How stage links are driven: the schedules train bit for bit alike; CTAs and the carveout are timing
     # (the carveout's cuBLASLt kernels round like another GEMM algorithm would, as train.compile does).
     "hetloco.pipeline",
+    # Where the outer state waits between outer steps: the same bits either way.
+    "hetloco.sparseloco.outer_state_device",
 )
 
 

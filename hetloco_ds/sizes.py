@@ -229,6 +229,23 @@ def step_control_nbytes(stages: int) -> int:
     return 0 if stages == 1 else 4 + 8 * (1 + 2 * len(BYTE_KINDS) + stages)
 
 
+# --------------------------------------------------------------------------- device memory
+def stage_state_bytes(params: int, bf16: bool = True, sparseloco: bool = True, outer_state_device: str = "gpu",
+                      outer_momentum: bool = False) -> int:
+    """Device bytes a stage's `params` trainable parameters hold at the height of a training step,
+    activations aside: fp32 weights 4 + fp32 gradients 4 + AdamW's two fp32 moments 8 per parameter;
+    under bf16 the step's cached bf16 weight casts 2 (`HetlocoEngine._weight_casts`; an upper bound,
+    embedding and norm weights are never cast); under SparseLoCo with the outer state on the device,
+    theta at the last sync 4 + error feedback 4 (+ outer momentum 4). `outer_state_device` "cpu" keeps
+    those on the host (`sparseloco.outer_state_device`)."""
+    if outer_state_device not in ("gpu", "cpu"):
+        raise ValueError(f"outer_state_device must be 'gpu' or 'cpu', got {outer_state_device!r}")
+    per = 4 + 4 + 8 + (2 if bf16 else 0)
+    if sparseloco and outer_state_device == "gpu":
+        per += 8 + (4 if outer_momentum else 0)
+    return params * per
+
+
 # --------------------------------------------------------------------------- pipeline layout
 @dataclass(frozen=True)
 class LayerLayout:

@@ -120,6 +120,9 @@ CONFIG_CASES = {
     "link_transport_unknown": (
         {"hetloco.pipeline.link_transport": "nvlink"},
         "{cfg}: hetloco.pipeline.link_transport = 'nvlink': Input should be 'auto', 'process_group' or 'copy_engine'"),
+    "outer_state_device_unknown": (
+        {"hetloco.sparseloco.outer_state_device": "host"},
+        "{cfg}: hetloco.sparseloco.outer_state_device = 'host': Input should be 'gpu' or 'cpu'"),
     "topk_larger_than_chunk": (
         {"hetloco.sparseloco.topk": 5000},
         "{cfg}: hetloco.sparseloco.topk = 5000 exceeds chunk_size = 4096 (values kept per chunk)"),
@@ -307,15 +310,17 @@ def test_resume_with_another_config_is_refused_naming_the_difference(inputs, rec
 
 def test_only_changes_that_alter_training_count_as_differences_on_resume():
     """What --resume compares: a changed topk or ratio is a difference; how stage links are driven
-    (schedule, CTAs, the GEMM carveout, the transport: timing, the same bits arrive) and how often to
-    validate or checkpoint are not. Breaks if a timing knob blocked a resume, or if the pipeline
-    exemption swallowed a training key beside it."""
+    (schedule, CTAs, the GEMM carveout, the transport: timing, the same bits arrive), where the outer
+    state waits between outer steps (the same bits) and how often to validate or checkpoint are not.
+    Breaks if a timing knob blocked a resume, or if the pipeline exemption swallowed a training key
+    beside it."""
     from hetloco_ds.config import parse_config
     from hetloco_ds.rundir import config_differences
 
     base = {"pipeline": {"stages": 2}, "hetloco": {"sparseloco": {"topk": 32}}}
     then = parse_config(base)
-    timing = parse_config({**base, "hetloco": {**base["hetloco"], "train": {"eval_interval": 7},
+    timing = parse_config({**base, "hetloco": {"sparseloco": {"topk": 32, "outer_state_device": "cpu"},
+                                               "train": {"eval_interval": 7},
                                                "pipeline": {"schedule": "overlapped", "link_max_ctas": 4,
                                                             "gemm_sm_carveout": "auto",
                                                             "link_transport": "copy_engine"}}})

@@ -409,3 +409,44 @@ def test_size_rule_payload_equals_the_codecs_under_every_rule(preset, quant_bits
     want = sizes.stage_payload_nbytes(SHAPES, cfg.chunk_size, cfg.topk, cfg.quant_bits, value_bytes,
                                       cfg.chunking, cfg.topk_rule, dense=cfg.aggregation == "dense")
     assert states[0].prepare(params[0]).numel() == payload_nbytes(SHAPES, cfg) == want
+
+
+@pytest.mark.parametrize("cfg", [
+    OuterConfig(chunk_size=64, topk=8, quant_bits=2),
+    OuterConfig(**PRESETS["templar"]),
+    OuterConfig(**PRESETS["diloco"]),
+], ids=["quant2", "templar", "diloco_momentum"])
+def test_host_resident_state_and_sliced_groups_train_the_same_bits(cfg):
+    """outer_state_device "cpu" (the state in host memory, copied in and out unit by unit) and groups
+    cut into one-member units, against the state on the device in whole groups: 3 replicas, 3 outer
+    steps, the second with a non-finite replica; every payload, parameter, theta_prev, error and
+    momentum bitwise equal, and a state_dict from one placement resumes in the other. Breaks if the
+    host path skips a write-back (the new error, theta_prev, momentum), reads a stale copy, or if
+    slicing a group changes what is selected, clipped or summed."""
+    variants = {"device": {}, "host": dict(on_host=True), "host_sliced": dict(on_host=True, unit_numel=1),
+                "device_sliced": dict(unit_numel=1)}
+    g = torch.Generator().manual_seed(7)
+    theta0 = [torch.randn(s, generator=g) for s in SHAPES]
+    runs = {}
+    for name, kw in variants.items():
+        params = [[t.clone() for t in theta0] for _ in range(3)]
+        runs[name] = (params, [SparseLoCoState(p, cfg, **kw) for p in params], [])
+    assert all(s.on_host for s in runs["host"][1]) and len(runs["host_sliced"][1][0]._units) == len(SHAPES)
+    for step in range(3):
+        for params, states, payloads in runs.values():
+            inner_steps(params, seed=40 + step)
+            if step == 1:
+                params[2][1][5] = float("nan")
+            payloads.append(outer_step(params, states)[0])
+    ref_params, ref_states, ref_payloads = runs["device"]
+    for name, (params, states, payloads) in runs.items():
+        assert all(torch.equal(a, b) for a, b in zip(sum(payloads, []), sum(ref_payloads, []))), name
+        for p, s, rp, rs in zip(params, states, ref_params, ref_states):
+            assert all(torch.equal(a, b) for a, b in zip(p, rp)), name
+            for field in ("theta_prev", "error") + (("momentum",) if cfg.outer_momentum else ()):
+                assert all(torch.equal(a, b) for a, b in zip(getattr(s, field), getattr(rs, field))), (name, field)
+    # A checkpoint of the device placement resumes on the host and sends the same bytes.
+    inner_steps(ref_params, seed=50)
+    resumed = SparseLoCoState([p.clone() for p in ref_params[0]], cfg, on_host=True, unit_numel=1)
+    resumed.load_state_dict(ref_states[0].state_dict())
+    assert torch.equal(resumed.prepare([p.clone() for p in ref_params[0]]), ref_states[0].prepare(ref_params[0]))

@@ -255,3 +255,41 @@ def test_adamw_het_replicas_stay_bitwise_identical(hf_untied):
         a, b = sorted((r for r in results if r["stage"] == stage), key=lambda r: r["replica"])
         for step in range(steps):
             assert a["hashes"][step] == b["hashes"][step], f"stage {stage}: replicas differ after step {step + 1}"
+
+
+def _placement_body(rank, hf_dir, ds_cfg, steps):
+    engine, module, _ = build_from_hf(hf_dir, ds_cfg, SEQ)
+    records = []
+    for step in range(1, steps + 1):
+        rec = engine.train_step(iter(_batches(engine.replica, step)))
+        records.append((rec.loss, _params_hash(module)))
+    outer = engine.algorithm.state_dict()["outer"]  # what checkpoint.save writes for the algorithm
+    return {"replica": engine.replica, "stage": engine.stage_id, "records": records,
+            "on_host": engine.algorithm.outer.on_host,
+            "outer": [t.clone() for t in outer["theta_prev"] + outer["error"]]}
+
+
+def test_outer_state_on_the_host_trains_the_same_bits_as_on_the_device(hf_untied):
+    """sparseloco.outer_state_device "cpu" against "gpu" (the state on the parameters' device), 2 replicas,
+    replica 1 compressed (the embedding's resync rebases theta_prev), 2 outer steps: every step's loss
+    and parameters bitwise equal on every rank, and the algorithm state a checkpoint holds (theta at the
+    last sync, error feedback) equal too. Breaks if the setting does not reach the stage's state, if the
+    host placement drops a write-back or reads a stale copy, or if the state leaves
+    StageAlgorithm.state_dict."""
+    H, steps = 2, 4
+    runs = {}
+    for where in ("gpu", "cpu"):
+        cfg = _config(1, H)
+        cfg["hetloco"]["sparseloco"]["outer_state_device"] = where
+        cfg["hetloco"]["subspace"] = {"ratio": 8, "compressed_replicas": [1]}
+        runs[where] = {(r["replica"], r["stage"]): r for r in run_ranks(_placement_body, 2, hf_untied, cfg, steps)}
+    assert sorted(runs["gpu"]) == sorted(runs["cpu"]) == [(0, 0), (1, 0)]
+    for key, on_device in runs["gpu"].items():
+        on_host = runs["cpu"][key]
+        assert on_host["records"] == on_device["records"], f"replica, stage {key}: losses or parameters differ"
+        assert all(torch.equal(a, b) for a, b in zip(on_host["outer"], on_device["outer"])), key
+        assert on_host["on_host"] and not on_device["on_host"]
+    # the replicas differ between outer steps and agree after them, in both runs
+    for run in runs.values():
+        a, b = run[(0, 0)]["records"], run[(1, 0)]["records"]
+        assert [x[1] == y[1] for x, y in zip(a, b)] == [False, True, False, True]

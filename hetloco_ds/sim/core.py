@@ -121,7 +121,7 @@ def outer_step_all(replicas, members: tuple[str, ...]) -> dict:
     for s in stages:
         algs = [r.algorithms[s] for r in replicas]
         ref = algs[0]
-        before = [t.clone() for t in ref.outer.theta_prev]  # the synced theta, alike on every replica
+        before = [t.to(dev, copy=True) for t in ref.outer.theta_prev]  # the synced theta, alike on every replica
         dense = [tp - torch.stack([a.params[i].detach().float() for a in algs]).mean(0) for i, tp in enumerate(before)]
         emb = [i for i, p in enumerate(ref.params) if any(p is e.weight for e in ref.embeddings)]
         perp = ref.perp.clone() if emb and ref.perp is not None else None

@@ -87,14 +87,26 @@ outer lr folded into one scale (equal to theta_prev - outer_lr * avg up to the l
 
 Cost: prepare makes two dense passes to form the new e (theta_prev - param, then + beta * e;
 the new buffer replaces the old one, no copy), one |.|/tiling pass, and torch.topk, which
-dominates (on an H200, ~8 of ~15 ms for 550M parameters); everything after top-k is
-O(selected). finish makes three dense passes (zero the sum, update theta_prev, copy theta into
-the parameters) plus one O(selected) scatter-add per replica. Memory: prepare holds the old and
-new error buffers until it knows the replica is finite (+4 B/parameter, transient); finish
-allocates a transient fp32 sum the size of one same-shape parameter group at a time.
+dominates; everything after top-k is O(selected). finish makes three dense passes (zero the
+sum, update theta_prev, copy theta into the parameters) plus one O(selected) scatter-add per
+replica. Both walk the state in units: a same-shape group's members in slices of at most
+`UNIT_NUMEL` elements (one member when a member is larger), so the transients beside the state
+(|e| tiles for top-k, the decoded sum, a host-resident unit's device copies) are a few units,
+not the size of the largest group. Memory: prepare holds the old and new error buffers until it
+knows the replica is finite (+4 B/parameter of the stage, transient, on the device); finish
+allocates a transient fp32 sum the size of one unit at a time.
 Under "dense" the payload is the whole stage (numel x value_dtype) and finish adds M whole
 tensors; norm_clip adds one O(selected) pass; outer_momentum one fp32 buffer per parameter
 (in state_dict as "momentum") and two dense passes.
+
+Where the state lives between outer steps (`on_host`, config `sparseloco.outer_state_device`):
+on the parameters' device, or in host memory (pinned when the device is a GPU), 8 B/parameter
+(12 with outer momentum) off the device. On the host, each unit is copied to the device on a
+side stream while the previous unit computes, and the results are copied back on that stream
+without a host wait (torchft's DiLoCo keeps its backup of the synced parameters on the host the
+same way); a host read of the state (`theta_prev`, `error`, `state_dict`, `rebase`) first waits
+for those copies. The computation is the same code on the same units either way, so the two
+placements train the same bits.
 """
 from __future__ import annotations
 
@@ -117,6 +129,8 @@ FLAG_FINITE = 1
 AGGREGATIONS = ("mean", "selected_count", "dense")
 NORM_CLIPS = ("none", "median")
 CLIP_EPS = 1e-8  # templar's: factor = min(1, median / (norm + 1e-8))
+UNIT_NUMEL = 1 << 26
+"""Elements of the largest slice of a same-shape group the outer step works on at once (module docstring)."""
 
 @dataclass(frozen=True)
 class OuterConfig:
@@ -240,13 +254,84 @@ class _Group:
         return len(self.members) * self.codec.nbytes
 
     @property
-    def row_offsets(self) -> Tensor:
-        """int64 [G]: where each member starts in the group's flattened state."""
-        numel = self.theta_prev[0].numel()
-        return torch.arange(0, len(self.members) * numel, numel, device=self.theta_prev.device)
+    def numel(self) -> int:
+        """Elements of one member."""
+        return self.theta_prev[0].numel()
 
     def rows(self, payload: Tensor) -> Tensor:
         return payload[self.offset: self.offset + self.nbytes].view(len(self.members), self.codec.nbytes)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Members [lo, hi) of one group: what the outer step computes on at once."""
+
+    group: _Group
+    lo: int
+    hi: int
+
+    @property
+    def members(self) -> list[int]:
+        return self.group.members[self.lo:self.hi]
+
+    def of(self, stacked: Tensor) -> Tensor:
+        """This unit's slice of a group's stacked [G, ...] tensor (a view)."""
+        return stacked[self.lo:self.hi]
+
+
+class _HostCopies:
+    """Copies of host-resident outer state to and from the stage's device, on a side CUDA stream.
+
+    A fetch is issued on the side stream and waited for by the compute stream only when used, so
+    the next unit's copy runs while this one computes; a store waits for the compute that made the
+    value, then copies on the side stream, and nothing waits for it until the host reads the state
+    (`settle`). Every tensor crossing streams is recorded on the stream that last uses it, so the
+    caching allocator never hands its memory out early. On a CPU device the copies are plain
+    copies: the same path, the same values, nothing to overlap.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._unsettled = False
+
+    def fetch(self, hosts: Sequence[Tensor]):
+        """Start copying `hosts` to the device; `ready` gives the device tensors."""
+        if self.stream is None:
+            return [h.clone() for h in hosts], None
+        with torch.cuda.stream(self.stream):
+            out = [torch.empty(h.shape, dtype=h.dtype, device=self.device) for h in hosts]
+            for o, h in zip(out, hosts):
+                o.copy_(h, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return out, done
+
+    def ready(self, fetched) -> list[Tensor]:
+        out, done = fetched
+        if done is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(done)
+            for o in out:
+                o.record_stream(compute)
+        return out
+
+    def store(self, value: Tensor, host: Tensor) -> None:
+        """host <- value, once the compute stream's work so far (which made `value`) is done."""
+        if self.stream is None:
+            host.copy_(value)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(value, non_blocking=True)
+        value.record_stream(self.stream)
+        self._unsettled = True
+
+    def settle(self) -> None:
+        """Wait for every store: the host copy is then current."""
+        if self._unsettled:
+            self.stream.synchronize()
+            self._unsettled = False
 
 
 class SparseLoCoState:
@@ -254,34 +339,43 @@ class SparseLoCoState:
 
     `params` fixes the parameter order and shapes for the life of the state; every replica
     of the stage group must pass the same shapes in the same order, starting from identical
-    values (the state snapshots them as theta_prev).
+    values (the state snapshots them as theta_prev). `on_host`: keep the state in host memory
+    between outer steps (module docstring). `unit_numel`: elements of the largest slice of a
+    same-shape group computed on at once (`UNIT_NUMEL`).
     """
 
-    def __init__(self, params: Sequence[Tensor], cfg=None):
+    def __init__(self, params: Sequence[Tensor], cfg=None, *, on_host: bool = False, unit_numel: int = UNIT_NUMEL):
         params = list(params)
         if not params:
             raise ValueError("SparseLoCoState needs at least one parameter")
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"all parameters of a stage must be on one device, got {sorted(map(str, devices))}")
+        if unit_numel < 1:
+            raise ValueError(f"unit_numel must be >= 1, got {unit_numel}")
         self.cfg = OuterConfig.from_any(cfg)
         self.device = params[0].device
+        self.on_host = on_host
+        self._copies = _HostCopies(self.device) if on_host else None
         self.shapes = [tuple(p.shape) for p in params]
         self.nbytes = payload_nbytes(self.shapes, self.cfg)
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for i, s in enumerate(self.shapes):
             by_shape.setdefault(s, []).append(i)
         self._groups: list[_Group] = []
+        self._units: list[_Unit] = []
         self._where: list[tuple[int, int]] = [(0, 0)] * len(params)
         offset = HEADER.size
         with torch.no_grad():
             for shape, members in by_shape.items():
-                tp = torch.stack([params[i].detach().to(torch.float32) for i in members])
-                momentum = torch.zeros_like(tp) if self.cfg.outer_momentum > 0 else None
-                group = _Group(shape, members, self.cfg.codec(shape), offset, tp, torch.zeros_like(tp), momentum)
+                tp = self._snapshot([params[i] for i in members])
+                momentum = self._zeros(tp) if self.cfg.outer_momentum > 0 else None
+                group = _Group(shape, members, self.cfg.codec(shape), offset, tp, self._zeros(tp), momentum)
                 for j, i in enumerate(members):
                     self._where[i] = (len(self._groups), j)
                 self._groups.append(group)
+                step = max(1, unit_numel // max(1, group.numel))
+                self._units += [_Unit(group, lo, min(lo + step, len(members))) for lo in range(0, len(members), step)]
                 offset += group.nbytes
         assert offset == self.nbytes
         fp = _fingerprint(self.shapes, self.cfg)
@@ -293,14 +387,60 @@ class SparseLoCoState:
         }
         self._pending = False
 
+    # ------------------------------------------------------------------ where the state lives
+    def _snapshot(self, params: list[Tensor]) -> Tensor:
+        """fp32 [G, *shape] copy of same-shape parameters, where the state lives."""
+        if not self.on_host:
+            return torch.stack([p.detach().to(torch.float32) for p in params])
+        # Filled member by member: no device transient the size of the group.
+        out = torch.empty((len(params), *params[0].shape), dtype=torch.float32, pin_memory=self._pinned)
+        for o, p in zip(out, params):
+            o.copy_(p.detach())
+        return out
+
+    def _zeros(self, like: Tensor) -> Tensor:
+        if not self.on_host:
+            return torch.zeros_like(like)
+        return torch.zeros(like.shape, dtype=like.dtype, pin_memory=self._pinned)
+
+    @property
+    def _pinned(self) -> bool:
+        # Pinned memory needs CUDA; asynchronous copies need it pinned.
+        return self.on_host and self.device.type == "cuda"
+
+    def _walk(self, names: Sequence[str]):
+        """(unit, {name: the unit's state on the device}) for every unit, in order. Resident state
+        comes as views (in-place updates land in it); host state as device copies, the next unit's
+        already in flight while the caller computes on this one (`_keep` writes them back)."""
+        if not self.on_host:
+            for u in self._units:
+                yield u, {n: u.of(getattr(u.group, n)) for n in names}
+            return
+
+        def fetch(u: _Unit):
+            return self._copies.fetch([u.of(getattr(u.group, n)) for n in names])
+
+        ahead = fetch(self._units[0])
+        for k, u in enumerate(self._units):
+            current, ahead = ahead, (fetch(self._units[k + 1]) if k + 1 < len(self._units) else None)
+            yield u, dict(zip(names, self._copies.ready(current)))
+
+    def _keep(self, unit: _Unit, name: str, value: Tensor) -> None:
+        """The unit's new `name` (a device tensor from `_walk`) back where the state lives."""
+        if self.on_host:
+            self._copies.store(value, unit.of(getattr(unit.group, name)))
+
     # ------------------------------------------------------------------ views
     def _view(self, which: str, i: int) -> Tensor:
+        if self.on_host:
+            self._copies.settle()
         g, j = self._where[i]
         return getattr(self._groups[g], which)[j]
 
     @property
     def theta_prev(self) -> list[Tensor]:
-        """fp32 parameters at the last sync, per parameter (views into the state)."""
+        """fp32 parameters at the last sync, per parameter (views into the state, on the host when
+        `on_host`)."""
         return [self._view("theta_prev", i) for i in range(len(self.shapes))]
 
     @property
@@ -314,6 +454,10 @@ class SparseLoCoState:
         if self.cfg.outer_momentum == 0:
             return None
         return [self._view("momentum", i) for i in range(len(self.shapes))]
+
+    def synced(self, i: int) -> Tensor:
+        """theta_prev of parameter i as a new tensor on the parameters' device."""
+        return self._view("theta_prev", i).to(self.device, copy=True)
 
     @torch.no_grad()
     def rebase(self, i: int, value: Tensor) -> None:
@@ -337,35 +481,43 @@ class SparseLoCoState:
         if self._pending:
             raise RuntimeError("prepare() called twice without finish(): the error buffer would absorb delta twice")
         beta, dense = self.cfg.error_decay, self.cfg.dense
+        # The new error buffers, on the device until the replica is known to be finite.
+        fresh = {id(g): torch.empty((len(g.members), *g.shape), device=self.device) for g in self._groups}
         staged = []
         finite = []
-        for g in self._groups:
-            e_new = torch.empty_like(g.theta_prev)
-            for j, i in enumerate(g.members):
-                torch.sub(g.theta_prev[j], params[i], out=e_new[j])  # delta
+        for u, state in self._walk(("theta_prev",) if dense or beta == 0 else ("theta_prev", "error")):
+            e_new = u.of(fresh[id(u.group)])
+            for j, i in enumerate(u.members):
+                torch.sub(state["theta_prev"][j], params[i], out=e_new[j])  # delta
             if dense:  # no error feedback: delta itself is sent
                 finite.append(torch.isfinite(e_new).all())
-                staged.append((e_new, None))
+                staged.append((u, e_new, None))
                 continue
             if beta != 0:
-                e_new.add_(g.error, alpha=beta)
-            sel = g.codec.select(e_new)
+                e_new.add_(state["error"], alpha=beta)
+            sel = u.group.codec.select(e_new)
             # A NaN/Inf anywhere in a chunk ranks first in its top-k, so checking the selected
             # values is checking the whole pseudo-gradient (test_topk_selects_nonfinite_first).
             finite.append(torch.isfinite(sel.values).all())
-            staged.append((e_new, sel))
+            staged.append((u, e_new, sel))
         ok = bool(torch.stack(finite).all())  # the one host sync of prepare
         payload = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
         payload[: HEADER.size] = self._headers[ok]
         if ok:
-            for g, (e_new, sel) in zip(self._groups, staged):
+            for u, e_new, sel in staged:
+                rows = u.of(u.group.rows(payload))
                 if sel is None:  # dense: the error buffer stays zero, a bf16 cast's residual is dropped
-                    g.codec.pack_(g.rows(payload), e_new)
+                    u.group.codec.pack_(rows, e_new)
                     continue
-                sent = g.codec.pack_(g.rows(payload), sel)
+                sent = u.group.codec.pack_(rows, sel)
                 # e = e - dequant(c): only the selected coordinates change.
-                e_new.view(len(g.members), -1).scatter_(1, sel.pos, sel.values - sent)
-                g.error = e_new
+                e_new.view(len(u.members), -1).scatter_(1, sel.pos, sel.values - sent)
+            if not dense:
+                for g in self._groups:
+                    if self.on_host:
+                        self._copies.store(fresh[id(g)], g.error)
+                    else:
+                        g.error = fresh[id(g)]
         # else: error buffers stay as they were, the body stays zero, the flag says excluded.
         self._pending = True
         return payload
@@ -410,38 +562,40 @@ class SparseLoCoState:
         contributors = tuple(m for m, f in enumerate(flags) if f)
         excluded = tuple(m for m, f in enumerate(flags) if not f)
         keep = set(range(len(params))) if keep_average is True else set(keep_average or ())
-        lr, n = self.cfg.outer_lr, len(contributors)
+        lr, n, mu = self.cfg.outer_lr, len(contributors), self.cfg.outer_momentum
         averages: dict[int, Tensor] = {}
         counts = [0, torch.zeros((), dtype=torch.int64, device=self.device)] if count_selected else None
-        for g in self._groups:
-            numel = g.theta_prev[0].numel()
+        for u, state in self._walk(("theta_prev", "momentum") if n and mu > 0 else ("theta_prev",)):
+            g, theta = u.group, state["theta_prev"]
             if n == 0:
-                averages.update({i: torch.zeros(g.shape, device=self.device) for i in g.members if i in keep})
-                continue
-            acc, scale = self._aggregate(g, [g.rows(payloads[m]) for m in contributors], counts)
-            if self.cfg.outer_momentum > 0:
-                # Nesterov (torch.optim.SGD's form, dampening 0): b = mu*b + avg; step = avg + mu*b
-                mu = self.cfg.outer_momentum
-                avg = acc.mul_(scale)
-                buf = g.momentum.view(-1)
-                buf.mul_(mu).add_(avg)
-                acc, scale = avg.add_(buf, alpha=mu), 1.0
-            # theta = theta_prev - lr * (scale * sum), fused into one pass over the group
-            g.theta_prev.view(-1).add_(acc, alpha=-lr * scale)
-            for j, i in enumerate(g.members):
-                if i in keep:
-                    averages[i] = (acc[j * numel:(j + 1) * numel] * scale).view(g.shape)
-        # every replica, the excluded ones too, leaves with the synced theta
-        torch._foreach_copy_(params, self.theta_prev)
+                averages.update({i: torch.zeros(g.shape, device=self.device) for i in u.members if i in keep})
+            else:
+                acc, scale = self._aggregate(g, [u.of(g.rows(payloads[m])) for m in contributors], counts)
+                if mu > 0:
+                    # Nesterov (torch.optim.SGD's form, dampening 0): b = mu*b + avg; step = avg + mu*b
+                    avg = acc.mul_(scale)
+                    buf = state["momentum"]
+                    buf.view(-1).mul_(mu).add_(avg)
+                    acc, scale = avg.add_(buf.view(-1), alpha=mu), 1.0
+                    self._keep(u, "momentum", buf)
+                # theta = theta_prev - lr * (scale * sum), fused into one pass over the unit
+                theta.view(-1).add_(acc, alpha=-lr * scale)
+                for j, i in enumerate(u.members):
+                    if i in keep:
+                        averages[i] = (acc[j * g.numel:(j + 1) * g.numel] * scale).view(g.shape)
+                self._keep(u, "theta_prev", theta)
+            # every replica, the excluded ones too, leaves with the synced theta
+            torch._foreach_copy_([params[i] for i in u.members], list(theta.unbind(0)))
         self._pending = False
         selected, distinct = (counts[0], int(counts[1])) if counts is not None else (None, None)
         return OuterReport(self.nbytes, contributors, excluded, averages, selected, distinct)
 
     def _aggregate(self, g: _Group, rows: list[Tensor], counts: list | None = None) -> tuple[Tensor, float]:
-        """(acc, scale) over the contributors' payload rows (each [G, nbytes]), in list order: the
-        aggregate of the group's flattened [G * numel] state is scale * acc. `counts`, when given,
-        [selected, distinct] to add this group's entries sent and coordinates sent by anyone to."""
-        n, size, numel = len(rows), len(g.members), g.theta_prev[0].numel()
+        """(acc, scale) over the contributors' payload rows (each [size, nbytes], size members of
+        group g), in list order: the aggregate of those members' flattened [size * numel] state is
+        scale * acc. `counts`, when given, [selected, distinct] to add their entries sent and
+        coordinates sent by anyone to."""
+        n, size, numel = len(rows), rows[0].shape[0], g.numel
         flat = torch.stack(rows).view(n * size, g.codec.nbytes)
         # Decode all contributors at once into [n, G, per] values (per = numel when dense, else
         # n_selected) and, for sparse payloads, their positions in the group's flattened state.
@@ -449,7 +603,8 @@ class SparseLoCoState:
             pos, values = None, g.codec.unpack(flat).view(n, size, -1)
         else:
             pos, values = g.codec.unpack(flat)
-            pos = (pos.view(n, size, -1) + g.row_offsets.view(1, size, 1)).view(n, -1)
+            starts = torch.arange(0, size * numel, numel, device=self.device)  # each member's first element
+            pos = (pos.view(n, size, -1) + starts.view(1, size, 1)).view(n, -1)
             values = values.view(n, size, -1)
         if self.cfg.norm_clip == "median":
             # Per tensor, over the contributors' decoded tensors (positions inside one payload are
@@ -488,7 +643,8 @@ class SparseLoCoState:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """theta_prev and error buffers per parameter (views: serialise before the next prepare)."""
+        """theta_prev and error buffers per parameter (views, on the host when `on_host`: serialise
+        before the next prepare)."""
         if self._pending:
             raise RuntimeError("state_dict() between prepare() and finish(): checkpoint at an outer-step boundary")
         state = {"shapes": list(self.shapes), "theta_prev": self.theta_prev, "error": self.error}
