@@ -209,7 +209,34 @@ def part_speed(res: Results, work: str, a) -> None:
                                   stop_after=2 * s["ours_steps"]))
 
 
-PARTS = {"profile": part_profile, "speed": part_speed}
+def part_memory(res: Results, work: str, a) -> None:
+    """1B on one GPU, the same micro-batching: stock DeepSpeed's peak against ours with the outer
+    state on the GPU and in pinned host memory (each run crosses an outer step)."""
+    s = a.shapes
+    one = deep_update(s["config"], {"pipeline": {"stages": 1}, "hetloco": {"subspace": {"compressed_replicas": "none"}}})
+    inner = one["hetloco"]["sparseloco"]["inner_steps"]
+    res.add("memory", stock("stock_1b_s1", work, 1, 1, s["model"], s["mb"], s["gas"], s["seq"], s["stock_steps"],
+                            a.timeout, vocab=s["vocab"]))
+    for place in ("gpu", "cpu"):
+        cfg = deep_update(one, {"hetloco": {"sparseloco": {"outer_state_device": place}}})
+        res.add("memory", ours(f"ours_1b_s1_outer_{place}", work, 1, cfg, s["ours_model"], inner + 4, a.timeout,
+                               stop_after=inner + 3))
+
+
+def part_s178(res: Results, work: str, a) -> None:
+    """178M, S = 2 on 2 GPUs (ANCHORS.md's micro 8 x 2048, 8 micro-batches): stock vs ours, interleaved."""
+    s = a.shapes
+    cfg = deep_update(s["config"], {"train_micro_batch_size_per_gpu": s["mb178"], "gradient_accumulation_steps": 8,
+                                    "hetloco": {"subspace": {"compressed_replicas": "none"},
+                                                "train": {"seq_len": s["seq178"]}}})
+    for r in range(a.repeats):
+        res.add("s178", stock(f"stock_178m_s2_r{r}", work, 2, 2, s["model178"], s["mb178"], 8, s["seq178"],
+                              s["stock_steps"], a.timeout, vocab=s["vocab"]))
+        res.add("s178", ours(f"ours_178m_s2_r{r}", work, 2, cfg, s["model178"], s["ours_steps"], a.timeout,
+                             stop_after=s["ours_steps"]))
+
+
+PARTS = {"profile": part_profile, "speed": part_speed, "memory": part_memory, "s178": part_s178}
 
 
 def shapes(cpu: bool) -> dict:
@@ -218,9 +245,9 @@ def shapes(cpu: bool) -> dict:
                                    "bf16": {"enabled": False},
                                    "hetloco": {"sparseloco": {"inner_steps": 3}, "train": {"seq_len": 32}}})
         return dict(nproc=4, model="tiny", ours_model="tiny", vocab=256, mb=2, gas=4, seq=32, stock_steps=4,
-                    ours_steps=4, profile_step=3, config=cfg)
+                    ours_steps=4, profile_step=3, config=cfg, model178="tiny", mb178=2, seq178=32)
     return dict(nproc=4, model="1B", ours_model="1B", vocab=8192, mb=4, gas=8, seq=1024, stock_steps=14,
-                ours_steps=28, profile_step=12, config=HET_1B)
+                ours_steps=28, profile_step=12, config=HET_1B, model178="178M", mb178=8, seq178=2048)
 
 
 def main(argv=None) -> int:
