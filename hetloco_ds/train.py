@@ -419,7 +419,7 @@ def run_rank(args: TrainArgs) -> int:
     """Body of one rank (launched by deepspeed, torchrun, accelerate or our --nproc)."""
     from deepspeed import comm as dist
 
-    from .initialize import init_distributed
+    from .build import init_distributed
 
     os.environ.setdefault("LOCAL_RANK", "0")
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -465,7 +465,7 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
     from deepspeed import comm as dist
 
     from . import convert, data
-    from .initialize import build_engine, build_module
+    from .build import build_engine, build_module
     from .metrics import MetricsWriter, Progress, RunFacts, validated_steps
 
     args, run, corpus = plan.args, plan.run, plan.corpus

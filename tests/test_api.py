@@ -1,0 +1,96 @@
+"""`hetloco_ds.initialize` as `deepspeed.initialize`: its four return values, `training_data`
+read as the CLI reads `--data`, DeepSpeed's keywords honoured or refused in one line, the CLI's
+checks, and `save_pretrained` only at an outer-step boundary."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from test_cli import save_tiny_hf_with_tokenizer, write_config, write_text_folder
+
+REPO = Path(__file__).resolve().parents[1]
+H = 4
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("api")
+    cfg = write_config(root / "cfg.json", {"pipeline.stages": 1, "hetloco.sparseloco.inner_steps": H})
+    return {"hf": str(save_tiny_hf_with_tokenizer(root / "hf")), "data": str(write_text_folder(root / "data")),
+            "config": str(cfg), "cache": str(root / "cache"), "out": str(root / "hf-out")}
+
+
+def _halve_every_step(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+
+
+def _flat(engine) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in engine.trainable_params()])
+
+
+def _api_rank(rank, job):
+    os.environ["HETLOCO_CACHE"] = job["cache"]
+    import hetloco_ds
+    from hetloco_ds import data, train
+
+    engine, optimizer, loader, scheduler = hetloco_ds.initialize(model=job["hf"], config=job["config"],
+                                                                 training_data=job["data"],
+                                                                 lr_scheduler=_halve_every_step)
+    # The CLI's stream of this replica, built as train.py builds it from `--data`.
+    run, _, _, corpus = train.prepare_inputs(train.TrainArgs(config=job["config"], model=job["hf"], data=job["data"]),
+                                             engine.world_size)
+    cli = data.ReplicaBatches(corpus.train, engine.replica, engine.num_replicas, engine.micro_batch_size,
+                              seed=run.hetloco.train.seed)
+    out = {"same_as_cli": all(torch.equal(a, b) for p in range(6) for a, b in zip(loader.batch(p), cli.batch(p))),
+           "first_batch": loader.batch(0)[0], "optimizer_is_the_engines": optimizer is engine.optimizer,
+           "scheduler": type(scheduler).__name__, "data_iterator_is_loader": engine.data_iterator is loader,
+           "dataloader_is_loader": engine.training_dataloader is loader}
+    losses = [engine.train_batch().item() for _ in range(2)]  # no data_iter: the loader, as DeepSpeed's pipeline
+    out.update(losses=losses, lr=engine.get_lr()[0], position=loader.position, micro_batches=engine.micro_batches)
+    target = job["out"]
+    try:
+        engine.save_pretrained(target)
+        out["refused"] = None
+    except ValueError as err:
+        out["refused"] = str(err)
+    out["written_when_refused"] = os.path.exists(target)
+    out["mid"] = _flat(engine)
+    engine.outer_step()
+    out["synced"] = engine.replicas_synced()
+    engine.save_pretrained(target)
+    out["after"] = _flat(engine)
+    out["after_sums"] = sorted(float(p.detach().double().sum()) for p in engine.trainable_params())
+    return out
+
+
+def test_initialize_returns_deepspeeds_four_and_reads_training_data_as_the_cli(job):
+    """2 replicas (1 stage each), H = 4: initialize returns (engine, engine.optimizer, loader,
+    engine.lr_scheduler); the loader is this replica's stream exactly as `hetloco-ds train
+    --data` builds it (replicas read different batches), it feeds train_batch() with no argument;
+    the lr_scheduler callable is called on the engine's optimizer as DeepSpeed calls it (lr
+    halves each step). After 2 inner steps save_pretrained refuses on every rank and writes
+    nothing, while the replicas really differ; after outer_step() they agree and the export holds
+    exactly their weights. Breaks if initialize drops a return value, ignores training_data= or
+    lr_scheduler=, reads other batches than the CLI, or save_pretrained exports unsynced weights."""
+    r0, r1 = run_ranks(_api_rank, 2, job)
+    lr0 = json.loads(Path(job["config"]).read_text())["optimizer"]["params"]["lr"]
+    for r in (r0, r1):
+        assert r["same_as_cli"] and r["optimizer_is_the_engines"] and r["scheduler"] == "LambdaLR"
+        assert r["data_iterator_is_loader"] and r["dataloader_is_loader"]
+        assert r["lr"] == pytest.approx(lr0 * 0.25, rel=1e-12)
+        assert r["position"] == 2 * r["micro_batches"]
+        assert all(l == l and l > 0 for l in r["losses"])
+        assert r["refused"] is not None and "not at an outer-step boundary" in r["refused"] and "\n" not in r["refused"]
+        assert not r["written_when_refused"] and r["synced"]
+    assert not torch.equal(r0["first_batch"], r1["first_batch"])
+    assert not torch.equal(r0["mid"], r1["mid"]), "the replicas should differ between outer steps"
+    assert torch.equal(r0["after"], r1["after"])
+    from transformers import LlamaForCausalLM
+
+    exported = LlamaForCausalLM.from_pretrained(job["out"]).state_dict()
+    assert sorted(float(t.double().sum()) for t in exported.values()) == r0["after_sums"]
