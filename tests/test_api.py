@@ -94,3 +94,111 @@ def test_initialize_returns_deepspeeds_four_and_reads_training_data_as_the_cli(j
 
     exported = LlamaForCausalLM.from_pretrained(job["out"]).state_dict()
     assert sorted(float(t.double().sum()) for t in exported.values()) == r0["after_sums"]
+
+
+def test_every_module_imported_leaves_initialize_the_function():
+    """`hetloco_ds.initialize` stays the function whatever a script imports: a submodule of that
+    name (the old hetloco_ds/initialize.py) replaced it with itself once imported, so the second
+    call of `hetloco_ds.initialize(...)` in a process (or the first, after `import hetloco_ds.train`)
+    raised "'module' object is not callable"."""
+    import importlib
+    import pkgutil
+
+    import hetloco_ds
+    from hetloco_ds.api import initialize
+
+    for info in pkgutil.iter_modules(hetloco_ds.__path__):
+        importlib.import_module(f"hetloco_ds.{info.name}")
+    assert hetloco_ds.initialize is initialize
+
+
+def _tiny_model():
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_llama_config
+
+    return LlamaForCausalLM(tiny_llama_config())
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    ({"optimizer": "adam"}, "optimizer="),
+    ({"optimizer": lambda params: torch.optim.SGD(params, lr=0.1)}, "optimizer="),
+    ({"lr_scheduler": torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
+                                                        lambda s: 1.0)}, "lr_scheduler="),
+    ({"mpu": object()}, "mpu="),
+    ({"mesh_param": (2, 1)}, "mesh_param="),
+    ({"collate_fn": list}, "collate_fn="),
+    ({"model_parameters": "subset"}, "model_parameters="),
+    ({"model_parameters": "groups"}, "model_parameters="),
+    ({"model": torch.nn.Linear(2, 2)}, "model must be a LlamaForCausalLM"),
+    ({"args": "both configs"}, "args.deepspeed_config"),
+])
+def test_deepspeed_keywords_it_cannot_honour_are_refused_in_one_line(kwargs, names, tmp_path):
+    """Each DeepSpeed keyword initialize does not implement as DeepSpeed does is one ConfigError
+    naming it, before any process group or model is built (this test has no process group).
+    Breaks if one of them is silently accepted or ignored."""
+    import types
+
+    import hetloco_ds
+    from hetloco_ds.config import ConfigError
+
+    cfg = write_config(tmp_path / "cfg.json")
+    model = _tiny_model()
+    kwargs = dict(kwargs)
+    if kwargs.get("model_parameters") == "subset":
+        kwargs["model_parameters"] = list(model.parameters())[1:]
+    elif kwargs.get("model_parameters") == "groups":
+        kwargs["model_parameters"] = [{"params": list(model.parameters()), "lr": 1e-3}]
+    if kwargs.get("args") == "both configs":
+        kwargs["args"] = types.SimpleNamespace(deepspeed_config=str(cfg), local_rank=0)
+    kwargs = {"model": model, "config": str(cfg), **kwargs}
+    with pytest.raises(ConfigError) as err:
+        hetloco_ds.initialize(**kwargs)
+    assert names in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def _config_check_rank(rank, hf, config):
+    import hetloco_ds
+    from hetloco_ds.config import ConfigError
+
+    try:
+        hetloco_ds.initialize(model=hf, config=config)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_initialize_runs_the_clis_checks(job):
+    """examples/heterogeneous_fleet/config.json compresses replicas 4-9; on 2 ranks (2 stages, one
+    replica) every rank raises the CLI's one line naming the replica, before building anything.
+    Breaks if initialize skips `check_run` (then: AttributeError deep in StageAlgorithm)."""
+    config = REPO / "examples" / "heterogeneous_fleet" / "config.json"
+    errors = run_ranks(_config_check_rank, 2, job["hf"], str(config))
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert "hetloco.subspace.compressed_replicas" in errors[0] and "names replica 4" in errors[0], errors[0]
+
+
+def test_map_style_training_data_is_sharded_as_the_clis_blocks():
+    """A torch Dataset of token blocks, and a tokenised datasets.Dataset, give every replica
+    exactly the batches the CLI's ReplicaBatches gives it from the same blocks as a tensor (the
+    same seeded permutation, shards and positions); a collate_fn is applied to the samples as
+    DeepSpeed's loader applies it; a batch the pipeline cannot read is one DataError."""
+    import datasets
+
+    from hetloco_ds import data
+
+    blocks = torch.randint(0, 96, (11, 8), generator=torch.Generator().manual_seed(0))
+    rows = [blocks[i].clone() for i in range(len(blocks))]
+    tokenised = datasets.Dataset.from_dict({"input_ids": blocks.tolist()}).with_format("torch")
+    for m in range(3):
+        want = data.ReplicaBatches(blocks, m, 3, 2, seed=7)
+        for samples in (rows, tokenised):
+            got = data.ReplicaBatches(samples, m, 3, 2, seed=7)
+            for p in range(5):  # past the 3-sample shard: the next epoch's permutation
+                assert all(torch.equal(a, b) for a, b in zip(got.batch(p), want.batch(p)))
+    pairs = data.ReplicaBatches(rows, 1, 3, 2, seed=7, collate_fn=lambda s: (torch.stack(s), torch.stack(s) + 1))
+    ids, labels = pairs.batch(0)
+    assert torch.equal(ids, data.ReplicaBatches(blocks, 1, 3, 2, seed=7).batch(0)[0])
+    assert torch.equal(labels, ids + 1)
+    with pytest.raises(data.DataError, match="collated micro-batch is"):
+        data.ReplicaBatches(rows, 0, 3, 2, collate_fn=lambda s: {"tokens": torch.stack(s)}).batch(0)
