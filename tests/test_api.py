@@ -202,3 +202,29 @@ def test_map_style_training_data_is_sharded_as_the_clis_blocks():
     assert torch.equal(labels, ids + 1)
     with pytest.raises(data.DataError, match="collated micro-batch is"):
         data.ReplicaBatches(rows, 0, 3, 2, collate_fn=lambda s: {"tokens": torch.stack(s)}).batch(0)
+
+
+def test_a_text_dataset_is_tokenised_and_packed_as_the_cli_packs_a_dataset(tmp_path, monkeypatch):
+    """training_data= a datasets.Dataset with a text column goes through the CLI's packer
+    (`load_corpus` of a dataset source: documents + EOS, seq_len blocks, whole documents held out),
+    not through the map-style path; a tokenizer larger than the model's vocabulary is refused in
+    one line, as `hetloco-ds train` refuses it."""
+    import datasets
+
+    from hetloco_ds import api, data
+    from hetloco_ds.config import ConfigError, parse_config
+    from conftest import tiny_llama_config
+    from test_cli import SENTENCES, tiny_tokenizer
+
+    monkeypatch.setenv("HETLOCO_CACHE", str(tmp_path / "cache"))
+    docs = [". ".join(SENTENCES[i:] + SENTENCES[:i]) * 6 for i in range(len(SENTENCES))]
+    text = datasets.Dataset.from_dict({"text": docs})
+    tok, llama = tiny_tokenizer(), tiny_llama_config()
+    run = parse_config(json.loads(write_config(tmp_path / "cfg.json").read_text()))
+    samples = api._training_samples(text, tok, None, llama, 16, "text", run, 2, None)
+    want = data.load_corpus(text, tok, 16).train
+    assert isinstance(samples, torch.Tensor) and torch.equal(samples, want) and samples.shape[1] == 16
+    assert int(samples.eq(tok.eos_token_id).sum()) >= 1  # documents joined by EOS, as the CLI packs them
+    small = tiny_llama_config(vocab=len(tok) - 1)
+    with pytest.raises(ConfigError, match=f"tokenizer has {len(tok)} tokens but the model's vocab_size is"):
+        api._training_samples(text, tok, None, small, 16, "text", run, 2, None)
