@@ -227,7 +227,7 @@ def build_ours(raw: dict, cfg, seq: int, source: str):
     import torch
 
     from hetloco_ds.config import parse_config
-    from hetloco_ds.initialize import build_engine, build_module
+    from hetloco_ds.build import build_engine, build_module
 
     run = parse_config(raw, source=source)
     torch.manual_seed(0)
@@ -467,7 +467,7 @@ def run_worker(args, counter: CollectiveCounter, body, system: str | None = None
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     install_collective_counter(counter)
-    from hetloco_ds.initialize import init_distributed
+    from hetloco_ds.build import init_distributed
 
     init_distributed()  # our patches (p2p meter, no CPU shm build), then deepspeed.init_distributed
     rank = int(os.environ["RANK"])

@@ -92,7 +92,7 @@ def setup_process_group():
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-    from hetloco_ds.initialize import init_distributed
+    from hetloco_ds.build import init_distributed
 
     init_distributed()
 

@@ -18,7 +18,7 @@ a slow spell of the machine hits one repeat of each, not one system; then the co
   b_ds_dp      stock DeepSpeed PipelineEngine, S = 1, M = 2 (data parallel; gradient all-reduce every step)
 With `--compiled-rows` (opt-in; off by default, and then rows, keys and order are as without it), after those:
   a_ours_r1_compiled  a_ours_r1 with hetloco.train.compile (torch.compile of each decoder layer and the loss,
-                      hetloco_ds.initialize.compile_stage)
+                      hetloco_ds.build.compile_stage)
   a_ours_r8_compiled  a_ours_r8 (ratio 8, whatever `--ratios` says) with hetloco.train.compile
   b_ours_sl_compiled  b_ours_sl with hetloco.train.compile
   Their rows have the eager rows' fields; every row then also has "compile" (true / false). Compilation

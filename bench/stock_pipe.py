@@ -105,7 +105,7 @@ def run(a) -> dict | None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         deepspeed.init_distributed(dist_backend="nccl")
     else:  # DeepSpeed's CPU backend would JIT-build its shared-memory op first; ours skips that, nothing else
-        from hetloco_ds.initialize import init_distributed
+        from hetloco_ds.build import init_distributed
 
         init_distributed()
     cfg = llama_shape(a.model, a.vocab)

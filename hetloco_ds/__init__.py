@@ -1,6 +1,7 @@
 """hetloco_ds: SparseLoCo + subspace-compressed pipeline parallelism for Hugging Face LLaMA on DeepSpeed.
 
-    engine = hetloco_ds.initialize(model=..., config=...)   # as deepspeed.initialize; see api.py
+    engine, optimizer, training_dataloader, lr_scheduler = hetloco_ds.initialize(model=..., config=...)
+    # as deepspeed.initialize; see api.py
 """
 import os as _os
 import sys as _sys

@@ -236,6 +236,15 @@ class StageAlgorithm:
         for i in self._embedding_index:
             self.outer.rebase(i, self.params[i])
 
+    @torch.no_grad()
+    def at_sync(self) -> bool:
+        """Whether the stage's parameters are the synced theta of the last outer step, as every
+        replica holds it: true after an outer step (and before the first inner step), false once
+        an inner step moved them. Plain data parallelism: always (replicas agree after every step)."""
+        if self.outer is None:
+            return True
+        return all(torch.equal(p.detach(), t.to(p.device)) for p, t in zip(self.params, self.outer.theta_prev))
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Everything this object keeps (views: serialise before the next outer step)."""

@@ -339,7 +339,11 @@ def _looks_like_path(data: str) -> bool:
     )
 
 
-def _resolve(data: str | None, split: str) -> _Source:
+def _resolve(data: str | datasets.Dataset | None, split: str) -> _Source:
+    if not isinstance(data, (str, os.PathLike, type(None))):  # a datasets.Dataset already in memory
+        return _Source(description=f"datasets.Dataset of {len(data)} rows", dataset=data,
+                       fingerprint={"dataset_object": data._fingerprint})
+    data = None if data is None else os.fspath(data)
     if data is None:
         root = stdlib_root()
         text = [root / f for f in _stdlib_sources()]
@@ -593,7 +597,7 @@ class Corpus:
 
 
 def load_corpus(
-    data: str | None,
+    data: str | os.PathLike | datasets.Dataset | None,
     tokenizer,
     seq_len: int,
     cache_dir: str | os.PathLike | None = None,
@@ -606,7 +610,8 @@ def load_corpus(
     """Tokenise, split and pack `data` (see the module docstring), or load it from the cache.
 
     `data`: a path, `name[:config]` of a Hub dataset (split `split`; the module docstring says
-    where it is looked up), or None for the stdlib default. `max_train_tokens` keeps only the
+    where it is looked up), a `datasets.Dataset` (its `text_field` column), or None for the
+    stdlib default. `max_train_tokens` keeps only the
     first that many training tokens (whole blocks, corpus order) and stops tokenising there.
     Raises `DataError` for a missing path, a folder without supported files, an unknown
     dataset, a missing `text_field`, or a corpus smaller than one training plus one validation
@@ -663,7 +668,7 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 
 
 class ReplicaBatches:
-    """Endless `(ids, labels)` micro-batches of replica `replica` of `num_replicas`.
+    """Endless `(inputs, labels)` micro-batches of replica `replica` of `num_replicas`.
 
     Epoch e permutes all N blocks with a generator seeded by (seed, e); replica m owns slots
     [m*S, (m+1)*S) of that permutation, S = N // num_replicas, so replicas are disjoint within an
@@ -674,24 +679,30 @@ class ReplicaBatches:
     iterator and sees the same sequence, and one constructed at `position=p` continues exactly
     where an uninterrupted run would be after p micro-batches.
 
-    ids and labels are separate int64 [b, seq_len] copies of the same blocks.
+    `blocks`: int [N, seq_len] token blocks; ids and labels are then separate int64 [b, seq_len]
+    copies of the same blocks. Or any map-style dataset (`len`, `[i]`) of N samples, whose b
+    samples `collate_fn` merges into a batch (default: torch's `default_collate`, as DeepSpeed's
+    loader); `pipeline_batch` reads (inputs, labels) from that batch.
     """
 
-    def __init__(self, blocks: torch.Tensor, replica: int, num_replicas: int, micro_batch_size: int,
-                 seed: int = 0, position: int = 0):
-        if blocks.dim() != 2:
+    def __init__(self, blocks, replica: int, num_replicas: int, micro_batch_size: int,
+                 seed: int = 0, position: int = 0, collate_fn=None):
+        if isinstance(blocks, torch.Tensor) and blocks.dim() != 2:
             raise ValueError(f"blocks must be [N, seq_len], got shape {tuple(blocks.shape)}")
         if not 0 <= replica < num_replicas:
             raise ValueError(f"replica={replica} is not in [0, num_replicas={num_replicas})")
         if micro_batch_size < 1 or position < 0:
             raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 and position={position} >= 0")
-        n, seq_len = blocks.shape
+        n = len(blocks)
         if n < num_replicas:
+            if not isinstance(blocks, torch.Tensor):
+                raise DataError(f"the dataset has {n} samples but {num_replicas} replicas need at least one each")
+            seq_len = blocks.shape[1]
             raise DataError(
                 f"corpus has {n} blocks ({n * seq_len} tokens) but {num_replicas} replicas need at "
                 f"least one block each ({num_replicas * seq_len} tokens at seq_len={seq_len})"
             )
-        self.blocks = blocks
+        self.blocks, self.collate_fn = blocks, collate_fn
         self.replica, self.num_replicas, self.micro_batch_size, self.seed = replica, num_replicas, micro_batch_size, seed
         self.shard_size = n // num_replicas
         self._position = position
@@ -724,9 +735,14 @@ class ReplicaBatches:
         ])
 
     def batch(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch `position` as (ids, labels); does not move `.position`."""
-        ids = self.blocks[self.block_indices(position)].long()
-        return ids, ids.clone()
+        """Micro-batch `position` as (inputs, labels); does not move `.position`."""
+        rows = self.block_indices(position)
+        if isinstance(self.blocks, torch.Tensor) and self.collate_fn is None:
+            ids = self.blocks[rows].long()
+            return ids, ids.clone()
+        from torch.utils.data import default_collate
+
+        return pipeline_batch((self.collate_fn or default_collate)([self.blocks[int(i)] for i in rows]))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self
@@ -758,3 +774,34 @@ def validation_batches(blocks: torch.Tensor, micro: int):
         ids = blocks[idx].long()
         yield ids, ids.clone()
         start = (start + micro) % n
+
+
+def pipeline_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) as the pipeline reads them, from a collated batch: an (inputs, labels)
+    pair, as DeepSpeed's pipeline takes it; a tensor of token blocks or a mapping with
+    `input_ids` (and optionally `labels`), whose labels are the ids (the loss shifts them)."""
+    if isinstance(batch, torch.Tensor):
+        ids = batch.long()
+        return ids, ids.clone()
+    if isinstance(batch, dict) and "input_ids" in batch:
+        ids = torch.as_tensor(batch["input_ids"]).long()
+        labels = batch.get("labels")
+        return ids, ids.clone() if labels is None else torch.as_tensor(labels).long()
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return tuple(batch)
+    kind = f"a mapping with keys {sorted(batch)}" if isinstance(batch, dict) else type(batch).__name__
+    raise DataError(f"a collated micro-batch is {kind}; the pipeline needs (inputs, labels), a tensor of token "
+                    "blocks or a mapping with input_ids")
+
+
+def load_tokenizer(directory: str):
+    """AutoTokenizer of a local directory; any failure is one ConfigError naming it."""
+    from transformers import AutoTokenizer
+
+    from .config import ConfigError
+
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as err:  # transformers raises ValueError, OSError, ImportError, ... for a bad directory
+        detail = " ".join(str(err).split())
+        raise ConfigError(f"cannot load a tokenizer from {directory}: {type(err).__name__}: {detail}") from None

@@ -491,14 +491,34 @@ class HetlocoEngine(PipelineEngineAdapter):
         position = checkpoint.load(self, str(load_dir), tag)
         return str(load_dir), {**getattr(self, "client_state", {}), "data_position": position}
 
+    def replicas_synced(self) -> bool:
+        """Whether every rank's parameters are the synced model of the last outer step
+        (`StageAlgorithm.at_sync`): true right after a step that synced, false after inner steps
+        since. A collective; the same answer on every rank."""
+        flag = torch.tensor([1.0 if self.algorithm.at_sync() else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        self.meter.add("sent", nbytes(flag), "control")
+        self.meter.add("recv", nbytes(flag), "control")
+        return bool(flag.item())
+
     def save_pretrained(self, save_dir, tokenizer=None) -> None:
         """The synced model as a Hugging Face directory that `transformers` loads as is (a
-        collective: every rank calls it, at an outer-step boundary so replicas agree). Written
-        through a temporary checkpoint and `convert.export`, as `hetloco-ds export` writes it."""
+        collective: every rank calls it). Written through a temporary checkpoint and
+        `convert.export`, as `hetloco-ds export` writes it.
+
+        Only at an outer-step boundary: between outer steps each replica holds its own inner
+        weights and none of them is the model, so it raises (on every rank, before writing
+        anything) rather than export replica 0's. `outer_step()` on every rank syncs first."""
         import shutil
 
         from . import checkpoint, convert
 
+        if not self.replicas_synced():
+            H = self.hetloco.sparseloco.inner_steps
+            raise ValueError(f"save_pretrained at step {self.local_steps}: not at an outer-step boundary (inner steps "
+                             f"since outer step {self.outer_steps}, hetloco.sparseloco.inner_steps = {H}), so the "
+                             "replicas' weights differ from the synced model; call it after a step that syncs, or "
+                             "call engine.outer_step() on every rank first")
         save_dir = os.path.abspath(save_dir)
         tmp = f"{save_dir}.ckpt-tmp"
         if self.global_rank == 0:

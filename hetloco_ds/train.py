@@ -174,7 +174,7 @@ def _model_and_tokenizer(args: TrainArgs, run: RunConfig):
                 raise ConfigError(f"--model {given} has no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, "
                                   "...); pass --tokenizer DIR_OR_HUB_ID")
             args = dataclasses.replace(args, tokenizer=args.model)
-        tokenizer = _load_tokenizer(args.tokenizer)
+        tokenizer = data.load_tokenizer(args.tokenizer)
         if args.model_config is not None:
             wanted = model_config_for(args.model_config, llama_config.vocab_size)
             for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -186,23 +186,12 @@ def _model_and_tokenizer(args: TrainArgs, run: RunConfig):
                     )
     else:
         if args.tokenizer is not None:
-            tokenizer = _load_tokenizer(args.tokenizer)
+            tokenizer = data.load_tokenizer(args.tokenizer)
         else:
             tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
         llama_config = model_config_for(args.model_config or "tiny", len(tokenizer))
         llama_config.dtype = dtype
     return llama_config, tokenizer, args
-
-
-def _load_tokenizer(directory: str):
-    """AutoTokenizer of a local directory; any failure is one ConfigError naming it."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(directory)
-    except Exception as err:  # transformers raises ValueError, OSError, ImportError, ... for a bad directory
-        detail = " ".join(str(err).split())
-        raise ConfigError(f"cannot load a tokenizer from {directory}: {type(err).__name__}: {detail}") from None
 
 
 def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dict, str] | None = None,
@@ -409,7 +398,7 @@ def run_rank(args: TrainArgs) -> int:
     """Body of one rank (launched by deepspeed, torchrun, accelerate or our --nproc)."""
     from deepspeed import comm as dist
 
-    from .initialize import init_distributed
+    from .build import init_distributed
 
     os.environ.setdefault("LOCAL_RANK", "0")
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -455,7 +444,7 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
     from deepspeed import comm as dist
 
     from . import convert, data
-    from .initialize import build_engine, build_module
+    from .build import build_engine, build_module
     from .metrics import MetricsWriter, Progress, RunFacts, validated_steps
 
     args, run, corpus = plan.args, plan.run, plan.corpus

@@ -20,7 +20,7 @@ from hetloco_ds.launch import free_port
 TIMEOUT_S = 300
 
 PRELOAD = ["hetloco_ds.transport.elastic", "hetloco_ds.cli", "hetloco_ds.train", "hetloco_ds.fleet", "hetloco_ds.engine",
-           "hetloco_ds.initialize", "hetloco_ds.convert", "hetloco_ds.data", "hetloco_ds.metrics", "deepspeed",
+           "hetloco_ds.build", "hetloco_ds.convert", "hetloco_ds.data", "hetloco_ds.metrics", "deepspeed",
            "transformers"]
 """What the fork server imports once. It is one server per test process, started by whichever test
 forks first, so every helper that forks from it asks for this same list."""
@@ -40,7 +40,7 @@ def _child(fn, rank, world, port, args, queue):
         import torch
 
         torch.set_num_threads(1)
-        from hetloco_ds.initialize import init_distributed
+        from hetloco_ds.build import init_distributed
 
         init_distributed()
         result = fn(rank, *args)
@@ -134,7 +134,7 @@ def build_from_hf(hf_dir: str, ds_cfg: dict, seq_len: int):
     the way `hetloco-ds train --model` builds them."""
     from hetloco_ds import convert
     from hetloco_ds.config import parse_config
-    from hetloco_ds.initialize import build_engine, build_module
+    from hetloco_ds.build import build_engine, build_module
 
     run = parse_config(ds_cfg)
     cfg = convert.read_hf_config(hf_dir)

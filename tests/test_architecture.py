@@ -257,7 +257,7 @@ def _cycle() -> list[str] | None:
 
 def test_no_import_cycle():
     """Breaks on any cycle of imports among hetloco_ds modules, function-level imports included
-    (e.g. engine -> convert -> hetloco_ds -> api -> initialize -> engine)."""
+    (e.g. engine -> convert -> hetloco_ds -> api -> build -> engine)."""
     cycle = _cycle()
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -278,7 +278,7 @@ def test_the_checker_sees_function_level_imports_and_cycles():
     """The checks above would pass vacuously if the reader missed function-level imports: it
     resolves `from . import convert` inside a function of api.py, and the table's rows resolve."""
     api = {(i.module, i.at_import) for i in IMPORTS["api.py"]}
-    assert ("convert.py", False) in api and ("initialize.py", False) in api
+    assert ("convert.py", False) in api and ("build.py", False) in api
     assert ("version.py", True) in {(i.module, i.at_import) for i in IMPORTS["__init__.py"]}
     assert ROW_OF["sizes.py"].index < ROW_OF["engine.py"].index < ROW_OF["cli.py"].index
     modules, external = loaded_at_import("engine.py")

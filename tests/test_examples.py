@@ -1,8 +1,13 @@
-"""Every script in examples/ runs, at tiny scale on the CPU, and does what its header says."""
+"""Every script in examples/ runs, at tiny scale on the CPU, with the command its header gives
+(only the header's placeholders swapped for tiny inputs, and --steps or an env var added), and
+does what its header says."""
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +20,55 @@ from test_cli import SENTENCES, explain, save_tiny_hf_with_tokenizer, write_conf
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
+COVERED = ("own_training_loop.py", "finetune_and_export.sh", "heterogeneous_fleet/run.sh", "multinode/run.sh")
+"""Each example script, run below with its header's command."""
+
+
+def header_command(script: Path) -> tuple[dict, list[str]]:
+    """(environment, argv) of the command in `script`'s header: the first indented block of a .py
+    docstring or of a .sh's leading comments, continuation lines joined, split as the shell does."""
+    if script.suffix == ".py":
+        lines = ast.get_docstring(ast.parse(script.read_text())).splitlines()
+        lines = [line[4:] if line.startswith("    ") else None for line in lines]
+    else:
+        lines = [line[4:] if line.startswith("#   ") else None for line in script.read_text().splitlines()]
+    block = []
+    for line in lines:
+        if line is not None and line.strip():
+            block.append(line.strip().rstrip("\\"))
+        elif block:
+            break
+    tokens = shlex.split(" ".join(block))
+    env = {}
+    while tokens and re.fullmatch(r"[A-Z_]+=.*", tokens[0]):
+        key, value = tokens.pop(0).split("=", 1)
+        env[key] = value
+    return env, tokens
+
+
+def run_header(name: str, cache, swap: dict, env: dict | None = None, args=(), timeout=600):
+    """`name`'s header command from the repository root, each of its values in `swap` replaced (every
+    one must be in the header, so the header cannot drift from what is run), `env` and `args` added.
+    The header's repository paths must exist."""
+    header_env, argv = header_command(EXAMPLES / name)
+    words = list(header_env.values()) + argv
+    missing = [k for k in swap if k not in words]
+    assert not missing, f"{name}'s header no longer says {missing}: {header_env} {argv}"
+    for word in words:
+        if word.startswith(("examples/", "configs/")) and word not in swap:
+            assert (REPO / word).exists(), f"{name}'s header names {word}, which does not exist"
+    argv = [swap.get(a, a) for a in argv] + [str(a) for a in args]
+    extra = {k: str(swap.get(v, v)) for k, v in header_env.items()}
+    return _run(argv, cache, {**extra, **{k: str(v) for k, v in (env or {}).items()}}, timeout=timeout)
+
+
+def test_every_example_is_run_with_its_header_command():
+    """A new example script without a header command, or without a test here, fails."""
+    scripts = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*") if p.suffix in (".py", ".sh"))
+    assert scripts == sorted(COVERED)
+    for name in COVERED:
+        _, argv = header_command(EXAMPLES / name)
+        assert any(name in a for a in argv), (name, argv)
 
 
 @pytest.fixture(scope="module")
@@ -41,21 +95,20 @@ def _run(cmd, cache, extra_env=None, timeout=400) -> subprocess.CompletedProcess
 
 
 def test_own_training_loop_on_the_public_api(inputs, tmp_path):
-    """examples/own_training_loop.py under torchrun, 2 ranks = 2 stages of one compressed replica
-    (ratio 4, H = 2): the loss falls, the checkpoint is complete, and save_pretrained writes the
-    same model `hetloco-ds export` makes of that checkpoint (same tensors, bit for bit), which
-    transformers loads. Breaks if initialize, train_batch's returned loss, save_checkpoint or
-    save_pretrained drops a piece of the model or the state."""
+    """examples/own_training_loop.py with its header's command (torchrun, 4 ranks, the heterogeneous
+    rehearsal config: 2 stages x 2 replicas, replica 1 compressed at ratio 4, H = 4), 8 steps: the
+    loss falls, the checkpoint is complete, and save_pretrained writes the same model `hetloco-ds
+    export` makes of that checkpoint (same tensors, bit for bit), which transformers loads. Breaks
+    if initialize skips the CLI's checks or drops a return value, if train_batch's loss, the data
+    loader, save_checkpoint or save_pretrained drops a piece of the model or the state."""
     from hetloco_ds import checkpoint
 
-    cfg = write_config(tmp_path / "cfg.json", {"hetloco.subspace.compressed_replicas": "all",
-                                               "hetloco.subspace.ratio": 4, "hetloco.sparseloco.inner_steps": 2})
     out = tmp_path / "out"
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", 2, "--master_port", free_port(),
-                 EXAMPLES / "own_training_loop.py", "--model", inputs["hf"], "--data", inputs["text"], "--config", cfg,
-                 "--out", out, "--steps", 8], inputs["cache"])
+    proc = run_header("own_training_loop.py", inputs["cache"],
+                      {"./llama-hf": inputs["hf"], "corpus.txt": inputs["text"], "runs/mine": out},
+                      env={"PET_MASTER_PORT": free_port()}, args=["--steps", 8])
     assert proc.returncode == 0, explain(proc)
-    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 8 and losses[-1] < losses[0], losses
     assert checkpoint.pick(str(out / "checkpoints")).tag is not None
     again = tmp_path / "again"
@@ -71,13 +124,12 @@ def test_own_training_loop_on_the_public_api(inputs, tmp_path):
 
 
 def test_finetune_and_export_script(inputs, tmp_path):
-    """examples/finetune_and_export.sh on a tiny checkpoint: it trains, exports the latest
-    checkpoint again, and transformers loads the result."""
+    """examples/finetune_and_export.sh with its header's command on a tiny checkpoint: it trains,
+    exports the latest checkpoint again, and transformers loads the result."""
     cfg = write_config(tmp_path / "cfg.json", {"hetloco.sparseloco.inner_steps": 2})
     out = tmp_path / "ft"
-    proc = _run(["bash", EXAMPLES / "finetune_and_export.sh"], inputs["cache"],
-                {"MODEL": str(inputs["hf"]), "DATA": str(inputs["data"]), "CONFIG": str(cfg), "NPROC": "2",
-                 "STEPS": "2", "OUT": str(out)})
+    proc = run_header("finetune_and_export.sh", inputs["cache"], {"./llama-hf": inputs["hf"], "./texts/": inputs["data"]},
+                      env={"CONFIG": cfg, "NPROC": 2, "STEPS": 2, "OUT": out})
     assert proc.returncode == 0, explain(proc)
     assert f"loads: {out}/hf-latest" in proc.stdout
 
@@ -100,20 +152,23 @@ def test_heterogeneous_fleet_example_is_what_the_planner_says(inputs, tmp_path):
     assert cfg["pipeline"]["stages"] == fp.stages and fp.replicas == 10
     assert compressed == {m: cfg["hetloco"]["subspace"]["ratio"] for m in cfg["hetloco"]["subspace"]["compressed_replicas"]}
     out = tmp_path / "rehearsal"
-    proc = _run(["bash", here / "run.sh"], inputs["cache"], {"STEPS": "4", "OUT": str(out)})
+    proc = run_header("heterogeneous_fleet/run.sh", inputs["cache"], {},
+                      env={"STEPS": 4, "OUT": out, "DATA": inputs["data"]})
     assert proc.returncode == 0, explain(proc)
     assert "home-3090s" in proc.stdout and (out / "hf" / "config.json").is_file()
 
 
 def test_multinode_script_with_a_hostfile(inputs, tmp_path):
-    """examples/multinode/run.sh as each node runs it without ssh (here: one node of 2 slots)."""
+    """examples/multinode/run.sh with its header's command, as each node runs it without ssh (here:
+    one node of 2 slots, the tiny preset and config instead of 512M)."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     cfg = write_config(tmp_path / "cfg.json", {"hetloco.sparseloco.inner_steps": 2})
     out = tmp_path / "mn"
-    proc = _run(["bash", EXAMPLES / "multinode" / "run.sh", "--model", inputs["hf"], "--data", inputs["data"],
-                 "--steps", 2, "--out", out], inputs["cache"],
-                {"HOSTFILE": str(hostfile), "CONFIG": str(cfg), "NODE_RANK": "0", "MASTER_PORT": str(free_port())})
+    proc = run_header("multinode/run.sh", inputs["cache"],
+                      {"examples/multinode/hostfile": hostfile, "node-a": "127.0.0.1", "configs/gpu_512m.json": cfg,
+                       "512M": "tiny", "my_corpus/": inputs["data"], "runs/512m": out},
+                      env={"NODE_RANK": 0, "MASTER_PORT": free_port()}, args=["--steps", 2])
     assert proc.returncode == 0, explain(proc)
     assert (out / "hf" / "config.json").is_file()
 

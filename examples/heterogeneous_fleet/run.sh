@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A heterogeneous fleet, sized by the cost model, rehearsed on one machine, then launched.
 #
-#   bash examples/heterogeneous_fleet/run.sh            (STEPS, OUT, LINKS=1 to shape the links)
+#   bash examples/heterogeneous_fleet/run.sh
 #
+# (STEPS, OUT, DATA: what --data takes, default the Python stdlib; LINKS=1 to shape the links.)
 # 1. fleet.json describes three sites: 8 A100s in a datacenter, 8 RTX 4090s in a lab on 1 Gbit/s,
 #    4 RTX 3090s at home on 100 Mbit/s. `plan --fleet` picks S (the stages every replica has), which
 #    groups run full replicas and which compress their stage links, and at which ratio: for the 1B
@@ -18,7 +19,7 @@ hetloco-ds plan --fleet "$here/fleet.json" --model 1B --target 0.9 --n-mb 64
 links=()
 [ "${LINKS:-0}" = 1 ] && links=(--link stage=100mbit --link replica=1G)
 hetloco-ds train --config "$here/rehearsal.json" --model-config tiny --nproc 4 --steps "${STEPS:-8}" \
-    --out "${OUT:-runs/fleet-rehearsal}" "${links[@]}"
+    ${DATA:+--data "$DATA"} --out "${OUT:-runs/fleet-rehearsal}" "${links[@]}"
 cat <<MSG
 On the fleet (hostfile: one line per node, "host slots=GPUS", in rank order):
   deepspeed --hostfile hostfile --module hetloco_ds.cli train --config $here/config.json \\

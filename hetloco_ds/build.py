@@ -17,23 +17,29 @@ from .config import RunConfig, check_topology
 from .optim import build_optimizer
 
 
-def init_distributed() -> None:
-    """Process group from the launcher's environment (deepspeed, torchrun, or our --nproc)."""
+def init_distributed(distributed_port: int | None = None, dist_init_required: bool | None = None) -> None:
+    """Process group from the launcher's environment (deepspeed, torchrun, or our --nproc).
+    `distributed_port` and `dist_init_required` mean what they mean to `deepspeed.initialize`."""
     patches.apply_all()
     import deepspeed
     from deepspeed import comm as dist
+    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend=backend, dist_init_required=dist_init_required,
+                               distributed_port=TORCH_DISTRIBUTED_DEFAULT_PORT if distributed_port is None
+                               else distributed_port)
 
 
-def build_engine(run: RunConfig, module, seq_len: int, replica: tuple[int, int] | None = None, transport=None):
+def build_engine(run: RunConfig, module, seq_len: int, replica: tuple[int, int] | None = None, transport=None,
+                 args=None, lr_scheduler=None):
     """A HetlocoEngine over an already built HetlocoPipelineModule (`replica`, `transport`: elastic
-    mode, see HetlocoEngine)."""
+    mode, see HetlocoEngine; `args`, `lr_scheduler`: as `deepspeed.initialize` passes them to its
+    engine)."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from .engine import HetlocoEngine
@@ -47,10 +53,11 @@ def build_engine(run: RunConfig, module, seq_len: int, replica: tuple[int, int] 
     mpu = module.mpu()
     ds = run.engine_ds_config()
     engine = HetlocoEngine(
-        args=None,
+        args=args,
         model=module,
         optimizer=optimizer,
         model_parameters=params,
+        lr_scheduler=lr_scheduler,
         mpu=mpu,
         dist_init_required=False,
         config=ds,
