@@ -268,6 +268,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     if args.fleet is not None:
         fleet.check_replica(args.fleet, run)
         secret = secret or fleet.read_secret(args.fleet)
+        fleet.check_lighthouse(args.fleet)
     if len(tokenizer) > llama_config.vocab_size:
         raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {llama_config.vocab_size}")
     corpus = data.load_corpus(args.data, tokenizer, seq_len, text_field=args.text_field)

@@ -288,6 +288,22 @@ def test_bad_elastic_input_fails_before_any_rank_with_one_line(case, inputs, tmp
     assert not out.exists()
 
 
+def test_lighthouse_with_nothing_there_fails_in_bounded_time_with_one_line(inputs, tmp_path, capsys, monkeypatch):
+    """--lighthouse at an address where nothing listens once started every rank, which after 26 s
+    printed 63 lines of torchft's C++ frames; now the launcher asks once (bounded) and says what it
+    tried to reach. The port is bound but not listening, so nothing can answer there."""
+    cfg = write_config(tmp_path / "cfg.json", {"hetloco.elastic.max_replicas": 3})
+    monkeypatch.setenv("HETLOCO_FLEET_SECRET", "a-fleet-secret-0123456789abcdef")
+    out = tmp_path / "out"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        fails_with(capsys, _train(inputs, cfg, out, "--lighthouse", f"http://127.0.0.1:{port}", "--replica-id", 0),
+                   f"--lighthouse http://127.0.0.1:{port}: nothing answers at 127.0.0.1:{port} (Connection refused "
+                   "within 5 s); start `hetloco-ds lighthouse` there first, or pass the address it printed", out)
+    assert not out.exists()
+
+
 # --------------------------------------------------------------------------- the run directory
 
 
