@@ -6,6 +6,7 @@ faults are real: a second launch held by tests/fault_inject between its checks a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -109,6 +110,33 @@ def _running(pid: int) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _cleaned_up(proc: subprocess.Popen, pids: list[int]):
+    """Whatever the test finds, nothing it started outlives it."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _stop(proc: subprocess.Popen, sig: int, pids: list[int]) -> str:
+    """Send `sig` to the launcher; once it has exited, none of `pids` may run, and it must have said
+    why in one line and exited 128 + sig. Returns its stderr."""
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert [p for p in pids if _running(p)] == [], "a process of a rank outlived the launcher"
+    assert proc.returncode == 128 + sig, err
+    assert runs.error_lines(err) == [f"hetloco-ds train: error: stopped by {signal.Signals(sig).name}; its 2 ranks "
+                                     "were stopped first"], err
+    assert "Traceback" not in err
+    return err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_to_the_launcher_stops_every_process_of_its_ranks_first(tmp_path, sig):
     """Each signal a user or a scheduler sends a launcher (kill, a closed terminal, Ctrl-C through
@@ -117,28 +145,16 @@ def test_a_signal_to_the_launcher_stops_every_process_of_its_ranks_first(tmp_pat
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), RANK], stderr=subprocess.PIPE, text=True,
                             env=runs.env(tmp_path / "cache"))
     pids: list[int] = []
-    try:
+    with _cleaned_up(proc, pids):
         for r in range(2):
             _wait_for(tmp_path / f"pids-{r}", proc)
             while not (tmp_path / f"pids-{r}").read_text():
                 time.sleep(0.02)
             pids += [int(p) for p in (tmp_path / f"pids-{r}").read_text().split()]
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
-        assert [p for p in pids if _running(p)] == [], "a rank or its child outlived the launcher"
-        assert proc.returncode == 128 + sig, err
-        assert runs.error_lines(err) == [f"hetloco-ds train: error: stopped by {sig.name}; its 2 ranks were "
-                                         "stopped first"], err
+        _stop(proc, sig, pids)
         sizes = [(tmp_path / f"log-{r}").stat().st_size for r in range(2)]
         time.sleep(0.3)
         assert [(tmp_path / f"log-{r}").stat().st_size for r in range(2)] == sizes
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in pids:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_sigterm_to_a_training_launcher_leaves_a_complete_run_and_a_free_out(job, tmp_path):
@@ -146,22 +162,15 @@ def test_sigterm_to_a_training_launcher_leaves_a_complete_run_and_a_free_out(job
     --out any more, its lock is free and its newest checkpoint complete (a --resume can go on)."""
     from hetloco_ds import checkpoint, rundir
 
-    sig = signal.SIGTERM
     out = tmp_path / "run"
     proc = _launch(job, out, 10_000)
     pids: list[int] = []
-    try:
+    with _cleaned_up(proc, pids):
         _wait_for(out / "checkpoints" / "latest", proc)
         for beat in sorted((out / ".hetloco" / "heartbeat").rglob("rank*.json")):
             pids.append(json.loads(beat.read_text())["pid"])
         assert len(pids) == 2
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-        assert [p for p in pids if _running(p)] == [], "a rank outlived its launcher"
-        assert proc.returncode == 128 + sig, err
-        assert runs.error_lines(err) == [f"hetloco-ds train: error: stopped by {sig.name}; its 2 ranks were stopped "
-                                         "first"], err
-        assert "Traceback" not in err
+        _stop(proc, signal.SIGTERM, pids)
         size = (out / "metrics.jsonl").stat().st_size
         rundir.RunLock(str(out)).release()  # free: no process holds it
         time.sleep(1.0)
@@ -170,10 +179,3 @@ def test_sigterm_to_a_training_launcher_leaves_a_complete_run_and_a_free_out(job
             json.loads(line)
         tag = checkpoint.pick(str(out / "checkpoints"), 2).tag
         assert tag.startswith("global_step")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        for pid in pids:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
