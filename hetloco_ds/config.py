@@ -409,6 +409,9 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
             f"{source}: zero_optimization.stage = {zero.get('stage')} shards state across replicas, "
             "which defeats independent local steps; use stage 0"
         )
+    bf16 = (ds.get("bf16") or {}).get("enabled", False)
+    if not isinstance(bf16, bool) and bf16 != "auto":  # bool("false") is True
+        raise ConfigError(f"{source}: bf16.enabled = {bf16!r} must be true, false or \"auto\"")
     if ds.get("fp16", {}).get("enabled"):
         raise ConfigError(f"{source}: fp16.enabled is not supported; use bf16 (autocast with fp32 master weights per replica)")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -426,7 +429,7 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     check_deepspeed_section(ds, source)
     optimizer = _optimizer_settings(ds.get("optimizer"), source)
     return RunConfig(ds=ds, hetloco=hetloco, source=source, stages=stages,
-                     bf16=bool((ds.get("bf16") or {}).get("enabled", False)), clip=float(clip),
+                     bf16=bool(bf16), clip=float(clip),
                      micro_batch=ds.get("train_micro_batch_size_per_gpu", 1),
                      grad_accum=ds.get("gradient_accumulation_steps", 1), optimizer=optimizer,
                      scheduler=check_scheduler(_scheduler(ds.get("scheduler"), optimizer), source))

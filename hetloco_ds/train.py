@@ -261,8 +261,8 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers, elastic=args.fleet is not None)
     positions = getattr(llama_config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
-        model = (f"--model {args.model}" if args.model else f"--model-config {args.model_config or 'tiny'}"
-                 ) if record is None else meta.path
+        model = (meta.path if record is not None else f"--model {args.model}" if args.model
+                 else f"--model-config {args.model_config or 'tiny'}")
         raise ConfigError(f"{run.source}: hetloco.train.seq_len = {seq_len} exceeds the model's max_position_embeddings "
                           f"= {positions} ({model})")
     if args.fleet is not None:

@@ -141,6 +141,8 @@ CONFIG_CASES = {
         "integer, got 0"),
     "unknown_warmup_type": (
         {"scheduler.params.warmup_type": "cosine"}, "{cfg}: scheduler.params.warmup_type = 'cosine': one of log, linear"),
+    "bf16_enabled_as_a_string": (
+        {"bf16.enabled": "false"}, '{cfg}: bf16.enabled = \'false\' must be true, false or "auto"'),
     "misspelt_optimizer_type": (
         {"optimizer.type": "AdamX"},
         '{cfg}: optimizer.type = \'AdamX\': the inner optimizer is AdamW (type "AdamW", or DeepSpeed\'s "Adam", whose '
