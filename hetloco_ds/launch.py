@@ -90,8 +90,8 @@ def stop_requests():
 
 def stop_ranks(procs: list[subprocess.Popen], send=signal_group) -> None:
     """SIGTERM (with SIGCONT, so a stopped process receives it), then SIGKILL after a grace period,
-    each signal delivered by `send(proc, sig)` (the process itself by default; a rehearsal's ranks
-    get it as process groups: `netlab._signal_group`)."""
+    each signal delivered by `send(proc, sig)` (by default to the rank's process group: what the
+    rank started, a compile worker or a data loader, stops with it)."""
     for p in procs:
         if p.poll() is None:
             send(p, signal.SIGTERM)
