@@ -419,6 +419,9 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
             f"{source}: zero_optimization.stage = {zero.get('stage')} shards state across replicas, "
             "which defeats independent local steps; use stage 0"
         )
+    bf16 = (ds.get("bf16") or {}).get("enabled", False)
+    if not isinstance(bf16, bool) and bf16 != "auto":  # bool("false") is True
+        raise ConfigError(f"{source}: bf16.enabled = {bf16!r} must be true, false or \"auto\"")
     if ds.get("fp16", {}).get("enabled"):
         raise ConfigError(f"{source}: fp16.enabled is not supported; use bf16 (autocast with fp32 master weights per replica)")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -436,10 +439,10 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     check_deepspeed_section(ds, source)
     optimizer = _optimizer_settings(ds.get("optimizer"), source)
     return RunConfig(ds=ds, hetloco=hetloco, source=source, stages=stages,
-                     bf16=bool((ds.get("bf16") or {}).get("enabled", False)), clip=float(clip),
+                     bf16=bool(bf16), clip=float(clip),
                      micro_batch=ds.get("train_micro_batch_size_per_gpu", 1),
                      grad_accum=ds.get("gradient_accumulation_steps", 1), optimizer=optimizer,
-                     scheduler=_scheduler(ds.get("scheduler"), optimizer))
+                     scheduler=check_scheduler(_scheduler(ds.get("scheduler"), optimizer), source))
 
 
 def _optimizer_settings(section: dict | None, source: str) -> OptimizerSettings:
@@ -447,11 +450,15 @@ def _optimizer_settings(section: dict | None, source: str) -> OptimizerSettings:
         return OptimizerSettings()
     kind = str(section.get("type", "AdamW"))
     if kind.lower() not in ("adamw", "adam"):
-        raise ConfigError(f"{source}: optimizer.type = {kind!r}: the inner optimizer is AdamW")
+        raise ConfigError(f"{source}: optimizer.type = {kind!r}: the inner optimizer is AdamW (type \"AdamW\", or "
+                          "DeepSpeed's \"Adam\", whose adam_w_mode is on by default)")
     p = dict(section.get("params") or {})
     unknown = set(p) - {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode"}
     if unknown:
         raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)} in optimizer.params")
+    if p.get("adam_w_mode") is False:  # DeepSpeed's Adam would then add weight decay to the gradient (L2)
+        raise ConfigError(f"{source}: optimizer.params.adam_w_mode = false (Adam with L2 weight decay): the inner "
+                          "optimizer is AdamW (decoupled weight decay); remove adam_w_mode")
     d = OptimizerSettings()
     try:
         out = OptimizerSettings(lr=float(p.get("lr", d.lr)), betas=tuple(float(b) for b in p.get("betas", d.betas)),
@@ -478,6 +485,58 @@ def _scheduler(section: dict | None, optimizer: OptimizerSettings) -> dict | Non
         params["warmup_max_lr"] = optimizer.lr
     if params.get("warmup_min_lr") == "auto":
         params["warmup_min_lr"] = 0.0
+    return section
+
+
+WARMUP_TYPES = ("log", "linear")
+
+
+def check_scheduler(section: dict | None, source: str) -> dict | None:
+    """DeepSpeed builds the scheduler by name inside every rank, after the run directory is written;
+    a misspelt name or parameter is caught here instead, against DeepSpeed's own list and the
+    scheduler's signature, and the scheduler is built once on a throwaway optimizer so that its own
+    value checks run too. Returns `section`."""
+    if section is None:
+        return None
+    import inspect
+
+    import deepspeed
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    kind, params = section.get("type"), section.get("params") or {}
+    valid = lr_schedules.VALID_LR_SCHEDULES
+    unknown = set(section) - {"type", "params"}
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)} in scheduler (it holds type and params)")
+    if kind not in valid:
+        near = difflib.get_close_matches(str(kind), valid, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"{source}: scheduler.type = {kind!r} is not a DeepSpeed {deepspeed.__version__} scheduler "
+                          f"({', '.join(valid)}){hint}")
+    accepted = {name: p for name, p in inspect.signature(getattr(lr_schedules, kind)).parameters.items()
+                if name not in ("optimizer", "last_batch_iteration")}
+    where = f"{source}: scheduler.params"
+    for name, value in params.items():
+        if name not in accepted:
+            near = difflib.get_close_matches(name, accepted, n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"{where}.{name}: {kind} has no such parameter ({', '.join(accepted)}){hint}")
+        if value == "auto":  # HF's Trainer fills these in; we resolve only the learning rates
+            raise ConfigError(f'{where}.{name} = "auto": only warmup_min_lr and warmup_max_lr may be "auto" here; '
+                              "give a number")
+    missing = [n for n, p in accepted.items() if p.default is inspect.Parameter.empty and n not in params]
+    if missing:
+        raise ConfigError(f"{where}: {kind} needs {', '.join(missing)}")
+    if "warmup_type" in accepted and params.get("warmup_type", "log") not in WARMUP_TYPES:
+        # DeepSpeed would log a warning and warm up logarithmically.
+        raise ConfigError(f"{where}.warmup_type = {params['warmup_type']!r}: one of {', '.join(WARMUP_TYPES)}")
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    try:
+        getattr(lr_schedules, kind)(probe, **params)
+    except Exception as err:  # noqa: BLE001 - DeepSpeed's schedulers raise ValueError, TypeError, asserts
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{where}: DeepSpeed's {kind} rejects them: {first}") from None
     return section
 
 

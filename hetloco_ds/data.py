@@ -402,10 +402,14 @@ class _Documents:
         return out
 
 
-def _check_column(ds: datasets.Dataset, field: str, where: str) -> None:
+def _check_column(ds: datasets.Dataset, field: str, where: str, files: dict[str, list[str]] | None = None) -> None:
+    """`files`: each file's own columns, so that a missing field names the file that lacks it."""
     import datasets
     if field not in ds.column_names:
-        raise DataError(f"{where} has no field {field!r} (fields: {', '.join(ds.column_names)}); set text_field")
+        lacking = [(f, cols) for f, cols in (files or {}).items() if field not in cols]
+        where, columns = (repr(lacking[0][0]), lacking[0][1]) if lacking else (where, ds.column_names)
+        raise DataError(f"{where} has no field {field!r} (fields: {', '.join(columns)}); pass --text-field FIELD "
+                        "(text_field)")
     feature = ds.features[field]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
         raise DataError(f"{where}: field {field!r} holds {feature}, not text")
@@ -468,9 +472,20 @@ def _read_tables(src: _Source, text_field: str, tmp: str, groups: list, keys: li
             ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], **load)
         except Exception as e:
             raise DataError(f"cannot read {kind} files {[str(f) for f in files]}: {type(e).__name__}: {e}") from e
-        _check_column(ds, text_field, f"{kind} data under {str(src.root)!r}")
+        columns = {str(f): _file_columns(kind, f, load) for f in files} if text_field not in ds.column_names else None
+        _check_column(ds, text_field, f"{kind} data under {str(src.root)!r}", columns)
         groups.append((ds, text_field))
         keys += [f"{kind}#{i}" for i in range(len(ds))]
+
+
+def _file_columns(kind: str, path: Path, load: dict) -> list[str]:
+    """One json or parquet file's columns (read only to name the file a field is missing from)."""
+    import datasets
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(path).names
+    return datasets.load_dataset(kind, data_files=[str(path)], **load).column_names
 
 
 # --------------------------------------------------------------------------- tokenise + pack

@@ -100,6 +100,28 @@ def check_replica(fleet: FleetArgs, run: RunConfig) -> None:
                           "reach this host at")
 
 
+LIGHTHOUSE_CONNECT_S = 5.0
+
+
+def check_lighthouse(fleet: FleetArgs) -> None:
+    """Something listens at --lighthouse, asked once with a bounded TCP connect: torchft's own
+    client, started inside every rank, reports an address with nothing there only after tens of
+    seconds of C++ frames. Port 0: `--elastic` plans its replicas before its lighthouse exists."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(fleet.lighthouse)
+    if where.port == 0:
+        return
+    try:
+        socket.create_connection((where.hostname, where.port), timeout=LIGHTHOUSE_CONNECT_S).close()
+    except OSError as err:
+        why = "no answer" if isinstance(err, TimeoutError) else (err.strerror or type(err).__name__)
+        raise ConfigError(f"--lighthouse {fleet.lighthouse}: nothing answers at {where.hostname}:{where.port} "
+                          f"({why} within {LIGHTHOUSE_CONNECT_S:g} s); start `hetloco-ds lighthouse` there first, "
+                          "or pass the address it printed") from None
+
+
 def read_secret(fleet: FleetArgs) -> bytes:
     from .transport.auth import read_fleet_secret
 
@@ -110,6 +132,10 @@ def read_secret(fleet: FleetArgs) -> bytes:
 
 
 # ------------------------------------------------------------------------------ the fleet identity
+
+
+MODEL_SHAPE = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "tie_word_embeddings")
 
 
 def identity(run: RunConfig, llama_config) -> dict:
@@ -125,7 +151,9 @@ def identity(run: RunConfig, llama_config) -> dict:
                  "embedding_adaptation": sub.embedding_adaptation}
     return {
         "max_replicas": n,
-        "model": [d, llama_config.num_hidden_layers, llama_config.vocab_size],
+        # Every field that shapes a parameter: a joiner that differs in any is refused in one line
+        # before the donor's state would fail to load into it.
+        "model": {k: getattr(llama_config, k) for k in MODEL_SHAPE},
         "split_basis": split,
         "sparseloco": json.loads(run.hetloco.sparseloco.model_dump_json()),
     }
@@ -140,8 +168,10 @@ def mismatch(mine: dict, theirs: dict) -> str | None:
     if mine.get("max_replicas") != theirs.get("max_replicas"):
         return (f"hetloco.elastic.max_replicas = {mine.get('max_replicas')} here, {theirs.get('max_replicas')} in the "
                 "fleet: replica ids and data shards would overlap")
-    if mine.get("model") != theirs.get("model"):
-        return f"model (hidden, layers, vocab) = {mine.get('model')} here, {theirs.get('model')} in the fleet"
+    a, b = mine.get("model") or {}, theirs.get("model") or {}
+    key = next((k for k in MODEL_SHAPE if a.get(k) != b.get(k)), None)
+    if key is not None:
+        return f"the model's {key} = {a.get(key)} here, {b.get(key)} in the fleet"
     a, b = mine.get("split_basis"), theirs.get("split_basis")
     if a != b:
         def say(s):

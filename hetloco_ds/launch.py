@@ -4,20 +4,26 @@ Each rank is a fresh `python -m hetloco_ds.cli ...` process with the environment
 `deepspeed` launcher and `torchrun` would give it. When a rank fails, the others are stopped
 at once (a stopped, SIGSTOPped one included), so a crash never leaves peers waiting in a
 collective; a rank that died by a signal is named in one line, since it could not say so itself.
+SIGTERM, SIGHUP or SIGINT to the launcher stops its ranks the same way before it lets go of the
+run directory (each rank is its own process group, so the signal reaches whatever it started,
+and a Ctrl-C in the terminal reaches only the launcher, which stops the ranks in order).
 `spawn_groups` runs several such jobs side by side (`--elastic`: one per replica), where a
 failure stops only its own job.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 STOP_GRACE_S = 5.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def free_port() -> int:
@@ -51,10 +57,41 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def stop_ranks(procs: list[subprocess.Popen], send=subprocess.Popen.send_signal) -> None:
+def signal_group(p: subprocess.Popen, sig: int) -> None:
+    """`sig` to `p`'s process group (a rank started as its own group's leader), if it still exists."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """While the launcher waits on its ranks: STOP_SIGNALS recorded instead of ending the launcher,
+    which would leave the ranks training in a directory no longer locked. Yields a list that holds
+    the first such signal once one came; the waiting loop polls it, so the stop itself is never
+    interrupted by a second signal."""
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
+        yield came
+        return
+
+    def note(signum, _frame):
+        if not came:
+            came.append(signum)
+
+    before = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
+    try:
+        yield came
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def stop_ranks(procs: list[subprocess.Popen], send=signal_group) -> None:
     """SIGTERM (with SIGCONT, so a stopped process receives it), then SIGKILL after a grace period,
-    each signal delivered by `send(proc, sig)` (the process itself by default; a rehearsal's ranks
-    get it as process groups: `netlab._signal_group`)."""
+    each signal delivered by `send(proc, sig)` (by default to the rank's process group: what the
+    rank started, a compile worker or a data loader, stops with it)."""
     for p in procs:
         if p.poll() is None:
             send(p, signal.SIGTERM)
@@ -110,18 +147,19 @@ def _start(nproc: int, argv: list[str], env: dict | None, threads: int,
         if rank != 0:
             rank_env["HETLOCO_QUIET"] = "1"
         pin = (lambda mine=cores[rank]: os.sched_setaffinity(0, mine)) if cores else None
-        procs.append(subprocess.Popen([*program, *argv], env=rank_env, preexec_fn=pin))
+        procs.append(subprocess.Popen([*program, *argv], env=rank_env, preexec_fn=pin, start_new_session=True))
     return procs
 
 
-def supervise(procs: list[subprocess.Popen], send=subprocess.Popen.send_signal) -> tuple[int | None, int]:
-    """Wait for one job's ranks until all have exited 0 or one fails; then stop the rest
-    (`stop_ranks`, signals delivered by `send`). Returns (the first failing rank, its return code),
-    or (None, 0) when all succeeded, (None, 130) on Ctrl-C."""
+def supervise(procs: list[subprocess.Popen], send=signal_group) -> tuple[int | None, int]:
+    """Wait for one job's ranks until all have exited 0, one fails or the launcher is asked to stop
+    (STOP_SIGNALS); then stop the rest (`stop_ranks`, signals delivered by `send`). Returns (the
+    first failing rank, its return code), (None, 0) when all succeeded, or (None, 128 + N) when
+    stopped by signal N."""
     running = set(range(len(procs)))
     first: tuple[int | None, int] = (None, 0)
-    try:
-        while running and first[0] is None:
+    with stop_requests() as came:
+        while running and first[0] is None and not came:
             for rank in sorted(running):
                 rc = procs[rank].poll()
                 if rc is None:
@@ -131,10 +169,12 @@ def supervise(procs: list[subprocess.Popen], send=subprocess.Popen.send_signal) 
                     first = (rank, rc)
                     break
             time.sleep(0.05)
-    except KeyboardInterrupt:
-        first = (None, 130)
-    stop_ranks(procs, send)
-    return first
+        stop_ranks(procs, send)
+    return (None, 128 + came[0]) if came and first[0] is None else first
+
+
+def _stopped_by(rc: int, ranks: int) -> str:
+    return f"stopped by {signal.Signals(rc - 128).name}; its {ranks} ranks were stopped first"
 
 
 def _died(rank: int, proc: subprocess.Popen, rc: int) -> str:
@@ -149,6 +189,8 @@ def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "het
     procs = _start(nproc, argv, env, threads_per_rank(nproc), core_shares(nproc) if bind_cores else None, program)
     rank, rc = supervise(procs)
     if rank is None:
+        if rc:
+            print(f"{name}: error: {_stopped_by(rc, nproc)}", file=sys.stderr, flush=True)
         return rc
     if rc < 0:
         print(f"{name}: error: {_died(rank, procs[rank], rc)}; stopped the other ranks", file=sys.stderr,
@@ -168,8 +210,8 @@ def spawn_groups(groups: dict, tick=None, ended=None, bind_cores: bool = False) 
     procs = {g: _start(n, argv, env, threads_per_rank(total), [next(shares) for _ in range(n)] if shares else None)
              for g, (n, argv, env) in groups.items()}
     codes: dict = {}
-    try:
-        while len(codes) < len(procs):
+    with stop_requests() as came:
+        while len(codes) < len(procs) and not came:
             for g, ranks in procs.items():
                 if g in codes:
                     continue
@@ -189,8 +231,8 @@ def spawn_groups(groups: dict, tick=None, ended=None, bind_cores: bool = False) 
             if tick is not None:
                 tick({g for g in procs if g not in codes})
             time.sleep(0.05)
-    except KeyboardInterrupt:
         for g, ranks in procs.items():
-            stop_ranks(ranks)
-            codes.setdefault(g, 130)
+            if g not in codes:
+                stop_ranks(ranks)
+                codes[g] = 128 + came[0]
     return codes

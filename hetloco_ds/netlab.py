@@ -60,6 +60,8 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
+from .launch import signal_group as _signal_group
+
 PREFIX = "hl-"
 """Every namespace this module creates is named PREFIX + '<creator pid>-<tag>-...'."""
 IFACE = "hl0"
@@ -488,13 +490,6 @@ Segments that carry stream bytes stay in order behind the link's other data."""
 def _classid(peer: int, child: int) -> str:
     """htb class id of the link to `peer`: child 0 the link itself, 1 its ACKs, 2 the rest."""
     return f"1:{(peer + 16) + child * CHILD_STRIDE:x}"
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_shaped(cmd_for_rank: Callable[[int], Sequence[str]], world: int,

@@ -107,7 +107,7 @@ def _run_ranks(net: netlab.ShapedNetwork, cmd: list[str], env: dict, tmp: str) -
         log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
         logs.append(log)
         procs.append(net.popen(rank, cmd, rank_env, stdout=log, stderr=subprocess.STDOUT))
-    failed, code = launch.supervise(procs, netlab._signal_group)
+    failed, code = launch.supervise(procs)
     if failed is not None and logs[failed] is not None:
         logs[failed].seek(0)
         print(f"[hetloco] rank {failed} failed ({code}); its log ends:\n{logs[failed].read()[-3000:]}",

@@ -7,7 +7,9 @@ and the watchdog's heartbeats). Other files (a job script's logs) are left alone
 One process owns the directory while the job runs, holding an exclusive `flock` on
 `.hetloco/lock`: our launcher under `--nproc`, global rank 0 under an external launcher. The
 kernel drops the lock when that process dies, so a killed run never leaves a stale lock.
-Ownership is taken only after every check has passed; until then nothing here is written.
+Ownership is taken only after every check has passed; until then nothing here is written. What
+those checks read of the directory is read again once the lock is held (`train.own_run`): two
+runs started together both pass them before either holds the lock.
 """
 from __future__ import annotations
 
@@ -46,6 +48,17 @@ RESUME_MAY_CHANGE = (
 def used_entries(out: str) -> list[str]:
     """Which of a run's files `out` already holds."""
     return [name for name in OURS if os.path.lexists(os.path.join(out, name))]
+
+
+def check_unused(out: str, under_lock: bool = False) -> None:
+    """A new run's --out must hold no run; `under_lock`: this process holds the lock, whose own
+    file (all that `.hetloco` then holds of a directory no run wrote to) does not count."""
+    used = used_entries(out)
+    if under_lock and STATE in used and set(os.listdir(os.path.join(out, STATE))) <= {"lock"}:
+        used.remove(STATE)
+    if used:
+        raise ConfigError(f"--out {out} already holds a run ({', '.join(used)}); pass --resume to continue it "
+                          "or --overwrite to replace it")
 
 
 def read_record(out: str) -> dict:

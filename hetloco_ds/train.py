@@ -212,11 +212,8 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     if args.resume:
         record = rundir.read_record(out)
         args = _resume_args(args, record)
-    elif not owned:
-        used = rundir.used_entries(out)
-        if used and not args.overwrite:
-            raise ConfigError(f"--out {out} already holds a run ({', '.join(used)}); pass --resume to continue it "
-                              "or --overwrite to replace it")
+    elif not owned and not args.overwrite:
+        rundir.check_unused(out)
     args = dataclasses.replace(args, text_field=args.text_field or "text")
 
     path = config_path(args)
@@ -252,9 +249,16 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         llama_config, tokenizer, args = _model_and_tokenizer(args, run)
         hf_dir = args.model
     M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers, elastic=args.fleet is not None)
+    positions = getattr(llama_config, "max_position_embeddings", None)
+    if positions is not None and seq_len > positions:
+        model = (meta.path if record is not None else f"--model {args.model}" if args.model
+                 else f"--model-config {args.model_config or 'tiny'}")
+        raise ConfigError(f"{run.source}: hetloco.train.seq_len = {seq_len} exceeds the model's max_position_embeddings "
+                          f"= {positions} ({model})")
     if args.fleet is not None:
         fleet.check_replica(args.fleet, run)
         secret = secret or fleet.read_secret(args.fleet)
+        fleet.check_lighthouse(args.fleet)
     if len(tokenizer) > llama_config.vocab_size:
         raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {llama_config.vocab_size}")
     corpus = data.load_corpus(args.data, tokenizer, seq_len, text_field=args.text_field)
@@ -303,6 +307,7 @@ def own_run(plan: RunPlan) -> rundir.RunLock:
     os.makedirs(out, exist_ok=True)
     lock = rundir.RunLock(out)
     try:
+        _recheck_under_lock(plan)
         if plan.args.overwrite:
             rundir.clear_previous_run(out)
         shutil.rmtree(rundir.state_dir(out, "heartbeat"), ignore_errors=True)  # of jobs before this one
@@ -325,6 +330,23 @@ def own_run(plan: RunPlan) -> rundir.RunLock:
         lock.release()
         raise
     return lock
+
+
+def _recheck_under_lock(plan: RunPlan) -> None:
+    """`plan_run`'s reading of --out, again now that the lock is held: another run may have taken
+    the directory, trained in it and let go between that reading and the lock."""
+    out = plan.args.out
+    if plan.resume is None:
+        if not plan.args.overwrite:
+            rundir.check_unused(out, under_lock=True)
+        return
+    try:
+        now = checkpoint.pick(plan.ckpt_dir, plan.world)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(f"--resume: {err}") from None
+    if now.tag != plan.resume.tag:
+        raise ConfigError(f"--resume: another run wrote {out} while this launch was checking it (its newest complete "
+                          f"checkpoint is now {now.tag}, not {plan.resume.tag}); launch again to resume from there")
 
 
 # ------------------------------------------------------------------------------------ ranks

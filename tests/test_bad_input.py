@@ -130,6 +130,26 @@ CONFIG_CASES = {
         {"train_micro_batch_size_per_gp": 4},
         "{cfg}: unknown DeepSpeed key 'train_micro_batch_size_per_gp' (DeepSpeed " + deepspeed.__version__
         + " does not read it); did you mean 'train_micro_batch_size_per_gpu'?"),
+    "misspelt_scheduler_type": (
+        {"scheduler.type": "WarmupCosinLR"},
+        "{cfg}: scheduler.type = 'WarmupCosinLR' is not a DeepSpeed " + deepspeed.__version__ + " scheduler "
+        "(LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR); did you mean 'WarmupCosineLR'?"),
+    "misspelt_scheduler_param": (
+        {"scheduler.params.warmup_num_step": 3},
+        "{cfg}: scheduler.params.warmup_num_step: WarmupCosineLR has no such parameter (total_num_steps, "
+        "warmup_min_ratio, warmup_num_steps, cos_min_ratio, warmup_type); did you mean 'warmup_num_steps'?"),
+    "scheduler_value_deepspeed_rejects": (
+        {"scheduler.params.warmup_num_steps": 0},
+        "{cfg}: scheduler.params: DeepSpeed's WarmupCosineLR rejects them: warmup_num_steps must be a positive "
+        "integer, got 0"),
+    "unknown_warmup_type": (
+        {"scheduler.params.warmup_type": "cosine"}, "{cfg}: scheduler.params.warmup_type = 'cosine': one of log, linear"),
+    "bf16_enabled_as_a_string": (
+        {"bf16.enabled": "false"}, '{cfg}: bf16.enabled = \'false\' must be true, false or "auto"'),
+    "misspelt_optimizer_type": (
+        {"optimizer.type": "AdamX"},
+        '{cfg}: optimizer.type = \'AdamX\': the inner optimizer is AdamW (type "AdamW", or DeepSpeed\'s "Adam", whose '
+        "adam_w_mode is on by default)"),
     "unknown_key_inside_deepspeed_section": (
         {"zero_optimization": {"stage": 0, "overlap_com": True}}, "{cfg}: unknown key 'zero_optimization.overlap_com'"),
 }
@@ -145,6 +165,17 @@ def test_bad_config_fails_before_any_rank_with_one_line(case, inputs, tmp_path, 
     cfg = write_config(tmp_path / "cfg.json", edits)
     out = tmp_path / "out"
     fails_with(capsys, _train(inputs, cfg, out, "--nproc", 2), line.format(cfg=cfg), out)
+    assert not out.exists()
+
+
+def test_seq_len_beyond_the_models_positions_fails_before_any_rank(inputs, tmp_path, capsys):
+    """A seq_len past max_position_embeddings once started every rank, wrote --out and completed no
+    step for minutes."""
+    cfg = write_config(tmp_path / "cfg.json", {"hetloco.train.seq_len": 65})
+    out = tmp_path / "out"
+    fails_with(capsys, _train(inputs, cfg, out, "--nproc", 2),
+               f"{cfg}: hetloco.train.seq_len = 65 exceeds the model's max_position_embeddings = 64 (--model {inputs['hf']})",
+               out)
     assert not out.exists()
 
 
@@ -259,6 +290,22 @@ def test_bad_elastic_input_fails_before_any_rank_with_one_line(case, inputs, tmp
         extra += ["--secret-file", secret]
     out = tmp_path / "out"
     fails_with(capsys, _train(inputs, cfg, out, *extra), line.format(cfg=cfg, secret=secret), out)
+    assert not out.exists()
+
+
+def test_lighthouse_with_nothing_there_fails_in_bounded_time_with_one_line(inputs, tmp_path, capsys, monkeypatch):
+    """--lighthouse at an address where nothing listens once started every rank, which after 26 s
+    printed 63 lines of torchft's C++ frames; now the launcher asks once (bounded) and says what it
+    tried to reach. The port is bound but not listening, so nothing can answer there."""
+    cfg = write_config(tmp_path / "cfg.json", {"hetloco.elastic.max_replicas": 3})
+    monkeypatch.setenv("HETLOCO_FLEET_SECRET", "a-fleet-secret-0123456789abcdef")
+    out = tmp_path / "out"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        fails_with(capsys, _train(inputs, cfg, out, "--lighthouse", f"http://127.0.0.1:{port}", "--replica-id", 0),
+                   f"--lighthouse http://127.0.0.1:{port}: nothing answers at 127.0.0.1:{port} (Connection refused "
+                   "within 5 s); start `hetloco-ds lighthouse` there first, or pass the address it printed", out)
     assert not out.exists()
 
 

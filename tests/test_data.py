@@ -206,6 +206,22 @@ def test_missing_text_field_raises_naming_field(byte_tok, tmp_path):
     assert corpus.train.shape == (2, 3)  # "hello" + EOS
 
 
+def test_missing_parquet_field_names_the_file_and_the_flag(byte_tok, tmp_path):
+    """A folder of parquet files, one of which lacks the text column: the error once named the
+    folder and `text_field` (no such flag); it names the file and --text-field."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    pq.write_table(pa.table({"content": ["hello world"] * 4}), folder / "a.parquet")
+    pq.write_table(pa.table({"content": ["hello there"] * 4}), folder / "b.parquet")
+    with pytest.raises(DataError) as err:
+        load_corpus(str(folder), byte_tok, seq_len=4, cache_dir=tmp_path / "c", progress=False)
+    assert str(err.value) == (f"{str(folder / 'a.parquet')!r} has no field 'text' (fields: content); "
+                              "pass --text-field FIELD (text_field)")
+
+
 def test_too_small_corpus_raises_with_token_counts(byte_tok, tmp_path):
     """Breaks if a corpus shorter than one block per split / per replica trains on nothing."""
     (tmp_path / "tiny.txt").write_text("hi")

@@ -420,3 +420,21 @@ def test_joiner_with_another_ratio_keeps_the_fleets_split_basis_or_is_refused_na
     assert fleet.mismatch(bigger, ours).startswith("hetloco.elastic.max_replicas = 5 here, 4 in the fleet")
     other_h = fleet.identity(_run_config(tmp_path, "h", {**sub, "hetloco.sparseloco.inner_steps": 3}), model)
     assert fleet.mismatch(other_h, ours) == "hetloco.sparseloco.inner_steps = 3 here, 2 in the fleet"
+
+
+def test_joiner_with_another_model_shape_is_refused_naming_the_field(tmp_path):
+    """A replica whose model differs from the fleet's in a shape the identity once left out (the MLP
+    width, the heads) had the fleet's key; healed from a donor, the donor's state failed to load into
+    its parameters with a traceback. Its identity now differs, and the line names the field."""
+    from hetloco_ds import fleet
+    from conftest import tiny_llama_config
+
+    run = _run_config(tmp_path, "fleet", {})
+    ours = fleet.identity(run, tiny_llama_config())
+    for key, value in (("intermediate_size", 96), ("num_key_value_heads", 4), ("tie_word_embeddings", True)):
+        model = tiny_llama_config()
+        setattr(model, key, value)
+        other = fleet.identity(run, model)
+        assert fleet.fleet_key(other) != fleet.fleet_key(ours), key
+        assert fleet.mismatch(other, ours) == f"the model's {key} = {value} here, {getattr(tiny_llama_config(), key)} in the fleet"
+    assert fleet.mismatch(fleet.identity(run, tiny_llama_config()), ours) is None

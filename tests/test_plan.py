@@ -1,6 +1,7 @@
 """The cost model: exact byte counts, monotonicity, the paper's Figure-2 claim, the fleet planner."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -10,6 +11,7 @@ import torch
 
 from hetloco_ds import plan, sizes
 from hetloco_ds.plan import ModelShape, predict
+from hetloco_ds.plan.model import fmt_rate
 
 # d=8, 2 layers, 2 heads, FFN 16, vocab 32; with chunk=16 a 2-D tensor is cut into 4x4 tiles.
 TINY = ModelShape(d=8, n_layers=2, n_heads=2, ffn=16, vocab=32, seq_len=4, name="tiny")
@@ -131,6 +133,30 @@ def test_breakdown_adds_up_and_names_the_bubble():
     assert p.dominant_overhead == "pipeline bubble"
     # (n_mb + S - 1) slots of the busiest stage at most; less, as the first stage is lighter.
     assert 4 / 7 <= p.utilisation < 0.75
+
+
+def test_explanation_names_the_real_bottleneck_and_never_a_rate_below_the_given_one():
+    """The issue's case: 100 Mbit/s stage links that keep up with compute in steady state (a transfer
+    is shorter than a micro-batch's compute), stalling only while the pipeline fills and drains. The
+    explanation once called the links the bottleneck, said 'about 28 Mbit/s would hide it' (less than
+    the 100 given) and then 'The step is compute-bound'."""
+    p = predict("tiny", stages=2, n_mb=4, stage_bw=1e8, stage_latency=1e-3, ratio=1, tflops=1)
+    assert p.dominant == "compute" and p.dominant_overhead == "stage-link stall"
+    assert p.stage_bw_for_compute_bound < 1e8
+    assert max(p.link_time_fwd, p.link_time_bwd) < max(p.compute_time_microbatch)
+    text = p.explanation
+    assert "The step is compute-bound; its largest overhead is the stage-link stall." in text
+    assert "bottleneck" not in text and "fills and drains" in text
+    assert fmt_rate(p.stage_bw_for_compute_bound) not in text
+    # Across a grid: one bound named, and no suggested stage-link rate at or below the given one.
+    for model, bw, ratio, S, n_mb, overlap in itertools.product(["tiny", "178M"], [1e8, 1e9], [1, 64], [2, 4], [4, 32],
+                                                                 [True, False]):
+        p = predict(model, stages=S, n_mb=n_mb, stage_bw=bw, ratio=ratio, tflops=20, overlap=overlap, replicas=4)
+        text = p.explanation
+        assert ("compute-bound" in text) == (p.dominant == "compute"), text
+        assert ("bottleneck" in text) == (p.dominant != "compute"), text
+        if "would let compute hide it" in text:
+            assert p.stage_bw_for_compute_bound > bw, text
 
 
 @pytest.mark.parametrize("schedule", ["overlapped", "blocking"])

@@ -524,23 +524,22 @@ def predict(model: str | ModelShape = "512M", settings: Settings | None = None, 
 
 
 def explain(p: Prediction) -> str:
-    """One paragraph: which term dominates and what would change it."""
+    """One paragraph: what bounds the step (the dominant term) and what would change its largest
+    overhead; every sentence agrees with the breakdown above it."""
     i, b = p.inputs, p.breakdown
-    t_c = max(p.compute_time_microbatch)
     share = {t: v / p.total_time for t, v in b.items()}
     lines = [f"Compute utilisation {p.utilisation:.1%}: " + ", ".join(
         f"{t} {share[t]:.1%}" for t in TERMS) + "."]
     over = p.dominant_overhead
-    if over == "stage-link stall" and b[over] > 0:
-        t_link = max(p.link_time_fwd, p.link_time_bwd) if i["overlap"] else p.link_time_fwd + p.link_time_bwd
-        lines.append(
-            f"The stage links are the bottleneck: a micro-batch needs {fmt_time(t_link)} on a "
-            f"{fmt_rate(i['stage_bw'])} link against {fmt_time(t_c)} of compute.")
-        if p.stage_bw_for_compute_bound:
-            lines.append(f"About {fmt_rate(p.stage_bw_for_compute_bound)} per stage link (or a "
-                         f"larger subspace ratio) would hide it.")
-        else:
-            lines.append("Link latency alone exceeds one micro-batch of compute: use larger micro-batches.")
+    if p.dominant == "compute":
+        lines.append("The step is compute-bound" + (f"; its largest overhead is the {over}." if b[over] > 0 else "."))
+    else:
+        lines.append({"stage-link stall": "The stage links are", "pipeline bubble": "The pipeline bubble is",
+                      "outer sync": "The outer sync is"}[over] + " the bottleneck.")
+    if b[over] <= 0:
+        return " ".join(lines)
+    if over == "stage-link stall":
+        lines.append(_explain_stall(p))
     elif over == "pipeline bubble":
         lines.append(f"Pipeline fill/drain costs (S-1)/(n_mb+S-1) = {i['stages'] - 1}/"
                      f"{i['n_mb'] + i['stages'] - 1} of the schedule: more micro-batches per step "
@@ -550,6 +549,27 @@ def explain(p: Prediction) -> str:
                      f"{i['replicas'] - 1} ring steps on {fmt_rate(i['replica_bw'])}) takes "
                      f"{fmt_time(p.outer_sync_time)} every {i['H']} inner steps: a faster replica "
                      f"link, larger H or quantisation reduce it.")
-    if p.dominant == "compute":
-        lines.append("The step is compute-bound.")
     return " ".join(lines)
+
+
+def _explain_stall(p: Prediction) -> str:
+    """Why the stage links stall the step: too slow for the compute they must hide under, or (when
+    they already keep up) only while the pipeline fills and drains, or a blocking schedule."""
+    i = p.inputs
+    t_c = max(p.compute_time_microbatch)
+    overlap = i["overlap"]
+    t_link = max(p.link_time_fwd, p.link_time_bwd) if overlap else p.link_time_fwd + p.link_time_bwd
+    moves = f"A micro-batch needs {fmt_time(t_link)} on a {fmt_rate(i['stage_bw'])} stage link against {fmt_time(t_c)} of compute"
+    if t_link > t_c:
+        if p.stage_bw_for_compute_bound:
+            return (f"{moves}: about {fmt_rate(p.stage_bw_for_compute_bound)} per stage link (or a larger subspace "
+                    f"ratio) would let compute hide it.")
+        return f"{moves}: link latency alone exceeds it; use larger micro-batches."
+    if not overlap:
+        return (f"{moves}; the blocking schedule waits out every transfer, where the overlapped one would hide "
+                "them under compute.")
+    tied = (" (and the tied embedding's gradient all-reduce, every step)"
+            if p.model.tied and i["stages"] > 1 and i["tied_embeddings"] == "every_step" else "")
+    return (f"{moves}, so in steady state the links keep up; the stall is the transfers on the critical path while "
+            f"the pipeline fills and drains{tied}: more micro-batches per step shrink its share, a faster link or a "
+            f"larger subspace ratio shortens each transfer.")

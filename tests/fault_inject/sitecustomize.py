@@ -2,7 +2,8 @@
 starts with this folder (Python imports `sitecustomize` at start-up).
 
 HETLOCO_FAULT="<rank>:<event>:<n>[:<action>]" makes the process of global rank <rank> act at its
-n-th <event>; processes of other ranks, and those without the variable, are untouched.
+n-th <event>; processes of other ranks, and those without the variable, are untouched. <rank>
+"launcher" is the `--nproc` launcher (the process without RANK).
 
 events  step  a torch AdamW step (inside a training step: after forward and backward)
         holdsync  an elastic replica's outer-sync quorums (ElasticTransport.begin, inside the outer
@@ -10,6 +11,9 @@ events  step  a torch AdamW step (inside a training step: after forward and back
               on, quorum number k waits while FOLDER/hold-k exists (an elastic test holds a fleet at
               chosen boundaries until late replicas are ready to join)
         sync  an outer step's payload exchange (hetloco_ds.transport.static.GroupTransport.exchange)
+        own   the launcher taking --out (hetloco_ds.train.own_run, after every check passed); the action is
+              a folder: it creates FOLDER/checked, then waits while FOLDER/hold exists (a test lets
+              another run take the directory meanwhile)
         ckpt  inside hetloco_ds.checkpoint: a file written (write_durably) or a directory
               fsynced (_fsync_dir: after the manifest, after the rename, after `latest`)
 actions kill  SIGKILL (default); at a file write, half of the file's bytes are written first
@@ -31,7 +35,7 @@ _RANK = os.environ.get("RANK")
 
 def _parse(spec):
     rank, event, n, *action = spec.split(":")
-    return int(rank), event, int(n), (action[0] if action else "kill")
+    return rank, event, int(n), (action[0] if action else "kill")
 
 
 class _Fault:
@@ -100,6 +104,20 @@ def _install(fault):
 
     checkpoint._fsync_dir = fsync_then_fault
 
+    if fault.event == "own":
+        from hetloco_ds import train
+
+        own_run = train.own_run
+
+        def held_own_run(plan):
+            if fault.hit("own"):
+                open(os.path.join(fault.action, "checked"), "w").close()
+                while os.path.exists(os.path.join(fault.action, "hold")):
+                    time.sleep(0.05)
+            return own_run(plan)
+
+        train.own_run = held_own_run
+
     if fault.event == "holdsync":  # torchft only where it is asked for
         from hetloco_ds.transport import elastic
 
@@ -140,7 +158,7 @@ class _AfterTrain(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _install(self.fault)
 
 
-if _SPEC and _RANK is not None:
+if _SPEC:
     _rank, _event, _n, _action = _parse(_SPEC)
-    if int(_RANK) == _rank:
+    if _RANK == _rank or (_RANK is None and _rank == "launcher"):
         sys.meta_path.insert(0, _AfterTrain(_Fault(_event, _n, _action)))
