@@ -312,8 +312,10 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     # Replica 0's ranks write what every replica holds alike (stage layers, outer momentum).
     writes_shared = engine.module.coord.data == 0
     synced = _synced(engine.algorithm)
-    files = {STATE_FILE.format(rank=rank): collect_rank_state(engine, data_position, writes_shared=writes_shared,
-                                                              synced=synced)}
+    state = collect_rank_state(engine, data_position, writes_shared=writes_shared, synced=synced)
+    state.update(world_size=dist.get_world_size(), stages=engine.num_stages, replica=engine.replica,
+                 stage=engine.stage_id)
+    files = {STATE_FILE.format(rank=rank): state}
     if writes_shared:
         files.update({layer_checkpoint_name(i): m.state_dict() for i, m in engine.module.checkpoint_layers().items()})
     staged = writer.stager.stage(files)  # the device-to-host copy: all that training waits for
