@@ -259,6 +259,8 @@ class _Pending:
     layout: dict
     future: concurrent.futures.Future
     blocked_s: float
+    started: float
+    """time.time() when the save began (for the manifest's seconds to commit)."""
 
 
 class _Writer:
@@ -307,7 +309,7 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
         os.makedirs(partial)
     dist.barrier()
 
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     writer = _writer(engine)
     # Replica 0's ranks write what every replica holds alike (stage layers, outer momentum).
     writes_shared = engine.module.coord.data == 0
@@ -322,7 +324,7 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     blocked = time.perf_counter() - t0
     layout = {"stage": engine.stage_id, "data": engine.module.coord.data}
     writer.pending = _Pending(ckpt_dir, tag, step, keep, layout, writer.thread.submit(_write_files, partial, staged),
-                              blocked)
+                              blocked, started)
     if wait:
         settle(engine, block=True)
     return tag
@@ -374,7 +376,6 @@ def settle(engine, block: bool = False) -> str | None:
 
 def _commit(pending: _Pending, outcomes: list[dict], stages: int) -> None:
     """Rank 0, after every rank confirmed: manifest, one rename, then `latest`."""
-    t0 = time.perf_counter()
     ckpt_dir, tag = pending.ckpt_dir, pending.tag
     partial, final = os.path.join(ckpt_dir, _partial(tag)), os.path.join(ckpt_dir, tag)
     files: dict[str, dict] = {}
@@ -384,11 +385,14 @@ def _commit(pending: _Pending, outcomes: list[dict], stages: int) -> None:
         found = os.path.getsize(os.path.join(partial, name))
         if found != entry["bytes"]:
             raise RuntimeError(f"{name} has {found} bytes after its rank wrote {entry['bytes']}")
+    # blocked: the longest a rank's training waited (state collected, copied to host memory);
+    # written: the longest background write; to_commit: from the save's start to this commit
+    # (it waits for the first outer boundary at which every rank's write had ended).
     manifest = {"format": FORMAT, "tag": tag, "step": pending.step, "world_size": len(outcomes), "stages": stages,
                 "ranks": [o["layout"] for o in outcomes], "files": dict(sorted(files.items())),
                 "seconds": {"blocked": max(o["blocked_s"] for o in outcomes),
-                            "written": max(o["write_s"] for o in outcomes)}}
-    manifest["seconds"]["commit"] = time.perf_counter() - t0
+                            "written": max(o["write_s"] for o in outcomes),
+                            "to_commit": time.time() - pending.started}}
     write_durably(os.path.join(partial, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     _fsync_dir(partial)
     stale = None

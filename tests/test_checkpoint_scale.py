@@ -63,7 +63,9 @@ def test_a_checkpoint_at_an_outer_boundary_holds_no_tensor_twice(reference):
     for tag in ("global_step3", "global_step9"):
         assert checkpoint.verify(str(ckpt_dir), tag, 4) is None
         manifest = json.loads((ckpt_dir / tag / checkpoint.MANIFEST).read_text())
-        assert set(manifest["seconds"]) == {"blocked", "written", "commit"}
+        seconds = manifest["seconds"]
+        assert set(seconds) == {"blocked", "written", "to_commit"}
+        assert 0 < seconds["blocked"] < seconds["to_commit"] and 0 < seconds["written"] < seconds["to_commit"]
         seen: dict = {}
         layer_numel = 0
         for f in sorted((ckpt_dir / tag).glob("*.pt")):
