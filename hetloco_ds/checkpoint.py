@@ -298,9 +298,9 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
 
     Commits the previous save first (its background write is waited for). `keep` > 0 deletes
     committed global_step checkpoints older than the newest `keep` once this one is."""
-    settle(engine, block=True)
     tag = tag_for(step) if tag is None else tag
     check_tag(tag)
+    settle(engine, block=True)
     partial = os.path.join(ckpt_dir, _partial(tag))
     rank = dist.get_rank()
     if rank == 0:
