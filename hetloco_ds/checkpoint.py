@@ -1,27 +1,40 @@
-"""Checkpoints at outer-step boundaries, committed atomically across all ranks.
+"""Checkpoints at outer-step boundaries: each tensor stored once, written in the background,
+committed atomically across all ranks.
 
 OUT/checkpoints holds:
 
-    global_step<N>/              a committed checkpoint:
-        layer_XX-model_states.pt     DeepSpeed's stage layers (written by replica 0's ranks)
-        mp_rank_XX_model_states.pt   DeepSpeed's engine state per stage
-        hetloco_rank<r>.pt           rank r's algorithm state (`collect_rank_state`)
-        manifest.json                every file above with its size; written last
+    global_step<N>/              a committed checkpoint (or a user's tag: engine.save_checkpoint(tag=...)):
+        layer_XX-model_states.pt     the stage layers in DeepSpeed's layout (replica 0's ranks), T_perp
+                                     inside layer 0 (the embedding's buffer): what export reads
+        hetloco_rank<r>.pt           rank r's own state (`collect_rank_state`)
+        manifest.json                every file above with its size and crc32, the ranks' layout and
+                                     the save's timings; written last
     .global_step<N>.partial/     a checkpoint being written: never read, removed by the next save
     latest                       tag of the newest commit (what `hetloco-ds export` reads)
     hf_meta/                     config and tokenizer (convert.save_hf_meta)
 
-`save` is a collective. Every rank writes its files into the `.partial` directory and fsyncs
-them; the ranks then exchange what each wrote (or the error that stopped it), so either all
-confirm or nobody commits. Only then does rank 0 write the manifest, rename the directory to
-`global_step<N>` (one rename) and replace `latest` (temp file, fsync, rename). A process killed
-at any point leaves `latest` naming a complete checkpoint (or none), never a partial one.
+What is stored once: at an outer boundary every replica holds the synced weights and theta_prev
+equals them, so the weights are replica 0's layer files and theta_prev is not stored; T_perp is
+the same on every stage and replica and is in layer 0's file; the outer momentum is the same on
+every replica, stored by the stage's replica-0 rank. Per rank: AdamW moments, error feedback,
+counters, LR schedule, data position, meter, transport state. A save between boundaries (the
+API's) adds the rank's own weights and theta_prev, which then differ.
+
+`save` is a collective. Every rank copies its state to host memory (DCP's stager; the only part
+training waits for) and a background thread writes its files into the `.partial` directory,
+fsyncs them and takes their crc32. The commit waits until every rank's background write ended:
+at the next save, at an outer boundary where all have (`settle`), or at the end of training
+(`settle(block=True)`). The ranks then exchange what each wrote (or the error that stopped it),
+so either all confirm or nobody commits; rank 0 writes the manifest, renames the directory to
+its tag (one rename) and replaces `latest` (temp file, fsync, rename). A process killed at any
+point, the background write included, leaves `latest` naming a complete checkpoint (or none).
 
 `pick` chooses what `--resume` loads: the newest checkpoint whose manifest matches the files on
-disk, with a line saying so when that is not what `latest` names.
+disk, sizes and checksums, with a line saying so when that is not what `latest` names.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -29,14 +42,20 @@ import json
 import os
 import re
 import shutil
+import time
+import zlib
 
 import torch
 from deepspeed import comm as dist
 
+from .patches import layer_checkpoint_name
+
 STATE_FILE = "hetloco_rank{rank:05d}.pt"
 MANIFEST = "manifest.json"
 LATEST = "latest"
+FORMAT = 2
 _TAG = re.compile(r"^global_step(\d+)$")
+_RESERVED = {LATEST, "hf_meta"}
 
 
 class CheckpointError(RuntimeError):
@@ -53,17 +72,32 @@ class CheckpointError(RuntimeError):
 # ------------------------------------------------------------------ per-rank algorithm state
 
 
-def collect_rank_state(engine, data_position: int) -> dict:
-    """What this rank needs, beyond DeepSpeed's files, to continue exactly where it stopped:
-    its own AdamW moments (DeepSpeed keeps replica 0's only), the SparseLoCo error buffers and
-    theta at the last sync, T_perp, the LR schedule, step counters, the data position and, in
-    elastic mode, the transport's state (torchft's step counter and the fleet's history)."""
+def _synced(algorithm) -> bool:
+    """True at an outer boundary: theta_prev equals the parameters (without SparseLoCo there is
+    no theta_prev and the replicas are equal after every step)."""
+    if algorithm.outer is None:
+        return True
+    return all(torch.equal(p.detach(), t) for p, t in zip(algorithm.params, algorithm.outer.theta_prev))
+
+
+def collect_rank_state(engine, data_position: int, *, writes_shared: bool, synced: bool) -> dict:
+    """What this rank needs, beyond the layer files, to continue exactly where it stopped: its
+    own AdamW moments, the SparseLoCo error buffers, the LR schedule, step counters, the data
+    position and, in elastic mode, the transport's state (torchft's step counter and the
+    fleet's history). The outer momentum only where `writes_shared`; theta_prev and the weights
+    only when not `synced` (between boundaries they are this replica's own)."""
+    algorithm = engine.algorithm.state_dict()
+    outer = algorithm["outer"]
+    if outer is not None:
+        outer = {k: v for k, v in outer.items()
+                 if not (k == "theta_prev" and synced) and not (k == "momentum" and not writes_shared)}
     return {
         "local_steps": engine.local_steps,
         "data_position": data_position,
         "optimizer": engine.optimizer.state_dict(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "algorithm": engine.algorithm.state_dict(),
+        "algorithm": {"outer": outer, "outer_steps": algorithm["outer_steps"]},
+        "params": None if synced else [p.detach() for p in engine.algorithm.params],
         "meter": engine.meter.snapshot(),
         "client_state": getattr(engine, "client_state", {}),
         # elastic mode: the transport's committed-step counter and history (static: nothing)
@@ -71,10 +105,12 @@ def collect_rank_state(engine, data_position: int) -> dict:
     }
 
 
-def restore_rank_state(engine, state: dict) -> int:
-    """Inverse of `collect_rank_state` on a freshly built engine; returns the data position."""
-    engine.optimizer.load_state_dict(state["optimizer"])
-    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+def restore_rank_state(engine, state: dict, *, optimizer: bool = True, lr_scheduler: bool = True) -> int:
+    """Inverse of `collect_rank_state` on a freshly built engine, once `state["algorithm"]` is
+    whole again (`load` fills in what was stored once); returns the data position."""
+    if optimizer:
+        engine.optimizer.load_state_dict(state["optimizer"])
+    if lr_scheduler and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     engine.algorithm.load_state_dict(state["algorithm"])
     engine.local_steps = state["local_steps"]
@@ -161,40 +197,28 @@ def replace_text(path: str, text: str) -> None:
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-@contextlib.contextmanager
-def _deepspeed_writes(engine, written: dict[str, int], errors: list[str]):
-    """Route DeepSpeed's checkpoint writes through `write_durably`, recording each file.
+def file_crc32(path: str) -> int:
+    """crc32 of a file's bytes, read in blocks (right after its write they are in the page cache)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return crc
 
-    A failed write is recorded, not raised: DeepSpeed's save is itself a collective (barriers),
-    and a rank leaving it early would leave the others waiting in it."""
-    ce = engine.checkpoint_engine
-    original = ce.save
-    zipfile = getattr(ce, "zipfile_serialization", True)
-    plain_torch = type(ce).__name__ == "TorchCheckpointEngine"
 
-    def save(state_dict, path):
-        if errors:
-            return
+def _write_files(directory: str, files: dict) -> dict:
+    """The background half of a save: `files` ({name: staged object}) written durably into
+    `directory`; {"files": {name: [bytes, crc32]}, "error": one line or None, "write_s"}. A
+    failed write is returned, not raised: the commit's exchange tells every rank."""
+    t0, done = time.perf_counter(), {}
+    for name, obj in files.items():
+        path = os.path.join(directory, name)
         try:
-            if plain_torch:
-                written[path] = write_durably(
-                    path, lambda f: torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile))
-            else:  # another engine writes its own way; we only make it durable
-                original(state_dict, path)
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                written[path] = os.path.getsize(path)
+            size = write_durably(path, lambda f, obj=obj: torch.save(obj, f))
+            done[name] = [size, file_crc32(path)]
         except (OSError, RuntimeError) as err:
-            errors.append(describe_os_error(err, path))
-
-    ce.save = save
-    try:
-        yield
-    finally:
-        del ce.save
+            return {"files": done, "error": describe_os_error(err, path), "write_s": time.perf_counter() - t0}
+    return {"files": done, "error": None, "write_s": time.perf_counter() - t0}
 
 
 @contextlib.contextmanager
@@ -224,35 +248,112 @@ def _first_line(err: BaseException) -> str:
 # ------------------------------------------------------------------------------------ save
 
 
-def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0) -> str:
-    """Collective over all ranks; call at an outer-step boundary. Returns the committed tag.
+@dataclasses.dataclass
+class _Pending:
+    """This rank's share of a save whose background write has not been committed yet."""
 
-    `keep` > 0 deletes committed checkpoints older than the newest `keep` once this one is."""
-    tag = tag_for(step)
+    ckpt_dir: str
+    tag: str
+    step: int
+    keep: int
+    layout: dict
+    future: concurrent.futures.Future
+    blocked_s: float
+    started: float
+    """time.time() when the save began (for the manifest's seconds to commit)."""
+
+
+class _Writer:
+    """Per engine: DCP's stager (the device-to-host copy, into buffers kept between saves, pinned
+    on a GPU) and one background thread that writes the staged copy."""
+
+    def __init__(self, device):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        pinned = torch.device(device).type == "cuda"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetloco-ckpt")
+        self.pending: _Pending | None = None
+
+
+def _writer(engine) -> _Writer:
+    if getattr(engine, "_checkpoint_writer", None) is None:
+        engine._checkpoint_writer = _Writer(engine.device)
+    return engine._checkpoint_writer
+
+
+def check_tag(tag: str) -> None:
+    """A user's tag must be one plain directory name beside the others."""
+    if not isinstance(tag, str) or not tag or tag in _RESERVED or tag.startswith(".") or os.sep in tag \
+            or (os.altsep and os.altsep in tag):
+        raise ValueError(f"checkpoint tag {tag!r} is not a plain directory name (no '/', no leading '.', "
+                         f"not {' or '.join(sorted(_RESERVED))})")
+
+
+def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *, tag: str | None = None,
+         wait: bool = True) -> str:
+    """Collective over all ranks; call at an outer-step boundary. Returns the tag (default
+    global_step<step>), committed on return when `wait`, else once `settle` commits it.
+
+    Commits the previous save first (its background write is waited for). `keep` > 0 deletes
+    committed global_step checkpoints older than the newest `keep` once this one is."""
+    tag = tag_for(step) if tag is None else tag
+    check_tag(tag)
+    settle(engine, block=True)
     partial = os.path.join(ckpt_dir, _partial(tag))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # a save of this step that was killed
         os.makedirs(partial)
     dist.barrier()
 
-    written: dict[str, int] = {}
-    errors: list[str] = []
-    state_path = os.path.join(partial, STATE_FILE.format(rank=rank))
-    state = collect_rank_state(engine, data_position)
-    state.update(world_size=world, stages=engine.num_stages, replica=engine.replica, stage=engine.stage_id)
-    try:
-        written[state_path] = write_durably(state_path, lambda f: torch.save(state, f))
-    except (OSError, RuntimeError) as err:
-        errors.append(describe_os_error(err, state_path))
-    with _deepspeed_writes(engine, written, errors):
-        engine.ds_save_checkpoint(ckpt_dir, tag=_partial(tag), save_latest=False)
+    started, t0 = time.time(), time.perf_counter()
+    writer = _writer(engine)
+    # Replica 0's ranks write what every replica holds alike (stage layers, outer momentum).
+    writes_shared = engine.module.coord.data == 0
+    synced = _synced(engine.algorithm)
+    state = collect_rank_state(engine, data_position, writes_shared=writes_shared, synced=synced)
+    state.update(world_size=dist.get_world_size(), stages=engine.num_stages, replica=engine.replica,
+                 stage=engine.stage_id)
+    files = {STATE_FILE.format(rank=rank): state}
+    if writes_shared:
+        files.update({layer_checkpoint_name(i): m.state_dict() for i, m in engine.module.checkpoint_layers().items()})
+    staged = writer.stager.stage(files)  # the device-to-host copy: all that training waits for
+    blocked = time.perf_counter() - t0
+    layout = {"stage": engine.stage_id, "data": engine.module.coord.data}
+    writer.pending = _Pending(ckpt_dir, tag, step, keep, layout, writer.thread.submit(_write_files, partial, staged),
+                              blocked, started)
+    if wait:
+        settle(engine, block=True)
+    return tag
 
+
+def settle(engine, block: bool = False) -> str | None:
+    """Collective: commit the pending save once every rank's background write has ended
+    (`block`: wait for them); returns the tag committed, or None (nothing pending, or not all
+    done). Raises CheckpointError, with nothing committed, when any rank's write failed."""
+    writer = getattr(engine, "_checkpoint_writer", None)
+    pending = writer.pending if writer is not None else None
+    if pending is None:  # every rank saves together, so every rank agrees
+        return None
+    if not block:
+        done = torch.tensor([1 if pending.future.done() else 0], dtype=torch.int32, device=engine.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if not int(done.item()):
+            return None
+    writer.pending = None
+    try:
+        outcome = pending.future.result()
+    except Exception as err:  # noqa: BLE001 - the writer thread's own failure, reported like a write's
+        outcome = {"files": {}, "error": f"writing {pending.tag} failed: {_first_line(err)}", "write_s": 0.0}
+    outcome.update(blocked_s=pending.blocked_s, layout=pending.layout)
+    tag, rank, world = pending.tag, dist.get_rank(), dist.get_world_size()
+    partial = os.path.join(pending.ckpt_dir, _partial(tag))
     # Every rank reaches this gather whatever happened above: all confirm, or nobody commits.
     outcomes: list = [None] * world
-    dist.all_gather_object(outcomes, {"files": {os.path.basename(p): n for p, n in written.items()},
-                                      "error": errors[0] if errors else None})
+    dist.all_gather_object(outcomes, outcome)
     failed = [(r, o["error"]) for r, o in enumerate(outcomes) if o["error"] is not None]
     if failed:
         if rank == 0:
@@ -263,28 +364,35 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0) ->
 
     result = [None]
     if rank == 0:
-        files: dict[str, int] = {}
-        for o in outcomes:
-            files.update(o["files"])
         try:
-            _commit(ckpt_dir, tag, step, files, world, engine.num_stages, keep)
+            _commit(pending, outcomes, engine.num_stages)
         except (OSError, RuntimeError) as err:
-            result[0] = describe_os_error(err, os.path.join(ckpt_dir, tag))
+            result[0] = describe_os_error(err, os.path.join(pending.ckpt_dir, tag))
     dist.broadcast_object_list(result, src=0)
     if result[0] is not None:
         raise CheckpointError(f"rank 0: {result[0]}; checkpoint {tag} was not committed", report=rank == 0)
     return tag
 
 
-def _commit(ckpt_dir: str, tag: str, step: int, files: dict[str, int], world: int, stages: int, keep: int) -> None:
+def _commit(pending: _Pending, outcomes: list[dict], stages: int) -> None:
     """Rank 0, after every rank confirmed: manifest, one rename, then `latest`."""
+    ckpt_dir, tag = pending.ckpt_dir, pending.tag
     partial, final = os.path.join(ckpt_dir, _partial(tag)), os.path.join(ckpt_dir, tag)
-    for name, size in files.items():  # what each rank reported is what the directory holds
+    files: dict[str, dict] = {}
+    for o in outcomes:
+        files.update({name: {"bytes": size, "crc32": crc} for name, (size, crc) in o["files"].items()})
+    for name, entry in files.items():  # what each rank reported is what the directory holds
         found = os.path.getsize(os.path.join(partial, name))
-        if found != size:
-            raise RuntimeError(f"{name} has {found} bytes after its rank wrote {size}")
-    manifest = {"format": 1, "tag": tag, "step": step, "world_size": world, "stages": stages,
-                "files": dict(sorted(files.items()))}
+        if found != entry["bytes"]:
+            raise RuntimeError(f"{name} has {found} bytes after its rank wrote {entry['bytes']}")
+    # blocked: the longest a rank's training waited (state collected, copied to host memory);
+    # written: the longest background write; to_commit: from the save's start to this commit
+    # (it waits for the first outer boundary at which every rank's write had ended).
+    manifest = {"format": FORMAT, "tag": tag, "step": pending.step, "world_size": len(outcomes), "stages": stages,
+                "ranks": [o["layout"] for o in outcomes], "files": dict(sorted(files.items())),
+                "seconds": {"blocked": max(o["blocked_s"] for o in outcomes),
+                            "written": max(o["write_s"] for o in outcomes),
+                            "to_commit": time.time() - pending.started}}
     write_durably(os.path.join(partial, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     _fsync_dir(partial)
     stale = None
@@ -297,16 +405,18 @@ def _commit(ckpt_dir: str, tag: str, step: int, files: dict[str, int], world: in
     replace_text(os.path.join(ckpt_dir, LATEST), tag)
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
-    _rotate(ckpt_dir, step, keep)
+    _rotate(ckpt_dir, pending.step, pending.keep)
 
 
 def _rotate(ckpt_dir: str, committed: int, keep: int) -> None:
-    """Delete committed checkpoints older than the newest `keep` (up to `committed`) and the
-    leftovers of killed saves."""
+    """Delete committed checkpoints older than the newest `keep` (up to `committed`), the
+    leftovers of killed saves and the temp files of killed `latest` writers."""
     for name in os.listdir(ckpt_dir):
-        if name.startswith(".global_step") and name.endswith((".partial", ".replaced", ".deleting")):
-            if name != _partial(tag_for(committed)):
-                shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+        if name.startswith(".") and name.endswith((".partial", ".replaced", ".deleting")):
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+        elif name.startswith(f"{LATEST}.tmp-"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(ckpt_dir, name))
     if keep <= 0:
         return
     older = sorted((s for s in map(step_of, os.listdir(ckpt_dir)) if s is not None and s <= committed), reverse=True)
@@ -327,27 +437,36 @@ def latest_tag(ckpt_dir: str) -> str | None:
         return f.read().strip() or None
 
 
-def verify(ckpt_dir: str, tag: str, world_size: int | None = None) -> str | None:
-    """None if `ckpt_dir/tag` is a complete checkpoint (of `world_size` ranks, if given), else why not."""
+def _manifest(path: str) -> dict:
+    with open(os.path.join(path, MANIFEST)) as f:
+        return json.load(f)
+
+
+def verify(ckpt_dir: str, tag: str, world_size: int | None = None, checksums: bool = True) -> str | None:
+    """None if `ckpt_dir/tag` is a complete checkpoint (of `world_size` ranks, if given), else why
+    not: every file of its manifest present, of its size and (`checksums`) its crc32."""
     path = os.path.join(ckpt_dir, tag)
     if not os.path.isdir(path):
         return f"{path} does not exist"
     try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
+        manifest = _manifest(path)
+        # format 1 (before checksums): {name: bytes}
+        files = {n: e if isinstance(e, dict) else {"bytes": e} for n, e in manifest["files"].items()}
     except FileNotFoundError:
         return f"{path} has no {MANIFEST} (it was never committed)"
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         return f"{os.path.join(path, MANIFEST)} is corrupt: {_first_line(err)}"
-    for name, size in files.items():
+    if world_size is not None and manifest.get("world_size") != world_size:
+        return f"{path} was written by {manifest.get('world_size')} ranks, this run has {world_size}"
+    for name, entry in files.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             return f"{file} is missing"
-        if os.path.getsize(file) != size:
-            return f"{file} has {os.path.getsize(file)} bytes, its manifest says {size}"
-    if world_size is not None and manifest.get("world_size") != world_size:
-        return f"{path} was written by {manifest.get('world_size')} ranks, this run has {world_size}"
+        if os.path.getsize(file) != entry["bytes"]:
+            return f"{file} has {os.path.getsize(file)} bytes, its manifest says {entry['bytes']}"
+    for name, entry in files.items() if checksums else ():
+        if "crc32" in entry and (crc := file_crc32(os.path.join(path, name))) != entry["crc32"]:
+            return f"{os.path.join(path, name)} fails its checksum (crc32 {crc:08x}, its manifest says {entry['crc32']:08x})"
     return None
 
 
@@ -359,13 +478,26 @@ class Pick:
     """A line for the user when the pick is not what `latest` names."""
 
 
+def _candidates(ckpt_dir: str, latest: str | None) -> list[tuple[int, str]]:
+    """(step, tag) of every checkpoint directory, newest first: global_step<N> by name, a user's
+    tag by its manifest (unreadable: not a candidate); at one step, the one `latest` names first."""
+    found = []
+    for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []:
+        step = step_of(name)
+        if step is None and not name.startswith(".") and name not in _RESERVED \
+                and os.path.isdir(os.path.join(ckpt_dir, name)):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                step = int(_manifest(os.path.join(ckpt_dir, name))["step"])
+        if step is not None:
+            found.append((step, name != latest, name))
+    return [(step, name) for step, _, name in sorted(found, key=lambda c: (-c[0], c[1], c[2]))]
+
+
 def pick(ckpt_dir: str, world_size: int | None = None) -> Pick:
     """The newest complete checkpoint in `ckpt_dir`; CheckpointError when there is none."""
     latest = latest_tag(ckpt_dir)
-    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
-    candidates = sorted(((step_of(n), n) for n in names if step_of(n) is not None), reverse=True)
     reasons: dict[str, str] = {}
-    for step, tag in candidates:
+    for step, tag in _candidates(ckpt_dir, latest):
         reason = verify(ckpt_dir, tag, world_size)
         if reason is None:
             break
@@ -386,23 +518,56 @@ def pick(ckpt_dir: str, world_size: int | None = None) -> Pick:
 # ------------------------------------------------------------------------------------ load
 
 
-def load(engine, ckpt_dir: str, tag: str | None = None) -> int:
-    """Restore everything `save` wrote under `tag` (default: `pick`'s); returns the data position."""
-    if tag is None:
-        tag = pick(ckpt_dir, dist.get_world_size()).tag
-    path = os.path.join(ckpt_dir, tag, STATE_FILE.format(rank=dist.get_rank()))
+def _read(path: str, device, what: str = "") -> dict:
     if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: the checkpoint was written by a different world size")
+        raise CheckpointError(f"{path} is missing{what}")
     try:
-        state = torch.load(path, map_location=engine.device, weights_only=False)
+        return torch.load(path, map_location=device, weights_only=False, mmap=True)
     except Exception as err:  # noqa: BLE001 - pickle, zip and torch errors alike
         raise CheckpointError(f"checkpoint file {path} is corrupt: {_first_line(err)}") from err
+
+
+@torch.no_grad()
+def load(engine, ckpt_dir: str, tag: str | None = None, *, module_only: bool = False, optimizer: bool = True,
+         lr_scheduler: bool = True) -> int:
+    """Restore what `save` wrote under `tag` (default: `pick`'s); returns the data position.
+
+    `module_only`: the weights alone (theta_prev set to them, everything else as it is; returns
+    0); `optimizer` / `lr_scheduler` False keep this engine's AdamW moments / LR schedule."""
+    if tag is None:
+        tag = pick(ckpt_dir, dist.get_world_size()).tag
+    path = os.path.join(ckpt_dir, tag)
+    state = _read(os.path.join(path, STATE_FILE.format(rank=dist.get_rank())), "cpu",
+                  ": the checkpoint was written by a different world size")
     if state["world_size"] != dist.get_world_size() or state["stages"] != engine.num_stages:
         raise CheckpointError(
             f"checkpoint {ckpt_dir}/{tag} was written by {state['world_size']} ranks in {state['stages']} stages; "
             f"this run has {dist.get_world_size()} ranks in {engine.num_stages} stages"
         )
     with _deepspeed_reads(engine):
-        engine.ds_load_checkpoint(ckpt_dir, tag=tag, load_module_only=True, load_optimizer_states=False,
-                                  load_lr_scheduler_states=False)
-    return restore_rank_state(engine, state)
+        engine.module.load_state_dir(path, checkpoint_engine=engine.checkpoint_engine, strict=True)
+    algorithm = engine.algorithm
+    if state.get("params") is not None:  # saved between boundaries: this replica's own weights
+        for p, t in zip(algorithm.params, state["params"]):
+            p.copy_(t)
+    if algorithm.perp is not None:  # stored once, as layer 0's buffer (the tied head's stage reads it too)
+        algorithm.perp.copy_(_read(os.path.join(path, layer_checkpoint_name(0)), "cpu")["perp"])
+    outer = state["algorithm"].get("outer")
+    if module_only:
+        for i, p in enumerate(algorithm.params if algorithm.outer is not None else ()):
+            algorithm.outer.rebase(i, p)
+        return 0
+    if outer is not None:
+        outer = dict(outer)
+        outer.setdefault("theta_prev", [p.detach() for p in algorithm.params])  # synced: the weights
+        if algorithm.outer.momentum is not None and "momentum" not in outer:
+            outer["momentum"] = _shared_state(engine, ckpt_dir, tag)["algorithm"]["outer"]["momentum"]
+    state["algorithm"] = {"outer": outer, "perp": algorithm.perp, "outer_steps": state["algorithm"]["outer_steps"]}
+    return restore_rank_state(engine, state, optimizer=optimizer, lr_scheduler=lr_scheduler)
+
+
+def _shared_state(engine, ckpt_dir: str, tag: str) -> dict:
+    """The state file of this stage's replica-0 rank, which holds what every replica shares."""
+    ranks = _manifest(os.path.join(ckpt_dir, tag))["ranks"]
+    writer = ranks.index({"stage": engine.stage_id, "data": 0})
+    return _read(os.path.join(ckpt_dir, tag, STATE_FILE.format(rank=writer)), "cpu")

@@ -460,18 +460,21 @@ class HetlocoEngine(PipelineEngineAdapter):
         return dict(zip(ids, values))
 
     # ------------------------------------------------------------- checkpoints and export
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, data_position: int = 0, keep: int = 0, **_):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, data_position: int = 0,
+                        keep: int = 0, **_):
         """Every rank's whole state (module, AdamW moments, error feedback, theta at the last sync,
-        T_perp, LR schedule, counters, `data_position`, `client_state`) under
-        SAVE_DIR/global_step<N>, committed atomically across ranks (`checkpoint.save`), and the
-        model's HF metadata beside it, so `hetloco-ds export SAVE_DIR` works; a collective.
-        DeepSpeed's own save would keep one replica's optimizer only and no algorithm state."""
+        T_perp, LR schedule, counters, `data_position`, `client_state`) under SAVE_DIR/TAG
+        (default global_step<N>), committed atomically across ranks before it returns
+        (`checkpoint.save`), and the model's HF metadata beside it, so `hetloco-ds export SAVE_DIR`
+        works; a collective. DeepSpeed's own save would keep one replica's optimizer only and no
+        algorithm state."""
         from . import checkpoint
 
-        if tag is not None and tag != checkpoint.tag_for(self.local_steps):
-            raise ValueError(f"checkpoint tags name the step: {checkpoint.tag_for(self.local_steps)!r}, got {tag!r}")
+        if not save_latest:
+            raise ValueError("save_checkpoint(save_latest=False) is not supported: a commit always names itself in "
+                             "`latest`, which is how --resume and export find the newest complete checkpoint")
         self.client_state = dict(client_state or {})
-        committed = checkpoint.save(self, str(save_dir), self.local_steps, data_position, keep=keep)
+        committed = checkpoint.save(self, str(save_dir), self.local_steps, data_position, keep=keep, tag=tag)
         if self.global_rank == 0:
             self._write_hf_meta(save_dir)
         dist.barrier()
@@ -483,12 +486,21 @@ class HetlocoEngine(PipelineEngineAdapter):
         source = getattr(self, "hf_source", None)
         convert.save_hf_meta(ckpt_dir, self.module.llama_config, tokenizer, model_dir=source, tokenizer_dir=source)
 
-    def load_checkpoint(self, load_dir, tag=None, **_):
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, **_):
         """Restore what save_checkpoint wrote (default: the newest complete checkpoint); returns
-        (path, client_state) as DeepSpeed does, the data position under client_state["data_position"]."""
+        (path, client_state) as DeepSpeed does, the data position under client_state["data_position"].
+        As DeepSpeed: `load_module_only` loads the weights alone (theta_prev set to them), and
+        `load_optimizer_states` / `load_lr_scheduler_states` False keep this engine's own."""
         from . import checkpoint
 
-        position = checkpoint.load(self, str(load_dir), tag)
+        if not load_module_strict or custom_load_fn is not None:
+            raise ValueError("load_checkpoint: load_module_strict=False and custom_load_fn are not supported "
+                             "(a hetloco checkpoint always holds every layer of every stage)")
+        position = checkpoint.load(self, str(load_dir), tag, module_only=load_module_only,
+                                   optimizer=load_optimizer_states, lr_scheduler=load_lr_scheduler_states)
+        if load_module_only:
+            return str(load_dir), {}
         return str(load_dir), {**getattr(self, "client_state", {}), "data_position": position}
 
     def replicas_synced(self) -> bool:

@@ -532,10 +532,16 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
                                   "replica_losses": [losses[m] for m in sorted(losses)], "time": time.time()})
                 progress.validation(step, mean)
 
-        def save(step: int) -> None:
+        def save(step: int, wait: bool = False) -> None:
             nonlocal last_good
             with watchdog.busy(f"checkpoint at step {step}"):
-                last_good = checkpoint.save(engine, ckpt_dir, step, batches.position, keep=train_cfg.keep_checkpoints)
+                last_good = checkpoint.save(engine, ckpt_dir, step, batches.position, keep=train_cfg.keep_checkpoints,
+                                            wait=wait)
+
+        def diverged() -> Diverged:
+            with watchdog.busy("committing the last checkpoint"):
+                checkpoint.settle(engine, block=True)  # the last good one, written in the background
+            return Diverged(_diverged_line(bad_steps, ckpt_dir, last_good))
 
         while engine.local_steps < args.steps:
             # The last step always ends with an outer sync, so the export and the final
@@ -553,20 +559,24 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
                 if _all_replicas_nonfinite(engine, rec):
                     bad_steps.append(rec.step)
                     if len(bad_steps) >= train_cfg.max_nonfinite_outer_steps:
-                        raise Diverged(_diverged_line(bad_steps, ckpt_dir, last_good))
+                        raise diverged()
                     continue  # no validation of, and no checkpoint over, a model that did not move
                 bad_steps.clear()
             if next_eval is not None and at_boundary and rec.step >= next_eval:
                 validate(rec.step)
                 next_eval = (rec.step // eval_every + 1) * eval_every
+            if at_boundary:  # a background write that every rank has finished is committed here
+                checkpoint.settle(engine)
             if ckpt_every and at_boundary and rec.step % ckpt_every == 0 and rec.step < args.steps:
                 save(rec.step)
         if bad_steps:  # the run ended inside a non-finite streak: keep the last good checkpoint
-            raise Diverged(_diverged_line(bad_steps, ckpt_dir, last_good))
+            raise diverged()
         if validated_at != engine.local_steps:  # also at --steps 0
             validate(engine.local_steps)
         if engine.local_steps != resumed_at:  # a resume with nothing left to train already has it
-            save(engine.local_steps)
+            save(engine.local_steps, wait=True)
+        with watchdog.busy("committing the last checkpoint"):
+            checkpoint.settle(engine, block=True)
         progress.close()
         writer.close()
         with watchdog.busy("export"):

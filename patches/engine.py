@@ -130,13 +130,6 @@ class PipelineEngineAdapter(PipelineEngine):
         """DeepSpeed's optimizer step (optimizer, LR schedule, step counters, monitor)."""
         PipelineEngine._exec_optimizer_step(self, lr_kwargs)
 
-    def ds_save_checkpoint(self, save_dir, **kwargs):
-        """DeepSpeed's own save (module files and one optimizer): what checkpoint.save adds to."""
-        return PipelineEngine.save_checkpoint(self, save_dir, **kwargs)
-
-    def ds_load_checkpoint(self, load_dir, **kwargs):
-        return PipelineEngine.load_checkpoint(self, load_dir, **kwargs)
-
     def gas_scaled_loss(self) -> torch.Tensor:
         """The last stage's loss of this step: micro-batch losses summed, divided by their count."""
         return self._scale_loss_by_gas(self.total_loss)

@@ -56,6 +56,11 @@ class PipelineModuleAdapter(PipelineModule):
                 layers[self._local_start + i] = module
         return layers
 
+    def checkpoint_layers(self) -> dict[int, nn.Module]:
+        """Layer index -> module, for the layer files DeepSpeed's save_state_dict writes on this
+        stage (a tied head is a function over another stage's module: no file of its own)."""
+        return {self._local_start + i: f for i, f in enumerate(self.forward_funcs) if isinstance(f, nn.Module)}
+
     def tied_copy_owned(self, param, global_rank: int) -> bool:
         """False for a tied copy held by a stage that is not its owner (counted once in norms)."""
         for d in self.tied_comms.values():

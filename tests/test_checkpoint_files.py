@@ -62,15 +62,17 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint_with_a_line(tmp_pat
 
 def test_rotation_keeps_the_newest_and_clears_leftovers(tmp_path):
     """keep = 2 after committing step 6: steps 4 and 6 stay; step 2 and the leftovers of killed
-    saves (.partial, .replaced, .deleting) go; a checkpoint newer than the commit (from a run
-    that went further before a resume went back) is not rotation's to delete.
+    saves (.partial, .replaced, .deleting, a user tag's too) and a killed `latest` writer's temp
+    file go; a checkpoint newer than the commit (from a run that went further before a resume
+    went back) is not rotation's to delete.
     Breaks if rotation deletes the commit, counts uncommitted directories, or keeps too many."""
     ckpt = tmp_path / "checkpoints"
     for s in (2, 4, 6, 10):
         _committed(ckpt, s, FILES)
-    for leftover in (".global_step8.partial", ".global_step2.replaced", ".global_step0.deleting"):
+    for leftover in (".global_step8.partial", ".global_step2.replaced", ".global_step0.deleting", ".mine.partial"):
         (ckpt / leftover).mkdir()
     (ckpt / "hf_meta").mkdir()
+    (ckpt / "latest.tmp-12345").write_text("global_step")  # a `latest` writer killed before its rename
     checkpoint._rotate(str(ckpt), committed=6, keep=2)
     assert sorted(os.listdir(ckpt)) == ["global_step10", "global_step4", "global_step6", "hf_meta"]
 
@@ -102,11 +104,9 @@ def full_disk(tmp_path):
 
 
 def test_a_full_disk_is_named_in_one_line(full_disk):
-    """A checkpoint file that does not fit: the error names the device and the file, for our
-    writes and for DeepSpeed's (routed through the same writer). Breaks if it surfaces as
-    torch's zip-writer "unexpected pos" message, or as a traceback per rank."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
+    """A checkpoint file that does not fit: the error names the device and the file, for one
+    write and for the background writer's (which returns it for the commit's exchange). Breaks
+    if it surfaces as torch's zip-writer "unexpected pos" message, or as a traceback per rank."""
     big = {"w": torch.zeros(256 * 1024)}  # 1 MiB
     path = str(full_disk / "hetloco_rank00000.pt")
     with pytest.raises((OSError, RuntimeError)) as err:
@@ -114,13 +114,46 @@ def test_a_full_disk_is_named_in_one_line(full_disk):
     assert checkpoint.describe_os_error(err.value, path) == (
         f"no space left on tmpfs (mounted at {full_disk}) while writing {path}")
 
-    class Engine:
-        checkpoint_engine = TorchCheckpointEngine()
-
-    written, errors = {}, []
-    ds_path = str(full_disk / "layer_01-model_states.pt")
     os.unlink(path)
-    with checkpoint._deepspeed_writes(Engine, written, errors):
-        Engine.checkpoint_engine.save(big, ds_path)
-    assert errors == [f"no space left on tmpfs (mounted at {full_disk}) while writing {ds_path}"]
-    assert written == {}
+    outcome = checkpoint._write_files(str(full_disk), {"layer_00-model_states.pt": {"w": torch.zeros(16)},
+                                                       "layer_01-model_states.pt": big})
+    layer1 = full_disk / "layer_01-model_states.pt"
+    assert outcome["error"] == f"no space left on tmpfs (mounted at {full_disk}) while writing {layer1}"
+    assert list(outcome["files"]) == ["layer_00-model_states.pt"]
+
+
+def _with_crc(ckpt_dir, tag: str) -> None:
+    """Rewrite `tag`'s manifest as `save` writes it now: size and crc32 of every file."""
+    path = ckpt_dir / tag / checkpoint.MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest.update(format=checkpoint.FORMAT, files={
+        n: {"bytes": b, "crc32": checkpoint.file_crc32(str(ckpt_dir / tag / n))} for n, b in manifest["files"].items()})
+    path.write_text(json.dumps(manifest))
+
+
+def test_resume_skips_a_checkpoint_whose_file_fails_its_checksum(tmp_path):
+    """A same-size corruption of a committed file (a flipped byte: its size still matches the
+    manifest) is found by its crc32: --resume's pick skips that checkpoint with a line naming the
+    file and both checksums, and takes the newest one that verifies. A user's tag (named by its
+    manifest's step) is a candidate like global_step<N>. Breaks if verification checks sizes only."""
+    ckpt = tmp_path / "checkpoints"
+    for step in (2, 4):
+        _with_crc(ckpt, _committed(ckpt, step, FILES))
+    (ckpt / "latest").write_text("global_step4")
+    assert checkpoint.pick(str(ckpt), world_size=2) == checkpoint.Pick("global_step4", 4, None)
+    bad = ckpt / "global_step4" / "hetloco_rank00001.pt"
+    bad.write_bytes(b"rank1?")  # same size
+    want = checkpoint.file_crc32(str(ckpt / "global_step2" / "hetloco_rank00001.pt"))
+    got = checkpoint.pick(str(ckpt), world_size=2)
+    assert (got.tag, got.step) == ("global_step2", 2)
+    assert got.note == (f"global_step4 (named by latest) is incomplete: {bad} fails its checksum (crc32 "
+                        f"{checkpoint.file_crc32(str(bad)):08x}, its manifest says {want:08x}); resuming from "
+                        "global_step2, the newest complete checkpoint")
+
+    tag = _committed(ckpt, 3, FILES)
+    os.rename(ckpt / tag, ckpt / "mine")
+    _with_crc(ckpt, "mine")
+    (ckpt / "latest").write_text("mine")
+    assert checkpoint.pick(str(ckpt), world_size=2) == checkpoint.Pick("mine", 3, None)
+    with pytest.raises(ValueError, match="checkpoint tag '../x' is not a plain directory name"):
+        checkpoint.check_tag("../x")

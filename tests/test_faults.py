@@ -21,12 +21,12 @@ from hetloco_ds import checkpoint
 WORLD = 2
 H = 2
 SEEDS = [0, 1]
-# Checkpoint events per commit and rank. Every rank writes its state file and its stage's
-# DeepSpeed files (replica 0's ranks only: layers and mp_rank_XX); rank 0 then the manifest,
+# Checkpoint events per commit and rank. Every rank writes its state file and, on replica 0's
+# ranks, its stage's layer files, in the background; rank 0 then (at the commit) the manifest,
 # fsyncs the directory, renames it and fsyncs, writes `latest` and fsyncs (5 more).
 # pipe: stage 0 holds layers 0-2, stage 1 layers 3-6. replicas: rank 0 holds all 7 layers,
 # rank 1 (replica 1) writes its state file only.
-CKPT_EVENTS = {"pipe": {0: 1 + 3 + 1 + 5, 1: 1 + 4 + 1}, "replicas": {0: 1 + 7 + 1 + 5, 1: 1}}
+CKPT_EVENTS = {"pipe": {0: 1 + 3 + 5, 1: 1 + 4}, "replicas": {0: 1 + 7 + 5, 1: 1}}
 
 
 def _complete(ckpt_dir, tag) -> None:
