@@ -250,6 +250,35 @@ def shapes(cpu: bool) -> dict:
                 ours_steps=28, profile_step=12, config=HET_1B, model178="178M", mb178=8, seq178=2048)
 
 
+def summarize(files: list[str]) -> dict:
+    """Medians over the repeats of every committed scale JSON given (repeats may span calls; each
+    call ran its own stock baseline), the ratios to stock, and the memory rows."""
+    rows, cards = [], set()
+    for path in files:
+        with open(path) as f:
+            data = json.load(f)
+        cards.add(data["card"])
+        rows += [dict(r, file=os.path.basename(path)) for r in data["rows"] if r.get("part") in ("speed", "memory", "s178")]
+    by: dict[tuple, list] = {}
+    for r in rows:
+        system = r["name"].rsplit("_r", 1)[0] if r["part"] != "memory" else r["name"]
+        by.setdefault((r["part"], system), []).append(r)
+    out = {"cards": sorted(cards), "files": [os.path.basename(f) for f in files], "systems": {}}
+    for (part, system), rs in sorted(by.items()):
+        rates = [r["global_tokens_per_s"] for r in rs if r.get("global_tokens_per_s")]
+        peak = [max(r["peak_allocated_gib_by_rank"]) if r.get("peak_allocated_gib_by_rank") else r.get("peak_memory_gib_writers")
+                for r in rs]
+        out["systems"][f"{part}/{system}"] = {"global_tokens_per_s": rates, "median": statistics.median(rates),
+                                              "peak_allocated_gib": peak,
+                                              "outer_step_seconds": [r.get("outer_step_seconds") for r in rs]}
+    for part, stock_name in (("speed", "stock_1b_s2"), ("s178", "stock_178m_s2"), ("memory", "stock_1b_s1")):
+        base = out["systems"].get(f"{part}/{stock_name}")
+        for key, v in out["systems"].items():
+            if base and key.startswith(part + "/") and not key.endswith(stock_name):
+                v["vs_stock_median"] = v["median"] / base["median"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="profile")
@@ -259,7 +288,13 @@ def main(argv=None) -> int:
     ap.add_argument("--first-repeat", type=int, default=0, help="number of the first repeat (runs split over calls)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds for one run")
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--summarize", nargs="+", metavar="JSON", help="write OUT/summary.json from committed scale JSONs")
     a = ap.parse_args(argv)
+    if a.summarize:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "summary.json"), "w") as f:
+            json.dump(summarize(a.summarize), f, indent=1)
+        return 0
     a.shapes = shapes(a.cpu_smoke)
     if a.cpu_smoke:
         a.repeats = 1
