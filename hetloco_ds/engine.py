@@ -33,6 +33,7 @@ from .patches import PipelineEngineAdapter
 from .pipe import order, schedule as pipe_schedule
 from .pipe.links import DirectedGroups, StageLinks, crossing_link, gemm_sm_carveout, host_ids
 from .pipe.copy_engine import CopyEngineLinks, CopyEngineUnavailable, layout as ce_layout
+from .transport import member_ids
 from .transport.static import GroupTransport, PipeStageLink
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,6 @@ class StepRecord:
     bytes: dict
     outer: dict | None = None
     extra: dict = field(default_factory=dict)
-
-
-def _ids(members) -> list:
-    """Replica ids as metrics.jsonl writes them: ints for the static world's replica indices."""
-    return [int(m) if m.isdigit() else m for m in members]
 
 
 class HetlocoEngine(PipelineEngineAdapter):
@@ -383,9 +379,7 @@ class HetlocoEngine(PipelineEngineAdapter):
     def outer_step(self) -> dict:
         """SparseLoCo outer step for this stage, inside this stage's data-parallel group."""
         start = time.perf_counter()
-        begin = getattr(self.transport, "begin", None)
-        if begin is not None:  # elastic: this boundary's quorum, which may replace the stage's synced state
-            begin()
+        self.transport.begin()  # elastic: this boundary's quorum, which may replace the stage's synced state
         result = self.algorithm.outer_step(self.transport, self.stage_link)
         if result.excluded and self.global_rank == 0:
             print(f"[hetloco] WARNING outer step {result.outer_step}: replicas {list(result.excluded)} had a "
@@ -395,9 +389,9 @@ class HetlocoEngine(PipelineEngineAdapter):
             "outer_step": result.outer_step,
             "seconds": time.perf_counter() - start,
             "payload_bytes": result.payload_bytes,
-            "excluded": _ids(result.excluded),
-            "contributors": _ids(result.contributors),
-            **getattr(self.transport, "outer_fields", dict)(),
+            "excluded": member_ids(result.excluded),
+            "contributors": member_ids(result.contributors),
+            **self.transport.outer_fields(),
         }
 
     # ------------------------------------------------------------- validation
