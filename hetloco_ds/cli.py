@@ -58,8 +58,8 @@ def _export_parser(sub) -> None:
 def _default_nproc(targs) -> int:
     """2 x stages for a new run (one replica of a fleet: its stages); the run's own world size for --resume."""
     from . import rundir
-    from .config import default_config_path, parse_config, read_config_file
-    from .train import config_path
+    from .config import default_config_path, parse_config
+    from .train import config_path, read_config_file
 
     if targs.resume:
         record = rundir.read_record(targs.out)

@@ -491,17 +491,6 @@ def default_config_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_tiny.json")
 
 
-def read_config_file(path: str) -> dict:
-    """The JSON object in `path`, for `parse_config`; a missing or malformed file is one ConfigError."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON: {err}") from None
-
-
 def check_topology(world_size: int, stages: int, source: str, num_layers: int | None = None) -> int:
     """Replicas M = world / S, or one error showing both numbers."""
     if stages > world_size or world_size % stages != 0:

@@ -114,14 +114,15 @@ class HetlocoEngine(PipelineEngineAdapter):
         """The schedule, and the stage links over the one backend `pipe.links.open_links` chooses for
         it (collective: every rank of the job)."""
         links = open_links(self.hetloco.pipeline, self._replica_ranks(), self.global_rank, self.device, self.meter,
-                           self._message_spec())
+                           self._message_spec)
         self.schedule, self.link_transport = links.schedule, links.transport
         self.links = StageLinks(
             self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
             self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None,
             self.device, self.meter, links.backend, self.stage_id)
-        self.gemm_sm_carveout = gemm_sm_carveout(self.hetloco.pipeline.gemm_sm_carveout,
-                                                 self.hetloco.pipeline.link_max_ctas, links.resident_kernels, self.device)
+        pipe = self.hetloco.pipeline
+        self.gemm_sm_carveout = gemm_sm_carveout(pipe.gemm_sm_carveout, pipe.link_max_ctas, links.resident_kernels,
+                                                 self.device)
         """SMs this process's matmuls leave to the stage's link kernels (0: none; pipe.links.gemm_sm_carveout)."""
 
     def _replica_ranks(self) -> list[list[int]]:

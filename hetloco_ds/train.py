@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import math
 import os
 import shutil
@@ -30,7 +31,6 @@ import torch
 
 from . import checkpoint, rundir
 from .config import ConfigError, RunConfig, check_run, check_topology, default_config_path, parse_config
-from .config import read_config_file
 from .elastic import replica as fleet
 from .elastic.replica import EXIT_REFUSED, FleetArgs
 from .presets import model_config_for
@@ -118,6 +118,17 @@ def config_path(args: TrainArgs) -> str | None:
         raise ConfigError(f"--config {args.config} differs from accelerate's deepspeed_config_file {via_accelerate}; "
                           "give one DeepSpeed JSON")
     return args.config or via_accelerate
+
+
+def read_config_file(path: str) -> dict:
+    """The JSON object in `path`, for `parse_config`; a missing or malformed file is one ConfigError."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON: {err}") from None
 
 
 def _resume_args(args: TrainArgs, record: dict) -> TrainArgs:
@@ -487,6 +498,16 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
         loop.close()
 
 
+def _replica_options(plan: RunPlan, watchdog: Watchdog) -> dict:
+    """`build_engine`'s replica and transport, chosen once for the run: the static world's (none
+    given) without a fleet; in one, this replica's id and its `FleetTransport`."""
+    a = plan.args
+    if a.fleet is None:
+        return {}
+    return {"replica": (a.fleet.replica, plan.replicas),
+            "transport": fleet.transport_factory(plan.run, plan.llama_config, a.fleet, plan.secret, watchdog)}
+
+
 class _Loop:
     """One rank's training: the engine, its data stream, and what it writes (metrics rows, progress,
     validation, checkpoints). Static or elastic, the same path: the engine's transport holds the
@@ -507,8 +528,7 @@ class _Loop:
         plan, cfg, watchdog = self.plan, self.cfg, self.watchdog
         torch.manual_seed(cfg.seed)
         module = build_module(plan.run, plan.llama_config, hf_dir=plan.hf_dir)
-        self.engine = engine = build_engine(plan.run, module, seq_len=cfg.seq_len,
-                                            **fleet.engine_options(plan, watchdog))
+        self.engine = engine = build_engine(plan.run, module, seq_len=cfg.seq_len, **_replica_options(plan, watchdog))
         position, self.resumed_at = 0, None
         if tag is not None:
             with watchdog.busy(f"loading {tag}"):

@@ -244,16 +244,6 @@ class FleetTransport(ReplicaTransport):
         self.inner.close()
 
 
-def engine_options(plan, watchdog=None) -> dict:
-    """`initialize.build_engine`'s replica and transport for the job `plan` (train.RunPlan) runs:
-    none (the static world's) without a fleet; with one, this replica's id in it and its
-    `FleetTransport`."""
-    if plan.args.fleet is None:
-        return {}
-    return {"replica": (plan.args.fleet.replica, plan.replicas),
-            "transport": transport_factory(plan.run, plan.llama_config, plan.args.fleet, plan.secret, watchdog)}
-
-
 def transport_factory(run: RunConfig, llama_config, fleet: FleetArgs, secret: bytes,
                       watchdog=None) -> Callable:
     """engine -> FleetTransport for HetlocoEngine(transport=...)."""

@@ -29,7 +29,7 @@ import logging
 import socket
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -164,7 +164,7 @@ class DirectedGroups:
 
 @dataclass(frozen=True)
 class LinkChoice:
-    """What `open_links` chose for a rank, the same on every rank of the job."""
+    """What `open_links` chose for a rank (the schedule and the transport: the same on every rank of the job)."""
 
     schedule: str
     """The schedule the engine runs: "overlapped" or "blocking"."""
@@ -177,7 +177,7 @@ class LinkChoice:
 
 
 def open_links(pipeline, replica_ranks: Sequence[Sequence[int]], me: int, device, meter: ByteMeter,
-               message_spec: Spec) -> LinkChoice:
+               message_spec: Callable[[], Spec]) -> LinkChoice:
     """The schedule and the one `LinkBackend` of rank `me` for `pipeline` (`hetloco.pipeline`), chosen
     here and nowhere else: where the choice depends on it, whether some stage link joins two hosts
     (`host_ids`, a collective); the plan (`order.links_plan`); the copy engines when the plan says so,
@@ -186,8 +186,8 @@ def open_links(pipeline, replica_ranks: Sequence[Sequence[int]], me: int, device
     transport named in the config that cannot start is a ValueError on every rank.
 
     Every rank of the job calls it at the same point (it may all-gather and create groups);
-    `replica_ranks[m]` lists replica m's global ranks by stage; `message_spec`: the largest message
-    this rank receives (a copy-engine link's slot)."""
+    `replica_ranks[m]` lists replica m's global ranks by stage; `message_spec()`: the largest message
+    this rank receives (a copy-engine link's slot), asked only for the copy engines."""
     stages = len(replica_ranks[0])
     stage = next(ranks.index(me) for ranks in replica_ranks if me in ranks)
     named = pipeline.link_transport
@@ -203,8 +203,8 @@ def open_links(pipeline, replica_ranks: Sequence[Sequence[int]], me: int, device
         transport = "process_group"  # no stage links
     if transport == "copy_engine":
         try:
-            return LinkChoice(schedule, transport, CopyEngineLinks(replica_ranks, me, device, layout(message_spec)[1]),
-                              0)
+            engines = CopyEngineLinks(replica_ranks, me, device, layout(message_spec())[1])
+            return LinkChoice(schedule, transport, engines, 0)
         except CopyEngineUnavailable as err:
             if named == "copy_engine":
                 raise ValueError(str(err)) from err
@@ -215,8 +215,8 @@ def open_links(pipeline, replica_ranks: Sequence[Sequence[int]], me: int, device
                         "schedule over process groups")
     kernels = order.resident_link_kernels(schedule, stages, stage)
     if schedule == "overlapped" and stages > 1:
-        return LinkChoice(schedule, transport, DirectedGroups(replica_ranks, me, device, meter, pipeline.link_max_ctas),
-                          kernels)
+        groups = DirectedGroups(replica_ranks, me, device, meter, pipeline.link_max_ctas)
+        return LinkChoice(schedule, transport, groups, kernels)
     return LinkChoice(schedule, transport, WorldLinks(), kernels)
 
 
