@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     import torch
     from torchft._torchft import LighthouseServer
 
-    from hetloco_ds.fleet import FleetArgs
+    from hetloco_ds.elastic.replica import FleetArgs
     from hetloco_ds.launch import free_port
     from hetloco_ds.train import TrainArgs, plan_run
 

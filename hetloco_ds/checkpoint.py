@@ -101,7 +101,7 @@ def collect_rank_state(engine, data_position: int, *, writes_shared: bool, synce
         "meter": engine.meter.snapshot(),
         "client_state": getattr(engine, "client_state", {}),
         # elastic mode: the transport's committed-step counter and history (static: nothing)
-        "transport": engine.transport.state_dict() if hasattr(engine.transport, "state_dict") else None,
+        "transport": engine.transport.state_dict(),
     }
 
 
@@ -118,7 +118,7 @@ def restore_rank_state(engine, state: dict, *, optimizer: bool = True, lr_schedu
     engine.meter.total = state["meter"]
     engine.meter.since_mark()
     engine.client_state = state.get("client_state", {})
-    if state.get("transport") is not None and hasattr(engine.transport, "load_state_dict"):
+    if state.get("transport") is not None:
         engine.transport.load_state_dict(state["transport"])
     return state["data_position"]
 

@@ -59,14 +59,14 @@ def _default_nproc(targs) -> int:
     """2 x stages for a new run (one replica of a fleet: its stages); the run's own world size for --resume."""
     from . import rundir
     from .config import default_config_path, parse_config
-    from .train import _read_json, config_path
+    from .train import config_path, read_config_file
 
     if targs.resume:
         record = rundir.read_record(targs.out)
         if config_path(targs) is None:
             return record["world_size"]
     path = config_path(targs) or default_config_path()
-    return (1 if targs.fleet is not None else 2) * parse_config(_read_json(path), path).stages
+    return (1 if targs.fleet is not None else 2) * parse_config(read_config_file(path), path).stages
 
 
 def _train(args) -> int:
@@ -76,7 +76,7 @@ def _train(args) -> int:
     from .config import ConfigError
     from .rundir import state_dir
     from .launch import core_shares, spawn, under_launcher
-    from .fleet import FleetArgs, replica_dir
+    from .elastic.replica import FleetArgs, replica_dir
     from .train import ENV_JOB, ENV_OWNED, ENV_TAG, EXIT_BAD_INPUT, TrainArgs, default_out, main_rank, own_run, plan_run
 
     def fail(message: str) -> int:
@@ -167,12 +167,12 @@ def _job_flags(args) -> list[str]:
 
 
 def _train_fleet(args, targs, fail) -> int:
-    """`--elastic`: a lighthouse and --nproc / stages replica jobs on this machine (fleet.launch)."""
-    from . import fleet
+    """`--elastic`: a lighthouse and --nproc / stages replica jobs on this machine (elastic.launcher)."""
+    from .elastic import launcher
     from .config import ConfigError
 
     try:
-        return fleet.launch(targs, args.nproc, _job_flags(args), bind_cores=args.bind_cores)
+        return launcher.launch(targs, args.nproc, _job_flags(args), bind_cores=args.bind_cores)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         return fail(str(err))
 

@@ -17,7 +17,6 @@ it differs from the stock engine in this, and nothing else:
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,11 +30,9 @@ from .config import RunConfig
 from .meter import ByteMeter, nbytes
 from .patches import PipelineEngineAdapter
 from .pipe import order, schedule as pipe_schedule
-from .pipe.links import DirectedGroups, StageLinks, crossing_link, gemm_sm_carveout, host_ids
-from .pipe.copy_engine import CopyEngineLinks, CopyEngineUnavailable, layout as ce_layout
+from .pipe.links import StageLinks, gemm_sm_carveout, open_links
+from .transport import member_ids
 from .transport.static import GroupTransport, PipeStageLink
-
-log = logging.getLogger(__name__)
 
 # DeepSpeed's PipelineEngine.__init__ puts these on the wire before our counters exist: a
 # 4-byte loss scalar to the next stage (a p2p "warm-up") and a [2] int64 parameter count
@@ -56,11 +53,6 @@ class StepRecord:
     bytes: dict
     outer: dict | None = None
     extra: dict = field(default_factory=dict)
-
-
-def _ids(members) -> list:
-    """Replica ids as metrics.jsonl writes them: ints for the static world's replica indices."""
-    return [int(m) if m.isdigit() else m for m in members]
 
 
 class HetlocoEngine(PipelineEngineAdapter):
@@ -92,31 +84,12 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
         self._count_deepspeed_init_traffic()
-        pipe = hetloco.pipeline
-        apart = None  # a stage link between two hosts: where it matters to the choice below
-        if self.num_stages > 1 and (pipe.link_transport == "copy_engine" or (
-                self.device.type == "cuda" and (pipe.schedule, pipe.link_transport) != ("blocking", "process_group"))):
-            apart = crossing_link(self._replica_ranks(), host_ids(self.device, self.meter))
-        if pipe.link_transport == "copy_engine" and apart is not None:
-            raise ValueError('hetloco.pipeline.link_transport = "copy_engine" needs both ranks of every stage '
-                             f"link on one host; ranks {apart[0]} and {apart[1]} are on different hosts")
-        self.schedule, self.link_transport = order.links_plan(pipe.schedule, pipe.link_transport,
-                                                              self.device.type, apart is not None)
-        if self.num_stages == 1:
-            self.link_transport = "process_group"  # no stage links
         # NCCL: a receive posted ahead is a kernel spinning on the device until the peer sends, and
         # the peer's send may wait on this stage's own later work. Anything that synchronises the
         # whole device meanwhile (CUDA's lazy loading of a kernel's first use, a cudaFree) then
         # deadlocks both stages. The first step, which loads every kernel and fills the allocator's
         # cache, therefore runs the blocking schedule (the same bits: only timing differs).
         self._blocking_steps_left = 1 if self.device.type == "cuda" else 0  # per process: a resumed one too
-        self._link_carveout()
-        self.links = StageLinks(
-            self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
-            self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None,
-            self.device, self.meter, None, self.stage_id)
-        if self.link_transport == "process_group":
-            self._link_groups()
         self.compute_seconds = 0.0
         """Host seconds in forward and backward passes since the last step record (CPU: the
         compute; CUDA: mostly launch time, the device runs ahead)."""
@@ -131,50 +104,31 @@ class HetlocoEngine(PipelineEngineAdapter):
             tied=bool(cfg.tie_word_embeddings) and self.num_stages > 1)
         self.module.autocast_dtype = torch.bfloat16 if run.bf16 else None
         self.module.configure_boundary(self.algorithm.basis, torch.bfloat16 if run.bf16 else torch.float32)
+        self._open_links()  # once the boundary's width and wire dtype (a copy-engine slot's size) are set
         self.algorithm.setup(self.stage_link)
         self.module.codec.perp = self.algorithm.perp
-        if self.link_transport == "copy_engine":  # sized now that the boundary's width and wire dtype are set
-            self._copy_engine_links(apart is not None)
         self.transport = GroupTransport(self.dp_group, self.meter) if transport is None else transport(self)
         self.meter.since_mark()
 
-    def _link_carveout(self) -> None:
-        self.gemm_sm_carveout = gemm_sm_carveout(
-            self.hetloco.pipeline.gemm_sm_carveout, self.hetloco.pipeline.link_max_ctas,
-            0 if self.link_transport == "copy_engine" else order.resident_link_kernels(
-                self.schedule, self.num_stages, self.stage_id),
-            self.device)
+    def _open_links(self) -> None:
+        """The schedule, and the stage links over the one backend `pipe.links.open_links` chooses for
+        it (collective: every rank of the job)."""
+        links = open_links(self.hetloco.pipeline, self._replica_ranks(), self.global_rank, self.device, self.meter,
+                           self._message_spec)
+        self.schedule, self.link_transport = links.schedule, links.transport
+        self.links = StageLinks(
+            self.grid.stage_to_global(self.stage_id - 1) if not self.is_first_stage() else None,
+            self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else None,
+            self.device, self.meter, links.backend, self.stage_id)
+        pipe = self.hetloco.pipeline
+        self.gemm_sm_carveout = gemm_sm_carveout(pipe.gemm_sm_carveout, pipe.link_max_ctas, links.resident_kernels,
+                                                 self.device)
         """SMs this process's matmuls leave to the stage's link kernels (0: none; pipe.links.gemm_sm_carveout)."""
-
-    def _link_groups(self) -> None:
-        """The overlapped schedule's process group per link direction (collective: every rank of the job)."""
-        if self.schedule == "overlapped" and self.num_stages > 1:
-            self.links.groups = DirectedGroups(self._replica_ranks(), self.global_rank, self.device, self.meter,
-                                               self.hetloco.pipeline.link_max_ctas)
 
     def _replica_ranks(self) -> list[list[int]]:
         """Every pipeline of this job, as its global ranks by stage."""
         return [[self.grid.stage_to_global(s, data=m) for s in range(self.num_stages)]
                 for m in range(self.grid.data_parallel_size)]
-
-    def _copy_engine_links(self, links_cross_hosts: bool) -> None:
-        """Copy-engine links, or (where the transport was "auto" and some rank could not set them up)
-        what `links_plan` chooses without them; every rank learns the outcome at once."""
-        try:
-            self.links.copy_engine = CopyEngineLinks(self._replica_ranks(), self.global_rank, self.device,
-                                                     ce_layout(self._message_spec())[1])
-            return
-        except CopyEngineUnavailable as err:
-            if self.hetloco.pipeline.link_transport == "copy_engine":
-                raise ValueError(str(err)) from err
-            reason = err
-        self.schedule, self.link_transport = order.links_plan(
-            self.hetloco.pipeline.schedule, "process_group", self.device.type, links_cross_hosts)
-        if self.global_rank == 0:
-            log.warning(f"copy-engine stage links unavailable ({reason}); running the {self.schedule} "
-                           "schedule over process groups")
-        self._link_carveout()
-        self._link_groups()
 
     def _count_deepspeed_init_traffic(self) -> None:
         if not self.is_last_stage():
@@ -392,9 +346,7 @@ class HetlocoEngine(PipelineEngineAdapter):
     def outer_step(self) -> dict:
         """SparseLoCo outer step for this stage, inside this stage's data-parallel group."""
         start = time.perf_counter()
-        begin = getattr(self.transport, "begin", None)
-        if begin is not None:  # elastic: this boundary's quorum, which may replace the stage's synced state
-            begin()
+        self.transport.begin()  # elastic: this boundary's quorum, which may replace the stage's synced state
         result = self.algorithm.outer_step(self.transport, self.stage_link)
         if result.excluded and self.global_rank == 0:
             print(f"[hetloco] WARNING outer step {result.outer_step}: replicas {list(result.excluded)} had a "
@@ -404,9 +356,9 @@ class HetlocoEngine(PipelineEngineAdapter):
             "outer_step": result.outer_step,
             "seconds": time.perf_counter() - start,
             "payload_bytes": result.payload_bytes,
-            "excluded": _ids(result.excluded),
-            "contributors": _ids(result.contributors),
-            **getattr(self.transport, "outer_fields", dict)(),
+            "excluded": member_ids(result.excluded),
+            "contributors": member_ids(result.contributors),
+            **self.transport.outer_fields(),
         }
 
     # ------------------------------------------------------------- validation

@@ -11,8 +11,9 @@ Exit codes: 0 done, 1 a failure while running (a full disk, a lost rank), 2 bad 
 replica went non-finite (the last good checkpoint stays `latest`), 4 a rank stalled (watchdog),
 5 an elastic replica refused by its fleet (another secret, or a config the fleet cannot sum with).
 
-Elastic mode (`args.fleet`, see fleet.py): the job is one replica of a fleet, its run directory
-OUT/replica-<id>; its outer sync goes through torchft instead of the static world.
+Elastic mode (`args.fleet`, see hetloco_ds/elastic/): the job is one replica of a fleet, its run
+directory OUT/replica-<id>; its outer sync goes through torchft instead of the static world. The
+loop is the same: what differs sits behind the engine's `ReplicaTransport`.
 """
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ import uuid
 
 import torch
 
-from . import checkpoint, fleet, rundir
+from . import checkpoint, rundir
 from .config import ConfigError, RunConfig, check_run, check_topology, default_config_path, parse_config
-from .fleet import EXIT_REFUSED, FleetArgs
+from .elastic import replica as fleet
+from .elastic.replica import EXIT_REFUSED, FleetArgs
 from .presets import model_config_for
 from .watchdog import EXIT_STALLED, Watchdog
 
@@ -45,6 +47,8 @@ so the launcher (which stops every rank at the first failure) sees the printing 
 
 # Set by our launcher (`--nproc`) in the ranks' environment.
 ENV_OWNED, ENV_JOB, ENV_TAG = "HETLOCO_OWNED", "HETLOCO_JOB", "HETLOCO_RESUME_TAG"
+ENV_NO_BAR = "HETLOCO_NO_PROGRESS_BAR"
+"""Set by a launcher that runs several jobs in one terminal (`--elastic`) on all but one of them."""
 
 
 @dataclasses.dataclass
@@ -117,7 +121,8 @@ def config_path(args: TrainArgs) -> str | None:
     return args.config or via_accelerate
 
 
-def _read_json(path: str) -> dict:
+def read_config_file(path: str) -> dict:
+    """The JSON object in `path`, for `parse_config`; a missing or malformed file is one ConfigError."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -223,7 +228,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         raw, source = record["config"], os.path.join(out, rundir.RUN_CONFIG)
     else:
         source = path or default_config_path()
-        raw = _read_json(source)
+        raw = read_config_file(source)
     run = parse_config(raw, source)
     if record is not None:
         _check_resumed_fleet(args, record, out)
@@ -465,124 +470,20 @@ def run_rank(args: TrainArgs) -> int:
 def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> int:
     from deepspeed import comm as dist
 
-    from . import convert, data
-    from .build import build_engine, build_module
-    from .metrics import MetricsWriter, Progress, RunFacts, validated_steps
-
-    args, run, corpus = plan.args, plan.run, plan.corpus
-    out, ckpt_dir = args.out, plan.ckpt_dir
-    train_cfg = run.hetloco.train
+    from . import convert
     from .transport.auth import FleetRefused
 
-    watchdog = Watchdog(rundir.state_dir(out, "heartbeat", job), rank, world, train_cfg.watchdog_timeout).start()
-    writer = progress = engine = None
-    elastic = args.fleet is not None
+    out = plan.args.out
+    watchdog = Watchdog(rundir.state_dir(out, "heartbeat", job), rank, world,
+                        plan.run.hetloco.train.watchdog_timeout).start()
+    loop = _Loop(plan, watchdog)
     try:
-        torch.manual_seed(train_cfg.seed)
-        module = build_module(run, plan.llama_config, hf_dir=plan.hf_dir)
-        replica = {}
-        if elastic:
-            replica = dict(replica=(args.fleet.replica, plan.replicas),
-                           transport=fleet.transport_factory(run, plan.llama_config, args.fleet, plan.secret, watchdog))
-        engine = build_engine(run, module, seq_len=train_cfg.seq_len, **replica)
-        M = engine.num_replicas
-
-        position, resumed_at = 0, None
-        if tag is not None:
-            with watchdog.busy(f"loading {tag}"):
-                position = checkpoint.load(engine, ckpt_dir, tag)
-            resumed_at = engine.local_steps
-        micro = engine.micro_batch_size
-        batches = data.ReplicaBatches(corpus.train, engine.replica, M, micro, seed=train_cfg.seed, position=position)
-        needs_data = engine.is_first_stage() or engine.is_last_stage()
-        if elastic:
-            with watchdog.busy("waiting for the fleet to start"):
-                fleet.wait_for_start(args.fleet.replica, rank, run.hetloco.elastic.quorum_timeout)
-
-        H = run.hetloco.sparseloco.inner_steps if run.hetloco.sparseloco.enabled else 1
-        metrics_path = os.path.join(out, rundir.METRICS)
-        facts = RunFacts.from_engine(engine)
-        if elastic:  # each replica's metrics are its own: its tokens/s, not the fleet's
-            facts = dataclasses.replace(facts, num_replicas=1)
-        writer = MetricsWriter(metrics_path if engine.is_last_stage() else None, facts)
-        # `--elastic` runs every replica in one terminal: one bar, replica 0's (the others are HETLOCO_QUIET).
-        bar = rank == 0 and not (elastic and os.environ.get("HETLOCO_QUIET"))
-        progress = Progress(total=args.steps, initial=engine.local_steps, enabled=bar, monitor=engine.monitor,
-                            facts=facts)
-        eval_every = train_cfg.eval_interval
-        next_eval = (engine.local_steps // eval_every + 1) * eval_every if eval_every else None
-        ckpt_every = train_cfg.checkpoint_interval * H
-        validated_at = resumed_at if resumed_at is not None and resumed_at in validated_steps(metrics_path) else None
-        last_good = tag
-        bad_steps: list[int] = []
-
-        def validate(step: int) -> None:
-            nonlocal validated_at
-            validated_at = step
-            with watchdog.busy(f"validation at step {step}"):
-                # Every replica evaluates through its own pipeline (a compressed one through its
-                # compressed boundaries) on the same held-out batches; the row has each loss and
-                # their mean, as the paper averages validation over the data-parallel replicas. An
-                # elastic replica (its own job) knows and writes only its own.
-                losses = engine.validation_losses(data.validation_batches(corpus.val, micro) if needs_data else None,
-                                                  train_cfg.eval_batches)
-                mean = sum(losses.values()) / len(losses)
-                if engine.is_last_stage() and (elastic or engine.replica == 0):
-                    writer.write({"kind": "validation", "step": step, "replica": engine.replica, "loss": mean,
-                                  "replica_losses": [losses[m] for m in sorted(losses)], "time": time.time()})
-                progress.validation(step, mean)
-
-        def save(step: int, wait: bool = False) -> None:
-            nonlocal last_good
-            with watchdog.busy(f"checkpoint at step {step}"):
-                last_good = checkpoint.save(engine, ckpt_dir, step, batches.position, keep=train_cfg.keep_checkpoints,
-                                            wait=wait)
-
-        def diverged() -> Diverged:
-            with watchdog.busy("committing the last checkpoint"):
-                checkpoint.settle(engine, block=True)  # the last good one, written in the background
-            return Diverged(_diverged_line(bad_steps, ckpt_dir, last_good))
-
-        while engine.local_steps < args.steps:
-            # The last step always ends with an outer sync, so the export and the final
-            # validation see the synced model even when steps is not a multiple of H.
-            last = engine.local_steps + 1 == args.steps
-            with _profiled(train_cfg.profile_step, engine, out, rank):
-                rec = engine.train_step(batches if needs_data else None, force_outer=last)
-            # An elastic replica's wait for its fleet is not a slow step (it would widen the limit).
-            waited = rec.outer["seconds"] if elastic and rec.outer is not None else 0.0
-            watchdog.progress(f"step {rec.step}", rec.seconds - waited)
-            at_boundary = rec.outer is not None or not engine.algorithm.sparseloco
-            writer.step(rec)
-            progress.update(rec)
-            if at_boundary and train_cfg.max_nonfinite_outer_steps:
-                if _all_replicas_nonfinite(engine, rec):
-                    bad_steps.append(rec.step)
-                    if len(bad_steps) >= train_cfg.max_nonfinite_outer_steps:
-                        raise diverged()
-                    continue  # no validation of, and no checkpoint over, a model that did not move
-                bad_steps.clear()
-            if next_eval is not None and at_boundary and rec.step >= next_eval:
-                validate(rec.step)
-                next_eval = (rec.step // eval_every + 1) * eval_every
-            if at_boundary:  # a background write that every rank has finished is committed here
-                checkpoint.settle(engine)
-            if ckpt_every and at_boundary and rec.step % ckpt_every == 0 and rec.step < args.steps:
-                save(rec.step)
-        if bad_steps:  # the run ended inside a non-finite streak: keep the last good checkpoint
-            raise diverged()
-        if validated_at != engine.local_steps:  # also at --steps 0
-            validate(engine.local_steps)
-        if engine.local_steps != resumed_at:  # a resume with nothing left to train already has it
-            save(engine.local_steps, wait=True)
-        with watchdog.busy("committing the last checkpoint"):
-            checkpoint.settle(engine, block=True)
-        progress.close()
-        writer.close()
+        loop.build(tag, rank)
+        loop.run()
         with watchdog.busy("export"):
             dist.barrier()
             if rank == 0:
-                convert.export(ckpt_dir, os.path.join(out, rundir.EXPORT), overwrite=True)
+                convert.export(plan.ckpt_dir, os.path.join(out, rundir.EXPORT), overwrite=True)
                 print(f"[hetloco] exported Hugging Face model to {os.path.join(out, rundir.EXPORT)}", flush=True)
             dist.barrier()
         return 0
@@ -595,12 +496,139 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
         return EXIT_REFUSED
     finally:
         watchdog.stop()
-        if engine is not None and hasattr(engine.transport, "close"):
-            engine.transport.close()
-        if progress is not None:
-            progress.close()
-        if writer is not None:
-            writer.close()
+        loop.close()
+
+
+def _replica_options(plan: RunPlan, watchdog: Watchdog) -> dict:
+    """`build_engine`'s replica and transport, chosen once for the run: the static world's (none
+    given) without a fleet; in one, this replica's id and its `FleetTransport`."""
+    a = plan.args
+    if a.fleet is None:
+        return {}
+    return {"replica": (a.fleet.replica, plan.replicas),
+            "transport": fleet.transport_factory(plan.run, plan.llama_config, a.fleet, plan.secret, watchdog)}
+
+
+class _Loop:
+    """One rank's training: the engine, its data stream, and what it writes (metrics rows, progress,
+    validation, checkpoints). Static or elastic, the same path: the engine's transport holds the
+    difference (`ReplicaTransport`: the start gate, the wait for the fleet, its state, its close)."""
+
+    def __init__(self, plan: RunPlan, watchdog: Watchdog):
+        self.plan, self.watchdog = plan, watchdog
+        self.cfg = plan.run.hetloco.train
+        self.engine = self.writer = self.progress = None
+
+    def build(self, tag: str | None, rank: int) -> None:
+        """The engine (from `tag`'s checkpoint when given), the replica's batches, the outputs; then
+        the transport's start (`--elastic`: every replica of the fleet is up)."""
+        from . import data
+        from .build import build_engine, build_module
+        from .metrics import MetricsWriter, Progress, RunFacts, validated_steps
+
+        plan, cfg, watchdog = self.plan, self.cfg, self.watchdog
+        torch.manual_seed(cfg.seed)
+        module = build_module(plan.run, plan.llama_config, hf_dir=plan.hf_dir)
+        self.engine = engine = build_engine(plan.run, module, seq_len=cfg.seq_len, **_replica_options(plan, watchdog))
+        position, self.resumed_at = 0, None
+        if tag is not None:
+            with watchdog.busy(f"loading {tag}"):
+                position = checkpoint.load(engine, plan.ckpt_dir, tag)
+            self.resumed_at = engine.local_steps
+        self.batches = data.ReplicaBatches(plan.corpus.train, engine.replica, engine.num_replicas,
+                                           engine.micro_batch_size, seed=cfg.seed, position=position)
+        self.needs_data = engine.is_first_stage() or engine.is_last_stage()
+        engine.transport.start()
+
+        metrics_path = os.path.join(plan.args.out, rundir.METRICS)
+        facts = RunFacts.from_engine(engine)
+        self.writer = MetricsWriter(metrics_path if engine.is_last_stage() else None, facts)
+        # A launcher that runs several jobs in one terminal (`--elastic`) leaves one of them the bar.
+        self.progress = Progress(total=plan.args.steps, initial=engine.local_steps,
+                                 enabled=rank == 0 and not os.environ.get(ENV_NO_BAR), monitor=engine.monitor,
+                                 facts=facts)
+        every = cfg.eval_interval
+        self.next_eval = (engine.local_steps // every + 1) * every if every else None
+        H = plan.run.hetloco.sparseloco.inner_steps if plan.run.hetloco.sparseloco.enabled else 1
+        self.ckpt_every = cfg.checkpoint_interval * H
+        self.validated_at = (self.resumed_at if self.resumed_at is not None
+                             and self.resumed_at in validated_steps(metrics_path) else None)
+        self.last_good = tag
+        self.bad_steps: list[int] = []
+
+    def validate(self, step: int) -> None:
+        from . import data
+
+        engine = self.engine
+        self.validated_at = step
+        with self.watchdog.busy(f"validation at step {step}"):
+            # Every replica evaluates through its own pipeline (a compressed one through its
+            # compressed boundaries) on the same held-out batches; the row has each loss and
+            # their mean, as the paper averages validation over the data-parallel replicas. The
+            # job's first replica writes it: an elastic replica (its own job) knows only its own.
+            val = data.validation_batches(self.plan.corpus.val, engine.micro_batch_size) if self.needs_data else None
+            losses = engine.validation_losses(val, self.cfg.eval_batches)
+            mean = sum(losses.values()) / len(losses)
+            if engine.is_last_stage() and engine.grid.data_parallel_id == 0:
+                self.writer.write({"kind": "validation", "step": step, "replica": engine.replica, "loss": mean,
+                                   "replica_losses": [losses[m] for m in sorted(losses)], "time": time.time()})
+            self.progress.validation(step, mean)
+
+    def save(self, step: int, wait: bool = False) -> None:
+        with self.watchdog.busy(f"checkpoint at step {step}"):
+            self.last_good = checkpoint.save(self.engine, self.plan.ckpt_dir, step, self.batches.position,
+                                             keep=self.cfg.keep_checkpoints, wait=wait)
+
+    def diverged(self) -> "Diverged":
+        with self.watchdog.busy("committing the last checkpoint"):
+            checkpoint.settle(self.engine, block=True)  # the last good one, written in the background
+        return Diverged(_diverged_line(self.bad_steps, self.plan.ckpt_dir, self.last_good))
+
+    def run(self) -> None:
+        engine, steps, every = self.engine, self.plan.args.steps, self.cfg.eval_interval
+        while engine.local_steps < steps:
+            # The last step always ends with an outer sync, so the export and the final
+            # validation see the synced model even when steps is not a multiple of H.
+            last = engine.local_steps + 1 == steps
+            with _profiled(self.cfg.profile_step, engine, self.plan.args.out, engine.global_rank):
+                rec = engine.train_step(self.batches if self.needs_data else None, force_outer=last)
+            waited = engine.transport.waited_seconds(rec.outer) if rec.outer is not None else 0.0
+            self.watchdog.progress(f"step {rec.step}", rec.seconds - waited)
+            at_boundary = rec.outer is not None or not engine.algorithm.sparseloco
+            self.writer.step(rec)
+            self.progress.update(rec)
+            if at_boundary and self.cfg.max_nonfinite_outer_steps:
+                if _all_replicas_nonfinite(engine, rec):
+                    self.bad_steps.append(rec.step)
+                    if len(self.bad_steps) >= self.cfg.max_nonfinite_outer_steps:
+                        raise self.diverged()
+                    continue  # no validation of, and no checkpoint over, a model that did not move
+                self.bad_steps.clear()
+            if self.next_eval is not None and at_boundary and rec.step >= self.next_eval:
+                self.validate(rec.step)
+                self.next_eval = (rec.step // every + 1) * every
+            if at_boundary:  # a background write that every rank has finished is committed here
+                checkpoint.settle(engine)
+            if self.ckpt_every and at_boundary and rec.step % self.ckpt_every == 0 and rec.step < steps:
+                self.save(rec.step)
+        if self.bad_steps:  # the run ended inside a non-finite streak: keep the last good checkpoint
+            raise self.diverged()
+        if self.validated_at != engine.local_steps:  # also at --steps 0
+            self.validate(engine.local_steps)
+        if engine.local_steps != self.resumed_at:  # a resume with nothing left to train already has it
+            self.save(engine.local_steps, wait=True)
+        with self.watchdog.busy("committing the last checkpoint"):
+            checkpoint.settle(engine, block=True)
+        self.progress.close()
+        self.writer.close()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.transport.close()
+        if self.progress is not None:
+            self.progress.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _profiled(step: int, engine, out: str, rank: int):

@@ -397,7 +397,7 @@ def test_joiner_with_another_ratio_keeps_the_fleets_split_basis_or_is_refused_na
     at ratio 8 would move T_S to k = 4: its identity differs, and the line names the split basis of both.
     A different fleet size or outer-step setting is named too. Breaks if replicas that cannot sum T_S in
     one basis were let into the same outer step."""
-    from hetloco_ds import fleet
+    from hetloco_ds.elastic import replica as fleet
     from conftest import tiny_llama_config
 
     model = tiny_llama_config()
@@ -426,7 +426,7 @@ def test_joiner_with_another_model_shape_is_refused_naming_the_field(tmp_path):
     """A replica whose model differs from the fleet's in a shape the identity once left out (the MLP
     width, the heads) had the fleet's key; healed from a donor, the donor's state failed to load into
     its parameters with a traceback. Its identity now differs, and the line names the field."""
-    from hetloco_ds import fleet
+    from hetloco_ds.elastic import replica as fleet
     from conftest import tiny_llama_config
 
     run = _run_config(tmp_path, "fleet", {})

@@ -141,11 +141,11 @@ def _digest(module) -> str:
 def _both_schedules_body(rank, cases, steps, tag):
     """Per case, train `steps` steps under each schedule in turn, from the same checkpoint and batches.
     "shared slots": the overlapped schedule through `pipe.copy_engine`'s protocol, on host streams."""
-    import hetloco_ds.engine as engine_module
+    import hetloco_ds.pipe.links as links_module
     from host_streams import HostStreamsBackend
 
-    real = engine_module.CopyEngineLinks
-    engine_module.CopyEngineLinks = lambda *a, **k: real(*a, backend=HostStreamsBackend(tag, rank), **k)
+    real = links_module.CopyEngineLinks
+    links_module.CopyEngineLinks = lambda *a, **k: real(*a, backend=HostStreamsBackend(tag, rank), **k)
     out = {}
     for name, hf_dir, tied_embeddings, stages in cases:
         # "first blocking": the overlapped schedule after one blocking step, as the engine runs it on CUDA.
@@ -156,7 +156,7 @@ def _both_schedules_body(rank, cases, steps, tag):
                 cfg["hetloco"]["pipeline"]["link_transport"] = "copy_engine"
             engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
             assert engine.schedule == cfg["hetloco"]["pipeline"]["schedule"]
-            assert (engine.links.copy_engine is not None) == (schedule == "shared slots")
+            assert isinstance(engine.links.backend, real) == (schedule == "shared slots")
             engine._blocking_steps_left = int(schedule == "first blocking")
             rows = []
             for step in range(1, steps + 1):
@@ -265,13 +265,13 @@ def test_host_ids_are_every_ranks_host_with_exact_control_bytes():
 def _copy_engine_refusals_body(rank, hf_dir):
     """The engine's one-line errors for copy-engine links it cannot build: ranks of a stage link on
     two hosts (host ids made to differ), then a rank without a GPU (this CPU)."""
-    import hetloco_ds.engine as engine_module
+    import hetloco_ds.pipe.links as links_module
 
     cfg = _config("overlapped", compressed=())
     cfg["hetloco"]["pipeline"]["link_transport"] = "copy_engine"
     errors = []
     for hosts in ([b"host a", b"host b"], [b"host a", b"host a"]):
-        engine_module.host_ids = lambda device, meter, hosts=hosts: hosts
+        links_module.host_ids = lambda device, meter, hosts=hosts: hosts
         try:
             build_from_hf(hf_dir, cfg, SEQ)
             errors.append(None)
@@ -296,25 +296,25 @@ def _fallback_body(rank, hf_dir, tag):
     error. In the "fails" cases rank 1 cannot map its peer's memory."""
     import logging
 
-    import hetloco_ds.engine as engine_module
+    import hetloco_ds.pipe.links as links_module
     from host_streams import HostStreamsBackend
 
     class Refusing(HostStreamsBackend):
         def map_peer(self, path, dtype, numel, peer):
             raise RuntimeError("no peer access to the GPU of rank 0")
 
-    real_plan, real_links = engine_module.order.links_plan, engine_module.CopyEngineLinks
-    engine_module.order.links_plan = lambda s, t, device_type, c=False: real_plan(s, t, "cuda", c)
+    real_plan, real_links = links_module.order.links_plan, links_module.CopyEngineLinks
+    links_module.order.links_plan = lambda s, t, device_type, c=False: real_plan(s, t, "cuda", c)
     warned = []
     handler = logging.Handler()
     handler.emit = lambda record: warned.append(record.getMessage())
-    engine_module.log.addHandler(handler)
+    links_module.log.addHandler(handler)
     out = {}
     for case, schedule, transport, fails in [("auto", "auto", "auto", False), ("auto, fails", "auto", "auto", True),
                                              ("overlapped, fails", "overlapped", "auto", True),
                                              ("copy_engine, fails", "auto", "copy_engine", True)]:
         backend = (Refusing if fails and rank == 1 else HostStreamsBackend)(f"{tag}-{len(out)}", rank)
-        engine_module.CopyEngineLinks = lambda *a, backend=backend, **k: real_links(*a, backend=backend, **k)
+        links_module.CopyEngineLinks = lambda *a, backend=backend, **k: real_links(*a, backend=backend, **k)
         cfg = _config(schedule, compressed=())
         cfg["hetloco"]["pipeline"]["link_transport"] = transport
         del warned[:]
@@ -327,8 +327,8 @@ def _fallback_body(rank, hf_dir, tag):
         for step in range(1, 3):
             rec = engine.train_step(iter(_batches(engine.replica, step)))
             rows.append((rec.loss, _digest(module)))
-        out[case] = (engine.schedule, engine.link_transport, engine.links.copy_engine is not None,
-                     engine.links.groups is not None, list(warned), rows)
+        out[case] = (engine.schedule, engine.link_transport, isinstance(engine.links.backend, real_links),
+                     isinstance(engine.links.backend, links_module.DirectedGroups), list(warned), rows)
     return out
 
 

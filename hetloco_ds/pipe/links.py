@@ -10,25 +10,35 @@ Two ways to use a link:
 * blocking (`send`, `recv`): DeepSpeed's TrainSchedule and the inference schedule; on the
   default group, as DeepSpeed's p2p does.
 * non-blocking (`isend`, `post_recv` / `wait_recv`, `wait_sends`): the overlapped schedule
-  (`pipe.schedule`). Each direction of each link is its own two-rank process group
-  (`DirectedGroups`): activations going down and gradients going up then never share a
-  connection or a communicator. On NCCL, p2p operations of one communicator run in the order
-  they were posted, so an early-posted receive of the next activation would otherwise sit in
-  front of a gradient send the peer is waiting for; on gloo (TCP, rendezvous: a send's data
-  leaves once the peer's ready-to-receive notice arrives), a notice would otherwise queue
-  behind the bulk data already written the other way on the same connection.
+  (`pipe.schedule`), through the rank's one `LinkBackend`, chosen once at start by `open_links`
+  (which also owns the host discovery it needs and the copy engines' fallback):
+  - `CopyEngineLinks` (`pipe.copy_engine`): GPUs inside a host, moved by the copy engines;
+  - `DirectedGroups`: each direction of each link is its own two-rank process group:
+    activations going down and gradients going up then never share a connection or a
+    communicator. On NCCL, p2p operations of one communicator run in the order they were
+    posted, so an early-posted receive of the next activation would otherwise sit in front of
+    a gradient send the peer is waiting for; on gloo (TCP, rendezvous: a send's data leaves
+    once the peer's ready-to-receive notice arrives), a notice would otherwise queue behind the
+    bulk data already written the other way on the same connection;
+  - `WorldLinks`: the default group, where the blocking schedule makes no non-blocking call.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 from collections import deque
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as tdist
 
 from ..meter import ByteMeter, nbytes
+from . import order
+from .copy_engine import CopyEngineLinks, CopyEngineUnavailable, layout
+
+log = logging.getLogger(__name__)
 
 Spec = Sequence[tuple[tuple[int, ...], torch.dtype]]
 
@@ -80,6 +90,28 @@ def crossing_link(replica_ranks: Sequence[Sequence[int]], hosts: Sequence) -> tu
     return next(((a, b) for ranks in replica_ranks for a, b in zip(ranks, ranks[1:]) if hosts[a] != hosts[b]), None)
 
 
+class LinkBackend(Protocol):
+    """What moves a rank's non-blocking stage-link messages (`StageLinks.isend`, `post_recv`). Each
+    call starts the transfer of one message (its tensors, in order) and returns its works, each with
+    a `wait()` after which the message may be used (a receive) or reused (a send); per direction,
+    messages arrive in the order they were sent. `open_links` picks one per rank, once."""
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int) -> list: ...
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int) -> list: ...
+
+
+class WorldLinks:
+    """Non-blocking messages on the default group: the backend of the blocking schedule, which
+    sends and receives with `StageLinks.send` / `recv` and posts nothing ahead."""
+
+    def send(self, tensors: Sequence[torch.Tensor], dst: int) -> list:
+        return [tdist.isend(t, dst) for t in tensors]
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int) -> list:
+        return [tdist.irecv(t, src) for t in tensors]
+
+
 class DirectedGroups:
     """One two-rank process group per direction of every stage link of every replica.
 
@@ -96,6 +128,8 @@ class DirectedGroups:
                  max_ctas: int | None = None):
         self.down: dict[int, object] = {}  # stage s -> group of (s, s + 1) for activations
         self.up: dict[int, object] = {}    # stage s -> group of (s, s + 1) for gradients
+        self._to: dict[int, object] = {}    # peer rank -> the group this rank sends to it on
+        self._from: dict[int, object] = {}  # peer rank -> the group this rank receives from it on
         mine: list[tuple[object, int, int]] = []  # (group, sender, receiver), in stage order: a chain, no cycle
         options = nccl_link_options(max_ctas)
         for ranks in replica_ranks:
@@ -105,6 +139,11 @@ class DirectedGroups:
                 if me in pair:
                     self.down[s], self.up[s] = down, up
                     mine += [(down, pair[0], pair[1]), (up, pair[1], pair[0])]
+                    for group, src, dst in mine[-2:]:
+                        if src == me:
+                            self._to[dst] = group
+                        else:
+                            self._from[src] = group
         one = torch.zeros(1, device=device)
         for group, src, dst in mine:
             if me == src:
@@ -114,15 +153,81 @@ class DirectedGroups:
                 tdist.recv(one, src, group=group)
                 meter.add("recv", nbytes(one), "control")
 
+    def send(self, tensors: Sequence[torch.Tensor], dst: int) -> list:
+        group = self._to[dst]
+        return [tdist.isend(t, dst, group=group) for t in tensors]
+
+    def recv(self, tensors: Sequence[torch.Tensor], src: int) -> list:
+        group = self._from[src]
+        return [tdist.irecv(t, src, group=group) for t in tensors]
+
+
+@dataclass(frozen=True)
+class LinkChoice:
+    """What `open_links` chose for a rank (the schedule and the transport: the same on every rank of the job)."""
+
+    schedule: str
+    """The schedule the engine runs: "overlapped" or "blocking"."""
+    transport: str
+    """What `backend` is: "copy_engine" or "process_group"."""
+    backend: LinkBackend
+    resident_kernels: int
+    """Link kernels the stage can hold resident on its device at once (`order.resident_link_kernels`;
+    none on the copy engines), which `pipeline.gemm_sm_carveout: "auto"` leaves SMs to."""
+
+
+def open_links(pipeline, replica_ranks: Sequence[Sequence[int]], me: int, device, meter: ByteMeter,
+               message_spec: Callable[[], Spec]) -> LinkChoice:
+    """The schedule and the one `LinkBackend` of rank `me` for `pipeline` (`hetloco.pipeline`), chosen
+    here and nowhere else: where the choice depends on it, whether some stage link joins two hosts
+    (`host_ids`, a collective); the plan (`order.links_plan`); the copy engines when the plan says so,
+    else, or when any rank cannot start them (`CopyEngineUnavailable` on every rank at once), what the
+    plan chooses without them, on every rank alike, with one warning from rank 0. A copy-engine
+    transport named in the config that cannot start is a ValueError on every rank.
+
+    Every rank of the job calls it at the same point (it may all-gather and create groups);
+    `replica_ranks[m]` lists replica m's global ranks by stage; `message_spec()`: the largest message
+    this rank receives (a copy-engine link's slot), asked only for the copy engines."""
+    stages = len(replica_ranks[0])
+    stage = next(ranks.index(me) for ranks in replica_ranks if me in ranks)
+    named = pipeline.link_transport
+    apart = None  # a stage link between two hosts: where it matters to the choice
+    if stages > 1 and (named == "copy_engine" or (
+            device.type == "cuda" and (pipeline.schedule, named) != ("blocking", "process_group"))):
+        apart = crossing_link(replica_ranks, host_ids(device, meter))
+    if named == "copy_engine" and apart is not None:
+        raise ValueError('hetloco.pipeline.link_transport = "copy_engine" needs both ranks of every stage '
+                         f"link on one host; ranks {apart[0]} and {apart[1]} are on different hosts")
+    schedule, transport = order.links_plan(pipeline.schedule, named, device.type, apart is not None)
+    if stages == 1:
+        transport = "process_group"  # no stage links
+    if transport == "copy_engine":
+        try:
+            engines = CopyEngineLinks(replica_ranks, me, device, layout(message_spec())[1])
+            return LinkChoice(schedule, transport, engines, 0)
+        except CopyEngineUnavailable as err:
+            if named == "copy_engine":
+                raise ValueError(str(err)) from err
+            reason = err
+        schedule, transport = order.links_plan(pipeline.schedule, "process_group", device.type, apart is not None)
+        if me == 0:
+            log.warning(f"copy-engine stage links unavailable ({reason}); running the {schedule} "
+                        "schedule over process groups")
+    kernels = order.resident_link_kernels(schedule, stages, stage)
+    if schedule == "overlapped" and stages > 1:
+        groups = DirectedGroups(replica_ranks, me, device, meter, pipeline.link_max_ctas)
+        return LinkChoice(schedule, transport, groups, kernels)
+    return LinkChoice(schedule, transport, WorldLinks(), kernels)
+
 
 class StageLinks:
-    """`groups` (a process group per direction) or `copy_engine` (`pipe.copy_engine`, CUDA inside a
-    host) carries the non-blocking operations."""
+    """This stage's links to its neighbours: blocking operations on the default group, and
+    non-blocking ones through `backend`, the rank's one `LinkBackend` (`open_links`)."""
 
     def __init__(self, prev_rank: int | None, next_rank: int | None, device, meter: ByteMeter,
-                 groups: DirectedGroups | None = None, stage: int = 0, copy_engine=None):
+                 backend: LinkBackend, stage: int = 0):
         self.prev_rank, self.next_rank, self.device, self.meter = prev_rank, next_rank, device, meter
-        self.groups, self.stage, self.copy_engine = groups, stage, copy_engine
+        self.backend, self.stage = backend, stage
         self._posted: dict[bool, deque] = {True: deque(), False: deque()}  # from_prev -> (i, tensors, works)
         self._sends: deque = deque()  # (tensors, works), oldest first
 
@@ -144,21 +249,12 @@ class StageLinks:
         return out
 
     # ------------------------------------------------------------------ non-blocking
-    def _group(self, with_next: bool, down: bool):
-        """Group of the link to the next (or previous) stage, for traffic going down (or up)."""
-        s = self.stage if with_next else self.stage - 1
-        return (self.groups.down if down else self.groups.up)[s]
-
     def isend(self, tensors: Sequence[torch.Tensor], to_next: bool, kind: str, keep: int) -> None:
         """Start sending `tensors`; the oldest sends are completed while more than `keep`
         messages are in flight (the memory they pin is bounded)."""
         dst = self.next_rank if to_next else self.prev_rank
         tensors = [t.contiguous() for t in tensors]
-        if self.copy_engine is not None:
-            works = self.copy_engine.send(tensors, dst)
-        else:
-            group = self._group(with_next=to_next, down=to_next)
-            works = [tdist.isend(t, dst, group=group) for t in tensors]
+        works = self.backend.send(tensors, dst)
         for t in tensors:
             self.meter.add("sent", nbytes(t), kind)
         self._sends.append((tensors, works))
@@ -169,11 +265,7 @@ class StageLinks:
         """Post receives for micro-batch `micro_batch`'s message; `wait_recv` returns it."""
         src = self.prev_rank if from_prev else self.next_rank
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in spec]
-        if self.copy_engine is not None:
-            works = self.copy_engine.recv(tensors, src)
-        else:
-            group = self._group(with_next=not from_prev, down=from_prev)
-            works = [tdist.irecv(t, src, group=group) for t in tensors]
+        works = self.backend.recv(tensors, src)
         for t in tensors:
             self.meter.add("recv", nbytes(t), kind)
         self._posted[from_prev].append((micro_batch, tensors, works))

@@ -1,10 +1,14 @@
 """How the replicas of one stage meet at the outer sync, and how a replica's stages share a
 tensor: two small interfaces the method talks to, with the implementations beside them.
 
-* `ReplicaTransport.exchange(payload) -> Gathered`: every contributing replica's payload of this
-  stage. `static.GroupTransport` is a fixed DeepSpeed data-parallel group (one world);
-  `elastic` (torchft) is a group whose members change between outer steps; `LocalExchange`
-  is the simulator's, where all replicas live in one process.
+* `ReplicaTransport`: everything a caller asks of a stage's outer sync - `exchange(payload) ->
+  Gathered` (every contributing replica's payload of this stage), and the hooks only a fleet
+  whose members change needs (`begin` at each boundary, `outer_fields` for the metrics row,
+  `start`, `waited_seconds`, `state_dict` / `load_state_dict` for checkpoints, `close`), which
+  a fixed group leaves as the no-ops defined here. `static.GroupTransport` is a fixed DeepSpeed
+  data-parallel group (one world); `elastic` (torchft) is a group whose members change between
+  outer steps, and `hetloco_ds.elastic.replica.FleetTransport` ties it to an engine;
+  `LocalExchange` is the simulator's, where all replicas live in one process.
 * `StageLink`: what the method sends across a replica's own stage links outside the pipeline
   schedule - one tensor from the first (or the last) stage to every stage (the T_perp set-up,
   the sparse T_S aggregate of eqs. 3-4, the tied head's sparse aggregate).
@@ -16,6 +20,7 @@ The method (`hetloco_ds.algorithm`) imports only this module; it never sees a pr
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,12 +37,51 @@ class Gathered:
     """Replica ids of the payloads' senders, in a fixed order every member sees alike."""
 
 
-class ReplicaTransport(Protocol):
+class ReplicaTransport(abc.ABC):
+    """A stage's outer sync with the stage's other replicas. Every caller (the engine, checkpoints,
+    the training loop) calls these unconditionally; a fixed group inherits the no-ops."""
+
+    @abc.abstractmethod
     def exchange(self, payload: torch.Tensor) -> Gathered:
         """Send this replica's payload to the stage's other live replicas; return all of them.
 
         Every member must get the same list in the same order (the outer step sums in list
         order, which keeps replicas bitwise identical)."""
+
+    def start(self) -> None:
+        """Once, after the job has built (and maybe loaded) its state, before its first step: wait
+        until the replicas that must start together have. A fixed group starts with its world."""
+
+    def begin(self) -> None:
+        """At each outer boundary, before the stage prepares its payload: learn who takes part. A
+        fleet may replace the stage's synced state here (a replica behind it is healed)."""
+
+    def outer_fields(self) -> dict:
+        """Fields of the outer step just finished for its metrics row, beyond the engine's."""
+        return {}
+
+    def waited_seconds(self, outer: dict) -> float:
+        """Seconds of the outer step just finished (`outer`: the engine's record of it) that were a
+        wait for other replicas bounded by their own timeouts rather than work of this rank; the
+        watchdog leaves them out of what it learns a slow step is. A fixed group's exchange is
+        part of the step: none."""
+        return 0.0
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint must keep to resume this transport (None: nothing)."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (called only with a state it did return)."""
+
+    def close(self) -> None:
+        """Release what the transport holds (servers, heartbeats); called once, at the end of the run."""
+
+
+def member_ids(members) -> list:
+    """Replica ids as metrics.jsonl writes them: ints for the static world's replica indices, an
+    elastic fleet's names as they are."""
+    return [int(m) if m.isdigit() else m for m in members]
 
 
 class StageLink(Protocol):
@@ -62,7 +106,7 @@ class StageLink(Protocol):
         calls it at the same point, for the same sources in the same order."""
 
 
-class LocalExchange:
+class LocalExchange(ReplicaTransport):
     """The simulator's exchange: the caller collects every replica's payload itself."""
 
     def __init__(self, payloads: list[torch.Tensor], members: tuple[str, ...] | None = None):

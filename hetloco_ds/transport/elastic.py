@@ -96,7 +96,7 @@ from torchft.manager import Manager  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
 from ..sparseloco.outer import FLAG_FINITE, HEADER  # noqa: E402
-from . import Gathered  # noqa: E402
+from . import Gathered, ReplicaTransport  # noqa: E402
 from .auth import MAC_BYTES, FleetRefused, tag, verify  # noqa: E402
 from .state_transfer import AuthenticatedStateTransport, url_host  # noqa: E402
 
@@ -110,6 +110,7 @@ if not callable(getattr(_tfm, "ManagerServer", None)) or not isinstance(getattr(
 
 _HELLO = struct.Struct("<4sBBHqII32s64s")  # magic, version, flags, name length, step, length, fingerprint, chain, name
 _HELLO_BYTES = 128
+_VOTE_BYTES = 32  # a SHA-256 digest of the accepted set
 _MAGIC, _VERSION = b"HLE1", 1
 _CONTRIBUTING, _OK = 1, 2
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -407,7 +408,13 @@ class _QuietTorchft(logging.Filter):
 logging.getLogger(_tfm.__name__).addFilter(_QuietTorchft())
 
 
-class ElasticTransport:
+def committed_bytes(peers: int, payload_bytes: int) -> int:
+    """Bytes one stage rank sends (and receives) in an attempt that commits with `peers` other
+    participants: the hello, payload and vote rounds of `_rounds`, each frame with its MAC."""
+    return peers * (_HELLO_BYTES + MAC_BYTES + payload_bytes + MAC_BYTES + _VOTE_BYTES + MAC_BYTES)
+
+
+class ElasticTransport(ReplicaTransport):
     """One stage rank's outer-sync transport over torchft (see the module docstring).
 
     `state_dict()` returns this stage's global state, the same on every up-to-date replica: synced

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as tdist
 
 from ..meter import ByteMeter, nbytes
-from . import Gathered
+from . import Gathered, ReplicaTransport
 
 
 def all_gather_payloads(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
@@ -53,7 +53,7 @@ def all_gather_payloads(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     return out
 
 
-class GroupTransport:
+class GroupTransport(ReplicaTransport):
     """A stage's outer-sync exchange inside a fixed process group whose rank i is replica i.
 
     Every rank of the group reaches `exchange` at the same outer step with a payload of the same
