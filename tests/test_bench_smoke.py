@@ -263,3 +263,58 @@ def test_gpu_elastic_summary_reads_the_phases_from_the_metrics_rows():
     assert s["recovery_s"]["restart_to_first_step"] == pytest.approx(11.0 + 1.1 - 10.5)
     assert s["tokens_per_s_replica0"]["alone"]["steps"] == 3  # steps 9, 10, 11: between t 8 and t 12
     assert s["checksums_equal_after_heal"]
+
+
+def test_stock_pipe_reports_its_own_step_times_and_profiles_deepspeeds_instructions(tmp_path):
+    """Breaks if the stock-DeepSpeed baseline (bench/stock_pipe.py) stops training the shape it names
+    (transformers' parameter count), reports a rate that is not its tokens over its median steady
+    step, or its profile loses DeepSpeed's instructions (the timeline the 1B comparison reads)."""
+    import statistics
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "stock.json"
+    _run([sys.executable, "bench/stock_pipe.py", "--cpu-smoke", "--out-json", str(out)], timeout=600)
+    r = json.loads(out.read_text())
+    stock = bench_module("stock_pipe")
+    with torch.device("meta"):
+        assert r["nparams"] == LlamaForCausalLM(stock.llama_shape("tiny", 256)).num_parameters()
+    steady = [t for i, t in enumerate(r["step_seconds"], 1) if i > r["warmup"] and i != 3]
+    assert r["median_step_seconds"] == statistics.median(steady)
+    assert math.isclose(r["global_tokens_per_s"], 2 * 2 * 32 * r["replicas"] / r["median_step_seconds"])
+    assert len(r["peak_allocated_gib_by_rank"]) == 2
+    for rank, first in ((0, "exec_load_micro_batch"), (1, "exec_recv_activations")):
+        timeline = json.loads((tmp_path / "profile" / f"rank{rank}.json").read_text())["timeline"]
+        names = [row[0] for row in timeline]
+        assert names[0] == first and names.count("exec_forward_pass") == 2 and names.count("exec_backward_pass") == 2
+        assert names[-1] == "exec_optimizer_step"
+
+
+def test_scale_steady_rule_leaves_out_warmup_outer_and_profiled_steps(tmp_path):
+    """The rule ANCHORS.md states for our rate: no step before 6, none at or right after an outer
+    step, not the profiled one; breaks if scale.py medians over the wrong steps."""
+    scale = bench_module("scale")
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"kind": "step", "step": s, "loss": 9.0 - s / 10, "global_tokens_per_s": 1000.0 * s, "peak_memory_bytes": 2**30 * s}
+            for s in range(1, 13)] + [{"kind": "outer", "step": 4, "seconds": 0.5}]
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    got = scale.steady_rates(str(path), inner_steps=4, profiled=7)
+    assert got["steady_steps"] == 3 and got["global_tokens_per_s"] == 10000.0  # steps 6, 10, 11
+    assert got["outer_step_seconds"] == [0.5] and got["peak_memory_gib_writers"] == 12 and got["final_loss"] == 9.0 - 1.2
+    assert scale.step_rows(str(path)) == 12
+
+
+def test_scale_summary_replays_the_committed_1b_and_178m_comparison():
+    """The committed summary is what --summarize makes of the committed runs: each system's median
+    over its repeats and its ratio to stock's median (bench/README quotes these)."""
+    scale = bench_module("scale")
+    d = RESULTS / "scale_h100x4"
+    files = [str(d / f) for f in ("speed_pinned_loads_r0_r1.json", "speed_r2_memory_s178.json", "s178_r1_r2.json")]
+    got = scale.summarize(files)
+    assert got == json.loads((d / "summary.json").read_text())
+    speed = got["systems"]
+    assert len(speed["speed/ours_1b_default"]["global_tokens_per_s"]) == 3
+    assert speed["speed/ours_1b_default"]["median"] == sorted(speed["speed/ours_1b_default"]["global_tokens_per_s"])[1]
+    assert math.isclose(speed["speed/ours_1b_default"]["vs_stock_median"],
+                        speed["speed/ours_1b_default"]["median"] / speed["speed/stock_1b_s2"]["median"])
