@@ -25,19 +25,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def llama_shape(model: str, vocab: int):
-    from transformers import LlamaConfig
+    """The preset `model` (hetloco_ds.presets, the shapes ours trains), untied, SDPA attention."""
+    from hetloco_ds.presets import model_config_for
 
-    shapes = {
-        "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=4, max_position_embeddings=256),
-        "178M": dict(hidden_size=1024, intermediate_size=2688, num_hidden_layers=9, num_attention_heads=8,
-                     num_key_value_heads=8, max_position_embeddings=2048),
-        "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8,
-                   num_key_value_heads=8, max_position_embeddings=2048),
-        "8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                   num_key_value_heads=8, max_position_embeddings=8192),
-    }
-    return LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, attn_implementation="sdpa", **shapes[model])
+    cfg = model_config_for(model, vocab)
+    cfg.tie_word_embeddings = False
+    cfg._attn_implementation = "sdpa"
+    return cfg
 
 
 class Embed(nn.Module):
