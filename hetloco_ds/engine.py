@@ -412,10 +412,11 @@ class HetlocoEngine(PipelineEngineAdapter):
         return dict(zip(ids, values))
 
     # ------------------------------------------------------------- checkpoints and export
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, data_position: int = 0,
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, data_position: int | None = None,
                         keep: int = 0, **_):
         """Every rank's whole state (module, AdamW moments, error feedback, theta at the last sync,
-        T_perp, LR schedule, counters, `data_position`, `client_state`) under SAVE_DIR/TAG
+        T_perp, LR schedule, counters, `data_position` (default: where the loader `initialize` made
+        stands), `client_state`) under SAVE_DIR/TAG
         (default global_step<N>), committed atomically across ranks before it returns
         (`checkpoint.save`), and the model's HF metadata beside it, so `hetloco-ds export SAVE_DIR`
         works; a collective. DeepSpeed's own save would keep one replica's optimizer only and no
@@ -426,6 +427,9 @@ class HetlocoEngine(PipelineEngineAdapter):
             raise ValueError("save_checkpoint(save_latest=False) is not supported: a commit always names itself in "
                              "`latest`, which is how --resume and export find the newest complete checkpoint")
         self.client_state = dict(client_state or {})
+        if data_position is None:
+            loader = getattr(self, "training_dataloader", None)
+            data_position = loader.position if loader is not None else 0
         committed = checkpoint.save(self, str(save_dir), self.local_steps, data_position, keep=keep, tag=tag)
         if self.global_rank == 0:
             self._write_hf_meta(save_dir)
@@ -453,6 +457,9 @@ class HetlocoEngine(PipelineEngineAdapter):
                                    optimizer=load_optimizer_states, lr_scheduler=load_lr_scheduler_states)
         if load_module_only:
             return str(load_dir), {}
+        loader = getattr(self, "training_dataloader", None)
+        if loader is not None:  # the loader `initialize` made continues where the saved run stood
+            loader.load_state_dict({**loader.state_dict(), "position": position})
         return str(load_dir), {**getattr(self, "client_state", {}), "data_position": position}
 
     def replicas_synced(self) -> bool:
