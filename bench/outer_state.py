@@ -10,7 +10,7 @@ steps (outer steps inside steps H, 2H, ...); M = world / stages replicas, replic
   build_gib            allocated once the engine is built (weights; the outer state under "gpu")
   train_peak_gib       peak allocated in each step's forward, backward and AdamW (reset before the step)
   outer_peak_gib       peak allocated inside engine.outer_step (reset when it starts)
-  peak_gib             the larger of the two over the run: what issue 28 compares with stock DeepSpeed
+  peak_gib             the larger of the two over the run: what is compared with stock DeepSpeed
   max_reserved_gib, alloc_retries   the caching allocator's peak reserved bytes and cudaMalloc retries
   outer_s              engine.outer_step's seconds (prepare, all-gather, finish, embedding resync) between a
                        device sync before and after; under "cpu" the last copies back to the host can
