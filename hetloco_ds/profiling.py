@@ -77,15 +77,16 @@ def summarize(events, rank: int, extra: dict | None = None) -> dict:
                and e.time_range.end > e.time_range.start]
     by_class: dict[str, float] = {}
     top: dict[str, float] = {}
+    inside: dict[bool, list] = {True: [], False: []}  # within the step window, by "is an NCCL kernel"
     for k in kernels:
-        us = k.time_range.end - k.time_range.start
+        start, end = k.time_range.start, k.time_range.end
         cls = kernel_class(k.name)
-        by_class[cls] = by_class.get(cls, 0.0) + us
-        top[k.name[:120]] = top.get(k.name[:120], 0.0) + us
-    busy_us = _union_us([(max(k.time_range.start, t0), min(k.time_range.end, t1)) for k in kernels
-                         if k.time_range.end > t0 and k.time_range.start < t1])
-    non_nccl_busy_us = _union_us([(max(k.time_range.start, t0), min(k.time_range.end, t1)) for k in kernels
-                                  if kernel_class(k.name) != "nccl" and k.time_range.end > t0 and k.time_range.start < t1])
+        by_class[cls] = by_class.get(cls, 0.0) + end - start
+        top[k.name[:120]] = top.get(k.name[:120], 0.0) + end - start
+        if end > t0 and start < t1:
+            inside[cls == "nccl"].append((max(start, t0), min(end, t1)))
+    non_nccl_busy_us = _union_us(inside[False])
+    busy_us = _union_us(inside[False] + inside[True])
     waits: dict[str, dict] = {}
     for e in cpu:
         if e.name in HOST_WAITS:
