@@ -242,11 +242,25 @@ class PipelineConfig(_Section):
 
 
 class HetlocoConfig(_Section):
+    replica_stages: list[int] | None = None
+    """Pipeline depth of each replica, one entry per replica (e.g. [1, 2]: replica 0 whole on one
+    rank, replica 1 in two stages); None: every replica has pipeline.stages."""
     sparseloco: SparseLoCoConfig = Field(default_factory=SparseLoCoConfig)
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     elastic: ElasticSection = Field(default_factory=ElasticSection)
+
+    @field_validator("replica_stages")
+    @classmethod
+    def _stages_positive(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("replica_stages = [] names no replica; leave it out for pipeline.stages everywhere")
+            for m, s in enumerate(v):
+                if s < 1:
+                    raise ValueError(f"replica_stages[{m}] = {s} must be >= 1")
+        return v
 
 
 @dataclass(frozen=True)

@@ -301,3 +301,13 @@ def stage_parts(num_layers: int, num_stages: int) -> list[int]:
         parts.append(layout.decoder(first))  # one past the stage's last decoder layer
     parts[-1] = layout.count
     return parts
+
+
+def block_parts(num_layers: int, replica_stages: Sequence[int]) -> list[int]:
+    """Layer-index boundaries of the outer sync's blocks for replicas of these pipeline depths:
+    the finest common partition of their `stage_parts`, so each block [parts[b], parts[b + 1]) is
+    held whole by one stage of every replica. With one depth S the blocks are the stages."""
+    cuts: set[int] = set()
+    for stages in set(replica_stages):
+        cuts.update(stage_parts(num_layers, stages))
+    return sorted(cuts)
