@@ -161,6 +161,14 @@ def row_flops(llama, args, seq_len: int) -> float:
     return per_token * args.steps * args.replicas * args.micro * args.gas * seq_len
 
 
+def steps_for_tokens(llama, args, seq_len: int) -> int:
+    """Inner steps that give every row `--tokens-per-param` tokens (all replicas') per parameter,
+    rounded up to whole outer steps, so sizes compare at the same tokens per parameter."""
+    per_step = args.replicas * args.micro * args.gas * seq_len
+    outer = -(-int(args.tokens_per_param * n_params(llama)) // (per_step * args.inner_steps))
+    return max(1, outer) * args.inner_steps
+
+
 def safe_name(name: str) -> str:
     return name.replace(":", "_").replace("=", "-")
 
@@ -359,6 +367,9 @@ def main(argv=None) -> int:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--steps", type=int, default=5000, help="inner steps a row (5000 at H = 50: 100 outer syncs)")
+    p.add_argument("--tokens-per-param", type=float, default=0.0,
+                   help="set --steps from the model's size: this many tokens (every replica's) per parameter, "
+                        "in whole outer steps (0: --steps as given)")
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--micro", type=int, default=32)
     p.add_argument("--gas", type=int, default=2, help="micro-batches a step: micro x gas x seq tokens per replica step")
@@ -415,6 +426,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"paper_tables: {err}") from None
     if not os.path.isfile(args.data):
         raise SystemExit(f"paper_tables: --data {args.data}: no such file (bench/make_corpus.py makes one)")
+    if args.tokens_per_param:
+        blob = torch.load(args.data, mmap=True)
+        llama = model_config_for(args.model, blob["vocab_size"])
+        args.steps = steps_for_tokens(llama, args, blob["train"].shape[1])
+        del blob
     if args.estimate:
         return estimate(args)
     gpus = gpu_ids(args.device)

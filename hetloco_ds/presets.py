@@ -20,6 +20,12 @@ PRESETS: dict[str, dict] = {
                  intermediate_size=352, max_position_embeddings=2048),
     "20M": dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=6,
                 intermediate_size=1024, max_position_embeddings=2048),
+    # The size sweep's steps between 20M and 178M (issue 32): head dim 64, SwiGLU at 3d; d = 768 is
+    # the smallest width whose 1/96 subspace keeps k = 8.
+    "60M": dict(hidden_size=576, num_hidden_layers=12, num_attention_heads=9, num_key_value_heads=9,
+                intermediate_size=1728, max_position_embeddings=2048),
+    "105M": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+                 intermediate_size=2304, max_position_embeddings=2048),
     "178M": dict(hidden_size=1024, num_hidden_layers=9, num_attention_heads=8, num_key_value_heads=8,
                  intermediate_size=2688, max_position_embeddings=2048),
     "512M": dict(hidden_size=1536, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,

@@ -43,3 +43,62 @@ def test_best_lr_without_a_shared_seed_falls_back_to_each_rows_mean_and_lr_from_
     new.write_text('{"best_lr": {"adamw": {"lr": 0.004, "seeds": null}}}')
     old.write_text('{"best_lr": {"adamw": 0.002}}')  # summaries committed before the seeds were recorded
     assert pt.best_lrs(str(new)) == {"adamw": 0.004} and pt.best_lrs(str(old)) == {"adamw": 0.002}
+
+
+def test_size_sweep_steps_give_each_size_the_same_tokens_per_parameter():
+    ss = bench_module("size_sweep")
+    for model, n in (("20M", 20453760), ("60M", 61208640), ("105M", 104614656)):
+        steps, params = ss.steps_for(model)
+        assert params == n
+        tokens = steps * ss.REPLICAS * ss.MICRO * ss.GAS * ss.SEQ
+        assert steps % ss.H == 0  # whole outer steps
+        # at least the target, and less than one outer step of tokens above it
+        assert ss.TOKENS_PER_PARAM * n <= tokens < ss.TOKENS_PER_PARAM * n + ss.H * tokens / steps
+    assert ss.steps_for("20M")[0] == 1600 and ss.steps_for("105M")[0] == 8000
+
+
+def test_size_sweep_summary_of_the_committed_runs(tmp_path):
+    """summary.json's rows and gaps, recomputed by hand from the committed 20M run JSONs."""
+    import json
+    import shutil
+
+    ss = bench_module("size_sweep")
+    shutil.copytree(Path(ss.RESULTS) / "20M", tmp_path / "20M")
+    assert ss.main(["summarize", "--results", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    assert (tmp_path / "size_sweep.png").stat().st_size > 10_000
+    seed_rows = {}
+    for f in sorted((tmp_path / "20M").glob("paper_tables_*.json")):
+        for r in json.loads(f.read_text())["rows"]:
+            seed_rows[r["variant"]["name"]] = r["val_loss"]
+    by = {(r["mode"], r["lr"]): r for r in doc["rows"]}
+    adamw = {lr: by[("adamw", lr)]["per_seed"][0] for lr in ss.ADAMW_LRS}
+    best = min(adamw, key=adamw.get)
+    assert [r["lr"] for r in doc["rows"] if r["mode"] == "adamw" and r["tuned"]] == [best]
+    for r in doc["rows"]:
+        assert set(r) >= {"mode", "model", "n_params", "val_loss_mean", "seeds", "per_seed", "outer_steps",
+                          "tokens_per_param", "tokens_per_replica_step", "card"}
+        # AdamW averages every step: no outer step
+        assert r["card"].startswith("NVIDIA") and r["tokens_per_param"] >= 10
+        assert r["outer_steps"] == (0 if r["mode"] == "adamw" else 1600 // ss.H)
+    gap = next(g for g in doc["gaps"] if g["mode"] == "sparseloco")
+    diffs = [seed_rows[f"sparseloco:lr=0.002@seed{s}"] - seed_rows[f"adamw:lr={best:g}@seed{s}"] for s in (0, 1)]
+    assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(diffs) / 2) < 1e-12
+
+
+def test_size_sweep_second_seed_waits_for_the_whole_adamw_bracket(tmp_path):
+    import json
+    import shutil
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    shutil.copytree(Path(ss.RESULTS) / "20M", tmp_path / "20M")
+    rows = ss.second_seed_rows("20M", str(tmp_path))
+    assert rows[1] == "adamw:lr=0.002" and rows[0].startswith("sparseloco") and rows[2].startswith("diloco")
+    for f in (tmp_path / "20M").glob("paper_tables_*.json"):  # drop AdamW at 1e-3: the bracket is open
+        doc = json.loads(f.read_text())
+        doc["rows"] = [r for r in doc["rows"] if not r["variant"]["name"].startswith("adamw:lr=0.001@")]
+        f.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="no seed-0 row for every lr"):
+        ss.second_seed_rows("20M", str(tmp_path))

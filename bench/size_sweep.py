@@ -1,0 +1,307 @@
+"""Does SparseLoCo's gap to AdamW, and compression's cost, change with model size? (issue 32)
+
+The paper-table regime (bench/paper_tables.py: M = 8 replicas x S = 4 virtual stages, H = 50,
+32 x 2 x 256 = 16,384 tokens per replica step, the compiled batched simulator) at the sizes of
+`SIZES`, every row trained on the same number of tokens per parameter (`TOKENS_PER_PARAM`, every
+replica's tokens counted; steps rounded up to whole outer steps). Rows: SparseLoCo, AdamW with its
+inner lr bracketed (`ADAMW_LRS`: the tuned one is the best of the bracket on seed 0), DiLoCo with
+its own Nesterov outer step; at the largest size also PP-Compress and Het at 1/8 and 1/96. The
+second seed repeats SparseLoCo, the tuned AdamW and DiLoCo.
+
+Three verbs, each a step of spending device time in pieces:
+
+    python bench/size_sweep.py plan                          # each size's rows, steps and GPU-minutes
+    OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 20M --out $OUT [--seeds 1]
+    python bench/size_sweep.py summarize                     # bench/results/size_sweep/summary.json + .png
+
+`run` builds the corpus on the GPU machine once (bench/make_corpus.py: its Python and CUDA sources,
+BPE-8192 from `.benchdata/tokenizer`, which the call carries), then runs the size's unfinished rows
+through paper_tables.py, spread over the GPUs, rows already committed under
+bench/results/size_sweep/<model>/ skipped and rows stopped by the budget saved in
+runs/size_sweep_state/<model>/ (resumed by the next call on the same warm machine). Its JSONs go
+to $OUT/<model>/, to be committed beside the others.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import summarize_tables  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results", "size_sweep")
+SIZES = ("20M", "60M", "105M")
+TOKENS_PER_PARAM = 10.0
+REPLICAS, STAGES, H, MICRO, GAS, SEQ = 8, 4, 50, 32, 2, 256
+SPARSELOCO_LR = 2e-3  # the best inner lr of SparseLoCo at 20M over 5000 steps (paper_tables_lr5k_h100x2)
+ADAMW_LRS = (2e-3, 4e-3, 1e-3)  # 4e-3 was AdamW's best at 20M over 5000 steps; one step either side
+DILOCO = "diloco:outer_lr=0.7:outer_momentum=0.9:norm_clip=none"  # dense, Nesterov (Douillard et al.)
+COMPRESSED = ("pp:8", "het:8", "pp:96", "het:96")
+
+# The paper's points (DCLM, M = 8, S = 4, H = 50): degradation over SparseLoCo in % (Table 1: 178M,
+# 512M; Table 2: 512M; Table 7: 1B), and SparseLoCo's gap to AdamW at 512M (Tables 1 and 4).
+PAPER_PARAMS = {"178M": 178e6, "512M": 512e6, "1B": 1e9}
+PAPER_DEGRADATION = {
+    "pp:8": {"178M": 100 * (3.14 - 3.07) / 3.07, "512M": 4.0, "1B": 100 * (2.910 - 2.747) / 2.747},
+    "het:8": {"178M": 100 * (3.12 - 3.07) / 3.07, "512M": 3.3},
+    "pp:96": {"512M": 8.4},
+    "het:96": {"512M": 7.7},
+}
+PAPER_GAP_PCT = {"512M": 100 * (2.73 - 2.75) / 2.75}
+# Ours at 20M over 5000 steps (32 tokens per parameter, 100 outer syncs), each at its best lr, seed 0
+# (paper_tables_lr5k_h100x2: SparseLoCo 1.7636 at 2e-3, AdamW 1.5723 at 4e-3): the longer horizon.
+LONG_20M_GAP_PCT = 100 * (1.7636 - 1.5723) / 1.5723
+
+
+def lr_flag(lr: float) -> str:
+    return f"lr={lr:g}"
+
+
+def first_seed_rows(model: str) -> list[str]:
+    rows = [f"sparseloco:{lr_flag(SPARSELOCO_LR)}", *(f"adamw:{lr_flag(lr)}" for lr in ADAMW_LRS),
+            f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
+    if model == SIZES[-1]:
+        rows += [f"{c}:{lr_flag(SPARSELOCO_LR)}" for c in COMPRESSED]
+    return rows
+
+
+def load_size(model: str, results: str = RESULTS) -> tuple[list[dict], dict] | None:
+    folder = os.path.join(results, model)
+    if not os.path.isdir(folder) or not summarize_tables.input_files([folder]):
+        return None
+    rows, meta, _ = summarize_tables.load_rows([folder])
+    return summarize_tables.summarize(rows, meta), meta
+
+
+def tuned_adamw_lr(summary: list[dict]) -> float | None:
+    """The bracket's best AdamW lr on seed 0 (None until every lr of the bracket has a seed-0 row)."""
+    seed0 = {r["lr"]: r["val_loss_per_seed"][r["seeds"].index(0)]
+             for r in summary if r["table_row"] == "adamw" and 0 in r["seeds"]}
+    if not all(any(math.isclose(lr, x) for x in seed0) for lr in ADAMW_LRS):
+        return None
+    return min(seed0, key=seed0.get)
+
+
+def second_seed_rows(model: str, results: str = RESULTS) -> list[str]:
+    loaded = load_size(model, results)
+    best = tuned_adamw_lr(loaded[0]) if loaded else None
+    if best is None:
+        raise SystemExit(f"size_sweep: {model}'s AdamW bracket {ADAMW_LRS} has no seed-0 row for every lr yet "
+                         f"(under {os.path.join(results, model)}); run seed 0 first")
+    return [f"sparseloco:{lr_flag(SPARSELOCO_LR)}", f"adamw:{lr_flag(best)}", f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
+
+
+def steps_for(model: str) -> tuple[int, int]:
+    """(steps, parameters) of a row of `model` (paper_tables' own rule and count, vocab 8192)."""
+    import paper_tables
+    from hetloco_ds.presets import model_config_for
+
+    llama = model_config_for(model, 8192)
+    args = argparse.Namespace(tokens_per_param=TOKENS_PER_PARAM, replicas=REPLICAS, micro=MICRO, gas=GAS,
+                              inner_steps=H)
+    return paper_tables.steps_for_tokens(llama, args, SEQ), paper_tables.n_params(llama)
+
+
+def plan(args) -> int:
+    """Each size's rows, steps and GPU-minutes: from a measured pace (seconds a step of a finished
+    row of that size, else of `paper_tables.py --calibrate` alone on a GPU, committed as
+    calibration_<model>_<card>_alone.json), else FLOPs at an MFU."""
+    import paper_tables
+    from hetloco_ds.presets import model_config_for
+
+    total = 0.0
+    for model in SIZES:
+        steps, n = steps_for(model)
+        loaded = load_size(model, args.results)
+        paces = [s / r["outer_steps"] / H for r in (loaded[0] if loaded else [])
+                 for s in r["seconds_per_seed"] if s and r["outer_steps"]]
+        timed = sorted(glob.glob(os.path.join(args.results, f"calibration_{model}_*_alone.json")))
+        if paces:
+            pace, how = sorted(paces)[len(paces) // 2], "measured rows"
+        elif timed:
+            with open(timed[0]) as f:
+                doc = json.load(f)
+            pace, how = doc["levels"][0]["s_per_step"][0], f"calibrated on {doc['card']}"
+        else:
+            llama = model_config_for(model, 8192)
+            ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=MICRO, gas=GAS)
+            pace, how = paper_tables.row_flops(llama, ns, SEQ) / (paper_tables.PEAK_FLOPS * args.mfu), f"MFU {args.mfu}"
+        done = {(r["row"], s) for r in (loaded[0] if loaded else []) for s in r["seeds"]}
+        todo = [(r, 0) for r in first_seed_rows(model)] + [(f"{r} (seed 1)", 1) for r in ("sparseloco", "adamw", "diloco")]
+        left_rows = [r for r, seed in todo if (r, seed) not in done and not any(
+            d[0].startswith(r.split(" ")[0]) and d[1] == seed for d in done if seed == 1)]
+        minutes = (pace * steps + 60) / 60  # + compile and validation
+        left = minutes * len(left_rows)
+        total += left
+        print(f"{model}: {n / 1e6:.1f}M parameters, {steps} steps ({steps // H} outer), {pace:.3f} s a step ({how}): "
+              f"{minutes:.1f} GPU-minutes a row; {len(left_rows)} row-seeds left, {left:.0f} GPU-minutes")
+    print(f"all sizes: about {total / 60:.1f} GPU-hours left")
+    return 0
+
+
+def run(args) -> int:
+    import make_corpus
+    import paper_tables
+
+    t0 = time.time()
+    if not os.path.isfile(args.data):
+        make_corpus.main(["--tokenizer", args.tokenizer, "--out", args.data, "--max-bytes", "1e9", "--roots",
+                          *[r for r in args.roots.split(",") if r]])
+    rows = second_seed_rows(args.model) if args.seeds == "1" and not args.rows else \
+        (args.rows.split(",") if args.rows else first_seed_rows(args.model))
+    out = os.path.join(args.out, args.model)
+    done = os.path.join(RESULTS, args.model)
+    argv = ["--data", args.data, "--model", args.model, "--tokens-per-param", str(TOKENS_PER_PARAM),
+            "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(MICRO),
+            "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows), "--seeds", args.seeds,
+            "--compile", "--budget-s", str(args.budget_s - (time.time() - t0)), "--state-dir", os.path.join(args.state_dir, args.model),
+            "--tag", args.tag, "--out", out]
+    if os.path.isdir(done):
+        argv += ["--skip-done", done]
+    return paper_tables.main(argv)
+
+
+def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
+    best = tuned_adamw_lr(summary)
+    out = []
+    for r in summary:
+        mode = "diloco" if r["table_row"] == "diloco" else r["table_row"]
+        out.append({
+            "mode": mode, "model": model, "n_params": meta["n_params"], "lr": r["lr"],
+            "tuned": mode != "adamw" or (best is not None and math.isclose(r["lr"], best)),
+            "val_loss_mean": r["val_loss_mean"], "seeds": r["seeds"], "per_seed": r["val_loss_per_seed"],
+            "outer_steps": r["outer_steps"], "tokens_per_param": r["tokens_per_param"],
+            "tokens_per_replica_step": r["tokens_per_replica_step"], "epochs": r["epochs"],
+            "degradation_pct": r["delta_pct_mean"], "card": meta["card"], "seconds_per_seed": r["seconds_per_seed"],
+        })
+    return out
+
+
+def gaps(rows: list[dict]) -> list[dict]:
+    """Per size: SparseLoCo's and DiLoCo's gap to the tuned AdamW, on the seeds all three share."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        pick = {r["mode"]: r for r in rows if r["model"] == model and r["tuned"] and r["mode"] in ("sparseloco", "adamw", "diloco")}
+        if "adamw" not in pick:
+            continue
+        a = pick["adamw"]
+        for mode in ("sparseloco", "diloco"):
+            if mode not in pick:
+                continue
+            r = pick[mode]
+            seeds = [s for s in r["seeds"] if s in a["seeds"]]
+            diff = [r["per_seed"][r["seeds"].index(s)] - a["per_seed"][a["seeds"].index(s)] for s in seeds]
+            mean_a = sum(a["per_seed"][a["seeds"].index(s)] for s in seeds) / len(seeds)
+            out.append({"model": model, "n_params": r["n_params"], "mode": mode, "adamw_lr": a["lr"], "seeds": seeds,
+                        "gap_nats": sum(diff) / len(diff), "gap_pct": 100 * sum(diff) / len(diff) / mean_a,
+                        "per_seed_nats": diff})
+    return out
+
+
+def plot(rows: list[dict], gap_rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, marker in (("sparseloco", "o"), ("diloco", "s")):
+        pts = sorted((g["n_params"], g["gap_pct"]) for g in gap_rows if g["mode"] == mode)
+        if pts:
+            left.plot(*zip(*pts), marker=marker, label=f"ours: {mode} - tuned AdamW")
+    left.plot([PAPER_PARAMS[k] for k in PAPER_GAP_PCT], list(PAPER_GAP_PCT.values()), "k*", markersize=12,
+              label="paper: SparseLoCo - AdamW")
+    left.plot([20453760], [LONG_20M_GAP_PCT], "C0x", markersize=9,
+              label="ours: sparseloco - AdamW, 20M at 32 tokens/param")
+    left.axhline(0, color="grey", lw=0.5)
+    left.set(xscale="log", xlabel="parameters", ylabel="validation loss gap (% of AdamW)",
+             title="gap to AdamW")
+    left.legend(fontsize=8)
+    for i, mode in enumerate(COMPRESSED):
+        color = f"C{i}"
+        pts = sorted((r["n_params"], r["degradation_pct"]) for r in rows
+                     if r["mode"] == mode and r["degradation_pct"] is not None)
+        if pts:
+            right.plot(*zip(*pts), marker="o", color=color, label=f"ours {mode}")
+        paper = PAPER_DEGRADATION.get(mode, {})
+        right.plot([PAPER_PARAMS[k] for k in paper], list(paper.values()), "*", color=color, markersize=12,
+                   label=f"paper {mode}")
+    right.set(xscale="log", xlabel="parameters", ylabel="degradation over SparseLoCo (%)",
+              title="cost of compression")
+    right.legend(fontsize=7, ncol=2)
+    for ax in (left, right):
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summarize(args) -> int:
+    rows, cards, settings = [], set(), {}
+    for model in SIZES:
+        loaded = load_size(model, args.results)
+        if loaded is None:
+            continue
+        summary, meta = loaded
+        rows += summary_rows(model, summary, meta)
+        cards.add(meta["card"])
+        settings[model] = {k: meta.get(k) for k in ("n_params", "steps", "replicas", "stages", "inner_steps",
+                                                     "micro_batch", "grad_accum", "seq_len", "corpus_train_tokens",
+                                                     "data", "compile", "card")}
+    if not rows:
+        raise SystemExit(f"size_sweep: no results under {args.results}")
+    gap_rows = gaps(rows)
+    doc = {"cards": sorted(cards), "tokens_per_param_target": TOKENS_PER_PARAM, "settings": settings,
+           "rows": rows, "gaps": gap_rows,
+           "paper": {"params": PAPER_PARAMS, "degradation_pct": PAPER_DEGRADATION, "gap_pct": PAPER_GAP_PCT},
+           "command": "python bench/size_sweep.py summarize"}
+    os.makedirs(args.results, exist_ok=True)
+    with open(os.path.join(args.results, "summary.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    plot(rows, gap_rows, os.path.join(args.results, "size_sweep.png"))
+    for g in gap_rows:
+        print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}): {g['gap_nats']:+.4f} nats "
+              f"({g['gap_pct']:+.2f}%), seeds {g['seeds']}")
+    for r in rows:
+        if r["degradation_pct"] is not None and r["mode"] in COMPRESSED:
+            print(f"{r['model']:>5} {r['mode']:<10} {r['degradation_pct']:+.2f}% over SparseLoCo, seeds {r['seeds']}")
+    print(f"wrote {args.results}/summary.json and size_sweep.png")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    verbs = p.add_subparsers(dest="verb", required=True)
+    pl = verbs.add_parser("plan", help="rows, steps and GPU-minutes per size")
+    pl.add_argument("--mfu", type=float, default=0.25)
+    pl.add_argument("--results", default=RESULTS)
+    r = verbs.add_parser("run", help="one size's unfinished rows on this machine's GPUs")
+    r.add_argument("--model", required=True, choices=SIZES)
+    r.add_argument("--seeds", default="0", help='"0": every row of the size; "1": SparseLoCo, the tuned AdamW, DiLoCo')
+    r.add_argument("--rows", default="", help="comma-separated rows instead of the size's own")
+    r.add_argument("--data", default="runs/size_sweep_corpus_seq256.pt")
+    r.add_argument("--tokenizer", default=".benchdata/tokenizer")
+    r.add_argument("--roots", default="/opt/torch/.venv/lib/python3.12/site-packages,/usr/lib/python3.12,"
+                                      "/usr/local/cuda/include")
+    r.add_argument("--budget-s", type=float, default=500, help="seconds from start (the corpus build included) "
+                   "after which no row starts or continues")
+    r.add_argument("--state-dir", default="runs/size_sweep_state")
+    r.add_argument("--tag", default="run")
+    r.add_argument("--out", default=os.environ.get("OUT", "runs/size_sweep_out"))
+    s = verbs.add_parser("summarize", help="summary.json and the plot from the committed runs")
+    s.add_argument("--results", default=RESULTS)
+    args = p.parse_args(argv)
+    return {"plan": plan, "run": run, "summarize": summarize}[args.verb](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
