@@ -135,14 +135,14 @@ def test_finetune_and_export_script(inputs, tmp_path):
 
 
 def test_heterogeneous_fleet_example_is_what_the_planner_says(inputs, tmp_path):
-    """examples/heterogeneous_fleet: `plan --fleet` puts S = 2, M = 10 replicas, and compresses the
+    """examples/heterogeneous_fleet: `plan --fleet --stages 2` puts M = 10 replicas, and compresses the
     groups it compresses (the replicas after the datacenter's 4) at the ratio config.json says; the
     toy rehearsal of the same mix trains on 4 ranks. Breaks if the planner's answer and the
     example's config drift apart."""
     from hetloco_ds import plan
 
     here = EXAMPLES / "heterogeneous_fleet"
-    fp = plan.plan_fleet(str(here / "fleet.json"), "1B", 0.9, n_mb=64)
+    fp = plan.plan_fleet(str(here / "fleet.json"), "1B", 0.9, n_mb=64, stages=2)
     first, compressed = 0, {}
     for g in fp.groups:
         if g.role == "compressed":

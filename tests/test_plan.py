@@ -1,9 +1,11 @@
 """The cost model: exact byte counts, monotonicity, the paper's Figure-2 claim, the fleet planner."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,7 @@ TINY_KW = dict(topk=2, chunk=16)
 
 # The paper's Figure 2: 70B in 4 stages, H = 50, M = 8; one H100 (989 TFLOP/s) at 45% MFU per
 # stage, 128 x 4096 = 512K tokens per replica per inner step, 1 Gbit/s replica links.
+REPO = Path(__file__).resolve().parents[1]
 FIG2 = dict(stages=4, replicas=8, H=50, tflops=989.0, mfu=0.45, micro_batch=1, n_mb=128,
             replica_bw=1e9, overlap=True)
 
@@ -204,14 +207,15 @@ FLEET = [
 
 
 def test_fleet_planner_compresses_only_the_slow_small_devices(tmp_path):
-    """A 1B model: one 80 GB device holds a replica, a 24 GB device needs 2 stages, so S = 2.
-    The datacenter group runs uncompressed; the home group gets the least ratio that reaches
-    the target on 300 Mbit/s; the single laptop cannot hold a stage pair and is excluded."""
+    """A 1B model with one S for all (stages=2): one 80 GB device would hold a replica, a 24 GB
+    device needs 2 stages. The datacenter group runs uncompressed; the home group gets the least
+    ratio that reaches the target on 300 Mbit/s; the single laptop cannot hold a stage pair and is
+    excluded."""
     path = tmp_path / "fleet.json"
     path.write_text(json.dumps(FLEET))
-    fp = plan.plan_fleet(path, "1B", 0.9, n_mb=256)
+    fp = plan.plan_fleet(path, "1B", 0.9, n_mb=256, stages=2)
     g = {x.name: x for x in fp.groups}
-    assert fp.stages == 2 and fp.replicas == 8
+    assert fp.stages == 2 and fp.replicas == 8 and fp.replica_stages == [2] * 8
     assert g["datacenter"].fits_on_one_device and g["datacenter"].stages_needed == 1
     assert g["datacenter"].role == "uncompressed" and g["datacenter"].target_met
     assert g["home-gpus"].stages_needed == 2 and not g["home-gpus"].fits_on_one_device
@@ -276,7 +280,171 @@ def test_cli_fleet_mode(tmp_path, capsys):
     assert plan.main(["--model", "1B", "--fleet", str(path), "--target", "0.9", "--n-mb", "256",
                       "--json", "-"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["stages"] == 2 and math.isclose(d["target_utilisation"], 0.9)
+    assert d["stages"] is None and math.isclose(d["target_utilisation"], 0.9)
+    assert d["replica_stages"] == [1] * 8 + [2] * 4 and d["config"]["hetloco"]["replica_stages"] == d["replica_stages"]
+    assert plan.main(["--model", "1B", "--fleet", str(path), "--n-mb", "256", "--stages", "2", "--json", "-"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stages"] == 2 and d["config"]["pipeline"] == {"stages": 2} and "replica_stages" not in d["config"]["hetloco"]
+
+
+# --------------------------------------------------------------------- mixed topologies (issue 29)
+MIXED_FLEET = REPO / "examples" / "heterogeneous_fleet" / "mixed_fleet.json"
+
+
+def _tiny_replicas(**kw):
+    """Replica 0 whole on one device twice as fast as a stage, replica 1 in two stages: TINY's
+    blocks are its two stages, [embed + layer 0) and [layer 1 + norm + head), 648 and 656 B."""
+    base = plan.Settings(topk=2, chunk=16, replica_bw=1000.0, replica_latency=0.5, n_mb=5, micro_batch=2,
+                         tflops=1e-9, mfu=1.0, stage_bw=1e12, H=10, **kw)
+    return [dataclasses.replace(base, stages=1, tflops=2e-9), dataclasses.replace(base, stages=2)]
+
+
+def test_outer_step_models_each_replica_with_its_own_stages_by_hand():
+    """[1, 2] on TINY, 8 tokens a micro-batch, 5 a step, 1000 FLOP/s a stage (2000 for the one
+    device of replica 0): replica 0 computes the whole model, 9984 FLOPs a token, 5 x 79.872 s /
+    2 = 199.68 s a step; replica 1's stages take 33.792 and 46.08 s a micro-batch and stage 1 sets
+    the pace: 11.264 (stage 0's first forward) + 5 x 46.08 + 22.528 (its last backward) = 264.192 s.
+    The exchange is by block: replica 0's one rank holds both blocks and sends 648 + 656 B in two
+    exchanges, 1 x (1304 x 8 / 1000 + 2 x 0.5) = 11.432 s; replica 1's ranks one block each. The
+    outer step waits for replica 1: 10 x 264.192 + 11.432 s, replica 0 idle 10 x (264.192 - 199.68).
+    Breaks if a replica is timed with another's S, the exchange is counted by stage instead of by
+    block, or the outer step does not wait for the slowest."""
+    step = plan.predict_outer_step(TINY, _tiny_replicas())
+    assert step.replica_stages == [1, 2] and step.block_parts == [0, 2, 5] and step.block_payload_bytes == [648, 656]
+    r0, r1 = step.replicas
+    assert (r0.blocks, r0.exchange_bytes, r1.blocks, r1.exchange_bytes) == ([[0, 1]], [1304], [[0], [1]], [648, 656])
+    assert r0.exchange_time == pytest.approx(1304 * 8 / 1000 + 2 * 0.5)
+    assert r1.exchange_time == pytest.approx(656 * 8 / 1000 + 0.5)
+    assert step.exchange_time == step.outer_sync_time == r0.exchange_time  # no embedding share: uncompressed
+    assert r0.inner_step_time == pytest.approx(5 * 79.872 / 2)
+    assert r1.inner_step_time == pytest.approx(11.264 + 5 * 46.08 + 22.528)
+    assert step.slowest == 1 and r1.wait_time == 0
+    assert r0.wait_time == pytest.approx(10 * (264.192 - 199.68))
+    assert step.outer_step_time == pytest.approx(10 * 264.192 + 11.432)
+    assert r0.utilisation == pytest.approx(10 * 5 * 79.872 / 2 / step.outer_step_time)
+    assert r1.utilisation == pytest.approx(10 * 5 * 46.08 / step.outer_step_time)
+    assert step.tokens_per_second == pytest.approx(2 * 10 * 40 / step.outer_step_time)
+    # Each replica's inner step is predict's for its own S, and the fleet's exchange is its outer sync.
+    assert r1.prediction.schedule_time == predict(TINY, _tiny_replicas()[1], replicas=2).schedule_time
+
+
+def test_outer_step_waits_for_whichever_replica_is_slowest():
+    """Make replica 0's device slower than replica 1's pipeline and the roles swap: replica 1 waits."""
+    slow0 = _tiny_replicas()
+    slow0[0] = dataclasses.replace(slow0[0], tflops=1e-9)  # 399.36 s a step > 264.192
+    step = plan.predict_outer_step(TINY, slow0)
+    assert step.slowest == 0 and step.replicas[0].wait_time == 0
+    assert step.replicas[1].wait_time == pytest.approx(10 * (399.36 - 264.192))
+    assert step.outer_step_time == pytest.approx(10 * 399.36 + 11.432)
+
+
+@pytest.mark.parametrize("stages,replicas,ratio", [(2, 2, 1), (4, 8, 8), (3, 5, 4)])
+def test_outer_step_with_one_s_is_predict_to_the_bit(stages, replicas, ratio):
+    """With one S for every replica the blocks are the stages and the outer step's exchange is
+    predict's own all-gather, bit for bit: the equal-S numbers do not move."""
+    s = plan.Settings(stages=stages, ratio=ratio, replica_bw=3e8, replica_latency=0.01, stage_bw=1e8, n_mb=16)
+    step = plan.predict_outer_step("512M", [s] * replicas)
+    p = predict("512M", s, replicas=replicas)
+    assert step.block_payload_bytes == p.outer_payload_bytes
+    assert step.exchange_time == p.outer_exchange_time and step.outer_sync_time == p.outer_sync_time
+    assert all(r.prediction.utilisation == p.utilisation for r in step.replicas)
+    assert step.outer_step_time == s.H * p.schedule_time + p.outer_sync_time
+
+
+def test_fleet_with_one_s_gives_the_numbers_it_gave_before_mixed_topologies():
+    """Numbers the planner printed before replicas could have their own S (commit 24ffd91), to the
+    bit: FLEET with stages=2, a one-group fleet, and examples/heterogeneous_fleet with --stages 2."""
+    fp = plan.plan_fleet(FLEET, "1B", 0.9, n_mb=256, stages=2)
+    assert (fp.stages, fp.replicas, fp.outer_sync_time, fp.outer_step_time, fp.tokens_per_second) == (
+        2, 8, 5.785901226666666, 685.5345966359259, 152957.41529976763)
+    g = {x.name: x for x in fp.groups}
+    assert (g["datacenter"].utilisation, g["datacenter"].fleet_utilisation, g["datacenter"].ratio) == (
+        0.9549237388469674, 0.16392821605798175, 1)
+    assert (g["home-gpus"].utilisation, g["home-gpus"].inner_step_time, g["home-gpus"].ratio) == (
+        0.9825757920081452, 13.594973908185185, 4)
+    one = plan.plan_fleet(FLEET[1:2], "1B", 0.99, n_mb=8)  # one group: its own S is everyone's
+    assert (one.stages, one.replicas, one.outer_step_time, one.groups[0].ratio, one.groups[0].utilisation) == (
+        2, 4, 27.13503587193535, 64, 0.7757379868797171)
+    ex = plan.plan_fleet(str(REPO / "examples" / "heterogeneous_fleet" / "fleet.json"), "1B", 0.9, n_mb=64, stages=2)
+    assert (ex.replicas, ex.outer_sync_time, ex.outer_step_time, ex.tokens_per_second) == (
+        10, 22.276853120000002, 427.7044342715494, 76613.6550718939)
+    assert [(x.ratio, x.fleet_utilisation) for x in ex.groups] == [
+        (1, 0.20821932926612843), (4, 0.39372382261231553), (4, 0.9149919821272124)]
+
+
+def test_fleet_proposes_a_mixed_fleet_for_a_big_host_beside_small_machines():
+    """examples/heterogeneous_fleet/mixed_fleet.json, 1B: an 8 x 80 GB host holds a replica per GPU
+    (S = 1), 24 GB desktops need 2 stages, 12 GB laptops 4. The planner gives each group its own S
+    (replica 0's ranks first), the outer sync is by the common partition's 4 blocks, the S = 1
+    ranks hold all 4 and set its time, the host waits for the laptops, and the config it prints
+    parses and names as many ranks as the groups lend. One S for all (the old planner's S = 4)
+    trains 2.5x fewer tokens a second. Breaks if a group is cut deeper than its memory needs, the
+    exchange is costed by stage, or the printed config does not match the plan."""
+    from hetloco_ds.config import parse_config
+
+    fp = plan.plan_fleet(str(MIXED_FLEET), "1B", 0.9, n_mb=64)
+    g = {x.name: x for x in fp.groups}
+    assert fp.stages is None and fp.replica_stages == [1] * 8 + [2] * 3 + [4] * 2
+    assert [(x.stages, x.replicas, x.first_replica, x.first_rank) for x in fp.groups] == [
+        (1, 8, 0, 0), (2, 3, 8, 8), (4, 2, 11, 14)]
+    assert fp.block_parts == sizes.block_parts(16, [1, 2, 4]) == [0, 5, 9, 13, 19]
+    blocks = [plan.outer_payload_bytes(ts) for ts in plan.block_tensors(plan.resolve_model("1B"), [1, 2, 4])]
+    assert fp.replica_ring_bw == 3e8 and fp.replica_ring_latency == 0.03
+    assert fp.exchange_time == pytest.approx(12 * (sum(blocks) * 8 / 3e8 + 4 * 0.03))
+    assert fp.slowest == "laptops" and g["laptops"].wait_time == 0
+    H = fp.settings["H"]
+    assert fp.outer_step_time == pytest.approx(H * g["laptops"].inner_step_time + fp.outer_sync_time)
+    for name in ("gpu-host", "desktops"):
+        assert g[name].wait_time == pytest.approx(H * (g["laptops"].inner_step_time - g[name].inner_step_time))
+    assert (g["gpu-host"].ratio, g["desktops"].ratio, g["laptops"].ratio) == (1, 4, 8)
+    assert fp.tokens_per_second == pytest.approx(13 * 64 * 1024 * H / fp.outer_step_time)
+    rc = parse_config(fp.config, "plan")
+    assert rc.hetloco.replica_stages == fp.replica_stages
+    assert sum(rc.hetloco.replica_stages) == sum(x.replicas * x.stages for x in fp.groups if x.stages) == 22
+    sub = rc.hetloco.subspace
+    assert [sub.ratio_for(r, 13) for r in range(13)] == [1] * 8 + [4] * 3 + [8] * 2
+    assert (rc.micro_batch, rc.grad_accum, rc.hetloco.sparseloco.inner_steps, rc.bf16) == (1, 64, H, True)
+    one_s = plan.plan_fleet(str(MIXED_FLEET), "1B", 0.9, n_mb=64, stages=4)
+    assert one_s.replica_stages == [4] * 5 and fp.tokens_per_second > 2.5 * one_s.tokens_per_second
+    text = plan.format_fleet(fp)
+    assert "hetloco.replica_stages = [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 4, 4]" in text
+    assert "waiting for laptops each outer step: gpu-host" in text
+
+
+def test_readme_mixed_topologies_example_is_the_planners_current_output(capsys):
+    """README's "Mixed topologies" shows `plan --fleet` on mixed_fleet.json; its output block is
+    what the planner prints now (breaks when the planner and the README drift apart)."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("<!-- plan-fleet-mixed -->")[1].split("<!-- /plan-fleet-mixed -->")[0]
+    command, output = block.strip().strip("`").strip().split("\n", 1)
+    argv = command.split()
+    assert argv[:3] == ["hetloco-ds", "plan", "--fleet"]
+    assert plan.main([str(REPO / a) if a.endswith(".json") else a for a in argv[2:]]) == 0
+    assert capsys.readouterr().out.strip() == output.strip()
+
+
+def test_cli_config_reads_replica_stages(tmp_path, capsys):
+    """`plan --config` on a run with hetloco.replica_stages = [1, 2] and replica 1 compressed at
+    ratio 4: each replica its own S and k, the run's H and batch, who waits for whom; --stages is
+    refused beside replica_stages."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 5,
+           "hetloco": {"replica_stages": [1, 2], "subspace": {"ratio": 4, "compressed_replicas": [1]},
+                       "sparseloco": {"inner_steps": 10, "topk": 2, "chunk_size": 16}, "train": {"seq_len": 4}}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(cfg))
+    args = ["--config", str(path), "--d", "8", "--layers", "2", "--heads", "2", "--kv-heads", "2", "--ffn", "16", "--vocab", "32",
+            "--replica-bw", "1000", "--replica-latency", "0.5", "--tflops", "1e-9", "--mfu", "1"]
+    assert plan.main(args + ["--json", "-"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["replica_stages"] == [1, 2] and d["H"] == 10 and d["block_payload_bytes"] == [648, 656]
+    assert [(r["stages"], r["k"], r["tokens_per_step"]) for r in d["replicas"]] == [(1, 8, 40), (2, 2, 40)]
+    assert d["exchange_time"] == pytest.approx(1304 * 8 / 1000 + 2 * 0.5)
+    assert d["replicas"][0]["inner_step_time"] == pytest.approx(5 * 79.872)  # one 1000 FLOP/s device, fp32
+    assert plan.main(args) == 0
+    text = capsys.readouterr().out
+    assert "replica_stages = [1, 2]" in text and "waiting for replica" in text
+    assert plan.main(args + ["--stages", "2"]) == 2
+    assert "replica_stages = [1, 2]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16])

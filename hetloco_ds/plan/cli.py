@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from ..sizes import QUANT_BITS
 from .fleet import FleetPlan, plan_fleet
 from .model import PRESETS, TERMS, ModelShape, Prediction, Settings, fmt_bytes, fmt_rate, fmt_time, parse_rate, predict, resolve_model
+from .outer_step import OuterStep, predict_outer_step
 
 
 def format_prediction(p: Prediction) -> str:
@@ -49,25 +50,95 @@ def format_prediction(p: Prediction) -> str:
 
 
 def format_fleet(plan: FleetPlan) -> str:
-    """A readable table of a FleetPlan."""
-    head = (f"model {plan.model}: S = {plan.stages} stages ({plan.settings['stage_memory_gb']:.1f} GB "
-            f"per stage), M = {plan.replicas} replicas, target utilisation "
-            f"{plan.target_utilisation:.0%}\nouter sync {fmt_time(plan.outer_sync_time)} on a ring of "
+    """A readable table of a FleetPlan: the groups, who waits for whom, the config to use."""
+    if plan.stages is not None:
+        topology = f"S = {plan.stages} stages ({plan.settings['stage_memory_gb']:.1f} GB per stage)"
+    else:
+        by_s: dict[int, list[str]] = {}
+        for g in plan.groups:
+            if g.stages is not None:
+                by_s.setdefault(g.stages, []).append(g.name)
+        topology = "replicas of " + ", ".join(f"S = {s} ({', '.join(n)})" for s, n in sorted(by_s.items()))
+    head = (f"model {plan.model}: {topology}, M = {plan.replicas} replicas, target utilisation "
+            f"{plan.target_utilisation:.0%}\nouter sync {fmt_time(plan.outer_sync_time)} in "
+            f"{len(plan.block_parts) - 1} block exchange(s) on a ring of "
             + (fmt_rate(plan.replica_ring_bw) if plan.replica_ring_bw else "-")
             + f"; outer step {fmt_time(plan.outer_step_time)}; "
               f"{plan.tokens_per_second:,.0f} tokens/s fleet-wide\n")
-    cols = ("group", "devices", "S_need", "replicas", "role", "ratio", "util", "fleet util")
+    cols = ("group", "devices", "S_need", "S", "replicas", "ranks", "role", "ratio", "inner step", "util", "fleet util",
+            "wait")
     rows = [cols]
     for g in plan.groups:
-        rows.append((g.name, str(g.devices), str(g.stages_needed), str(g.replicas), g.role,
+        hosted = g.stages is not None
+        rows.append((g.name, str(g.devices), str(g.stages_needed), str(g.stages) if hosted else "-",
+                     f"{g.replicas} ({_span(g.first_replica, g.replicas)})" if hosted else "0",
+                     _span(g.first_rank, g.replicas * g.stages) if hosted and g.first_rank is not None else "-", g.role,
                      "-" if g.ratio is None else f"1/{g.ratio}" if g.ratio > 1 else "1",
+                     fmt_time(g.inner_step_time) if hosted else "-",
                      "-" if g.utilisation is None else f"{g.utilisation:.1%}",
-                     "-" if g.fleet_utilisation is None else f"{g.fleet_utilisation:.1%}"))
+                     "-" if g.fleet_utilisation is None else f"{g.fleet_utilisation:.1%}",
+                     fmt_time(g.wait_time) if hosted else "-"))
     w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    table = "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows)
+    table = "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows)
     why = "\n".join(f"- {g.name}: {g.reason}" for g in plan.groups)
     notes = "\n".join(f"note: {n}" for n in plan.notes)
-    return head + "\n" + table + "\n\n" + why + ("\n" + notes if notes else "")
+    return (head + "\n" + table + "\n\n" + why + "\n\n" + _fleet_waits(plan) + "\n\n"
+            + "config (DeepSpeed JSON; " + ("ranks replica by replica, as numbered above" if plan.stages is None
+                                           else "rank = stage x M + replica") + "):\n"
+            + "\n".join(f"  {k} = {v}" for k, v in _dotted(plan.config)) + ("\n" + notes if notes else ""))
+
+
+def _fleet_waits(plan: FleetPlan) -> str:
+    """Who waits for whom at the outer step."""
+    slow = next(g for g in plan.groups if g.name == plan.slowest)
+    H = plan.settings["H"]
+    waits = [f"{g.name} {fmt_time(g.wait_time)}" for g in plan.groups if g.stages is not None and g.wait_time > 0]
+    return (f"outer step = H x the slowest inner step + outer sync = {H} x {fmt_time(slow.inner_step_time)} "
+            f"({slow.name}) + {fmt_time(plan.outer_sync_time)} = {fmt_time(plan.outer_step_time)}; "
+            + (f"waiting for {slow.name} each outer step: " + ", ".join(waits) if waits else "nobody waits") + ".")
+
+
+def format_outer_step(step: OuterStep) -> str:
+    """A readable table of an OuterStep: each replica's inner phase, its wait, who waits for whom."""
+    cols = ("replica", "S", "k", "inner step", f"x H = {step.H}", "wait", "exchange / rank", "util")
+    rows = [cols]
+    for r in step.replicas:
+        rows.append((str(r.replica), str(r.stages), str(r.k), fmt_time(r.inner_step_time), fmt_time(r.inner_phase_time),
+                     fmt_time(r.wait_time), fmt_bytes(max(r.exchange_bytes)), f"{r.utilisation:.1%}"))
+    w = [max(len(x[i]) for x in rows) for i in range(len(cols))]
+    table = "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(x)).rstrip() for x in rows)
+    slow = step.replicas[step.slowest]
+    runs: list[list[Any]] = []  # [first, last, wait] over consecutive replicas that wait alike
+    for r in step.replicas:
+        if runs and runs[-1][2] == r.wait_time and runs[-1][1] == r.replica - 1:
+            runs[-1][1] = r.replica
+        else:
+            runs.append([r.replica, r.replica, r.wait_time])
+    waits = [f"replica{'s' if a < b else ''} {_span(a, b - a + 1)} {fmt_time(t)}" for a, b, t in runs if t > 0]
+    return (f"model {step.model}: M = {len(step.replicas)} replicas, replica_stages = {step.replica_stages}, "
+            f"H = {step.H}\nouter sync by {len(step.block_payload_bytes)} block(s) (layer-list cuts "
+            f"{step.block_parts}, payload per rank "
+            + ", ".join(fmt_bytes(b) for b in step.block_payload_bytes)
+            + f"): exchange {fmt_time(step.exchange_time)}, with embedding shares {fmt_time(step.outer_sync_time)}\n\n"
+            + table + f"\n\nouter step = {step.H} x {fmt_time(slow.inner_step_time)} (replica {slow.replica}, "
+            f"the slowest inner step) + {fmt_time(step.outer_sync_time)} sync = {fmt_time(step.outer_step_time)}; "
+            + ("waiting for replica " + str(slow.replica) + " each outer step: " + ", ".join(waits) if waits
+               else "nobody waits") + f".\n{step.tokens_per_second:,.0f} tokens/s over all replicas.")
+
+
+def _span(first: int | None, n: int) -> str:
+    return f"{first}" if n == 1 else f"{first}-{first + n - 1}"
+
+
+def _dotted(d: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """A nested config as (dotted key, JSON value) pairs, leaves only."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k != "replica_ratios":
+            out += _dotted(v, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", json.dumps(v)))
+    return out
 
 
 def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
@@ -103,7 +174,12 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
     ap.add_argument("--tied", action="store_true", help="the model ties its embedding and LM head")
     ap.add_argument("--tied-embeddings", choices=("outer_step", "every_step"), default=argparse.SUPPRESS,
                     help="how a tied model keeps its copies equal (hetloco.sparseloco.tied_embeddings)")
-    ap.add_argument("--fleet", default=None, help="fleet JSON: plan it instead of predicting")
+    ap.add_argument("--fleet", default=None, help="fleet JSON: plan it instead of predicting (each group its own "
+                    "pipeline depth; --stages S: one S for all)")
+    ap.add_argument("--config", default=None, help="a DeepSpeed JSON with a hetloco section: predict one outer step "
+                    "of its replicas (hetloco.replica_stages, or pipeline.stages x --replicas), each with its own S "
+                    "and ratio, and who waits for whom; it sets H, top-k, the batch, seq_len, bf16, the schedule, "
+                    "and options given here override those")
     ap.add_argument("--target", type=float, default=0.9, help="fleet: target compute utilisation")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON ('-' = stdout)")
     return ap
@@ -123,12 +199,52 @@ def _model_from_args(a: argparse.Namespace) -> ModelShape:
 
 def settings_from_args(a: argparse.Namespace) -> Settings:
     """The Settings fields the parser defines (its dest names are Settings' field names)."""
+    return Settings(**_given(a))
+
+
+def _given(a: argparse.Namespace) -> dict[str, Any]:
+    """The Settings fields given on the command line."""
     given = {f.name: getattr(a, f.name) for f in dataclasses.fields(Settings) if hasattr(a, f.name)}
-    if a.stages is None:
-        given.pop("stages")
+    for name in ("stages", "seq_len"):  # None: not given (the model's own sequence length)
+        if given.get(name) is None:
+            given.pop(name, None)
     if a.schedule is not None:
         given["overlap"] = a.schedule == "overlapped"
-    return Settings(**given)
+    return given
+
+
+def replicas_from_config(path: str, a: argparse.Namespace) -> list[Settings]:
+    """One Settings per replica of the run `path` configures (read and checked by `config.load_config`,
+    as `train` reads it): its S (hetloco.replica_stages, else pipeline.stages or --stages for each
+    of --replicas), its ratio (hetloco.subspace), and the run's H, codec, batch, sequence length,
+    activation width (bf16: 2 bytes) and schedule; options given on the command line win."""
+    from ..config import load_config
+
+    run = load_config(path)
+    h = run.hetloco
+    sl, sub = h.sparseloco, h.subspace
+    given = _given(a)
+    if "ratio" in given or "k" in given:
+        raise ValueError(f"--ratio: {path} sets each replica's ratio (hetloco.subspace)")
+    if h.replica_stages is not None:
+        if "stages" in given:
+            raise ValueError(f"--stages: {path} sets hetloco.replica_stages = {h.replica_stages}")
+        if given.get("replicas", len(h.replica_stages)) != len(h.replica_stages):
+            raise ValueError(f"--replicas {given['replicas']}: {path} sets {len(h.replica_stages)} "
+                             f"(hetloco.replica_stages = {h.replica_stages})")
+        stages = list(h.replica_stages)
+    else:
+        stages = [given.get("stages", run.stages)] * given.get("replicas", Settings.replicas)
+    M = len(stages)
+    named = sorted({*(sub.compressed_replicas if isinstance(sub.compressed_replicas, list) else []), *sub.replica_ratios})
+    if named and named[-1] >= M:
+        raise ValueError(f"{path}: hetloco.subspace names replica {named[-1]}, but the run has replicas 0..{M - 1}")
+    from_config = dict(H=sl.inner_steps, topk=sl.topk, chunk=sl.chunk_size, quant_bits=sl.quant_bits,
+                       micro_batch=run.micro_batch, n_mb=run.grad_accum, seq_len=h.train.seq_len,
+                       act_bytes=2 if run.bf16 else 4, overlap=h.pipeline.schedule != "blocking",
+                       tied_embeddings=sl.tied_embeddings, embedding_sync=sub.any_compressed and sub.embedding_adaptation)
+    base = Settings(**{**from_config, **given, "replicas": M})
+    return [dataclasses.replace(base, stages=S, ratio=sub.ratio_for(r, M)) for r, S in enumerate(stages)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,9 +253,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         m = _model_from_args(a)
         settings = settings_from_args(a)
+        if a.fleet and a.config:
+            raise ValueError("give --fleet (plan a fleet) or --config (predict a configured run), not both")
         if a.fleet:
             res: Any = plan_fleet(a.fleet, m, a.target, settings, stages=a.stages)
             text = format_fleet(res)
+        elif a.config:
+            res = predict_outer_step(m, replicas_from_config(a.config, a))
+            text = format_outer_step(res)
         else:
             res = predict(m, settings)
             text = format_prediction(res)

@@ -1,5 +1,6 @@
-"""The fleet planner: given heterogeneous device groups, the stage count, which groups run
-uncompressed, and the least subspace ratio that reaches a target utilisation."""
+"""The fleet planner: given heterogeneous device groups, each group's pipeline depth (its own, or
+one for all), which groups run uncompressed, the least subspace ratio that reaches a target
+utilisation, who waits for whom at the outer step, and the config that runs it."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import sizes
-from .model import ModelShape, Prediction, Settings, check_positive, fmt_rate, parse_rate, predict, resolve_model, stage_tensors
+from .model import ModelShape, Settings, check_positive, fmt_rate, parse_rate, predict, resolve_model, stage_tensors
+from .outer_step import OuterStep, exchange_times, predict_outer_step
 
 
 DEFAULT_RATIOS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 384, 768)
@@ -126,7 +128,7 @@ class GroupPlan:
     fits_on_one_device: bool
     """A full replica fits in one device (S = 1 would do)."""
     replicas: int
-    """Replicas this group hosts at the fleet's S (devices // S)."""
+    """Replicas this group hosts at its S (devices // S)."""
     role: str
     """'uncompressed', 'compressed' or 'excluded'."""
     ratio: int | None
@@ -141,12 +143,25 @@ class GroupPlan:
     reason: str
     candidates: dict[int, float] = field(default_factory=dict)
     """Utilisation for each ratio tried."""
+    stages: int | None = None
+    """Pipeline depth of each of its replicas (None: excluded)."""
+    first_replica: int | None = None
+    """Its replicas are first_replica .. first_replica + replicas - 1; their ranks follow each other
+    in that order (replica 0's ranks first)."""
+    first_rank: int | None = None
+    """Mixed S (hetloco.replica_stages): its ranks are first_rank .. first_rank + replicas * stages - 1.
+    None with one S: DeepSpeed's layout, rank = stage x M + replica."""
+    wait_time: float | None = None
+    """Per outer step, idle until the slowest replica has run its H inner steps."""
+    stage_memory_gb: float | None = None
+    """Memory its busiest stage needs at its S."""
 
 
 @dataclass
 class FleetPlan:
     model: str
-    stages: int
+    stages: int | None
+    """The one S of every replica; None when groups have different S (see replica_stages)."""
     replicas: int
     target_utilisation: float
     replica_ring_bw: float | None
@@ -158,6 +173,16 @@ class FleetPlan:
     groups: list[GroupPlan]
     settings: dict[str, Any]
     notes: list[str]
+    replica_stages: list[int] = field(default_factory=list)
+    """Each replica's S, replica 0 first (hetloco.replica_stages)."""
+    block_parts: list[int] = field(default_factory=list)
+    """The outer sync's blocks (`sizes.block_parts`); with one S, the stages."""
+    exchange_time: float = 0.0
+    """The outer sync's exchange by block (outer_sync_time less the embedding shares)."""
+    slowest: str | None = None
+    """The group whose replicas every other waits for."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The DeepSpeed JSON keys to set for this fleet (nested as in the file)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -182,12 +207,16 @@ def plan_fleet(
 
     1. Memory: each group's smallest stage count S_g whose per-stage memory
        (`stage_memory_bytes`) fits `memory_headroom` of one device.
-    2. The engine's topology is M replicas x S stages with one S for everyone, so the fleet's S is
-       the largest S_g among groups that have at least S_g devices (or `stages` if given); a
-       group with fewer than S devices is excluded. Each remaining group hosts devices // S
-       replicas whose stages sit on its devices, joined by its intra links.
-    3. Outer sync: the M replicas' ring crosses intra links between replicas of one group and
-       inter links between groups; its slowest hop sets the ring's speed.
+    2. Topology: each group's replicas get its own S_g (`hetloco.replica_stages`): a group whose
+       devices hold a replica in fewer stages (one large GPU, one 8-GPU host) is not cut as deep as
+       the small-memory machines' pipelines. A group with fewer devices than S_g, or whose device
+       cannot hold even one layer per stage, is excluded. Each group hosts devices // S_g replicas
+       whose stages sit on its devices, joined by its intra links. `stages` given: one S for every
+       replica instead (groups with fewer devices, or too little memory, excluded).
+    3. Outer sync (`plan.outer_step`): by block of the replicas' common partition, each block
+       exchanged among its M holders; the M replicas' ring crosses intra links between replicas of
+       one group and inter links between groups, and its slowest hop sets the ring's speed. The
+       outer step waits for the slowest replica's H inner steps.
     4. For each group, the least ratio in `ratios` (dividing d) whose predicted utilisation
        reaches the target; ratio 1 = uncompressed. If none does, the least ratio within
        `tolerance` of the best reachable, with target_met False and the limiting term named.
@@ -204,51 +233,98 @@ def plan_fleet(
                   activation_checkpointing=activation_checkpointing)
     notes: list[str] = []
     need = {g.name: min_stages(m, g.memory_gb * 1e9 * memory_headroom, **mem_kw) for g in groups}
-    stages = _fleet_stages(m, groups, need, stages, notes)
-    stage_mem = max(stage_memory_bytes(m, stages, **mem_kw))
-
-    hosts = [g for g in groups if g.devices >= stages
-             and stage_mem <= g.memory_gb * 1e9 * memory_headroom]
-    M = sum(g.devices // stages for g in hosts)
+    depth, why = _group_stages(m, groups, need, stages, memory_headroom, mem_kw, notes)
+    hosts = [g for g in groups if g.name in depth]
+    order = [g.name for g in hosts for _ in range(g.devices // depth[g.name])]  # each replica's group, replica 0 first
+    replica_stages = [depth[name] for name in order]
+    M = len(replica_stages)
     if M == 0:
-        raise ValueError(f"no group can host a replica of {stages} stages")
-    ring_bw, ring_lat = _replica_ring(hosts, stages)
+        raise ValueError(f"no group can host a replica: {'; '.join(f'{n}: {w}' for n, w in why.items())}")
+    ring_bw, ring_lat = _replica_ring(hosts, depth)
+    per_replica = {g.name: dataclasses.replace(base, stages=depth[g.name], replicas=M, stage_bw=g.intra_bandwidth_bps,
+                                               stage_latency=g.intra_latency_s, replica_bw=ring_bw or 1.0,
+                                               replica_latency=ring_lat, tflops=g.tflops, mfu=g.mfu or base.mfu,
+                                               k=None) for g in hosts}
+    exchange = max(exchange_times(m, [per_replica[name] for name in order])[2])  # the ratios do not change it
 
     plans: list[GroupPlan] = []
-    preds: dict[str, Prediction] = {}
     for g in groups:
         if g not in hosts:
-            why = (f"{g.devices} device(s) < S = {stages}" if g.devices < stages else
-                   f"a stage needs {stage_mem / 1e9:.1f} GB > {memory_headroom:g} x {g.memory_gb:g} GB")
             plans.append(GroupPlan(g.name, g.devices, need[g.name], need[g.name] == 1, 0, "excluded", None,
-                                   None, None, None, None, None, None, f"excluded: {why}"))
+                                   None, None, None, None, None, None, f"excluded: {why[g.name]}"))
             continue
-        group = dataclasses.replace(base, stages=stages, replicas=M, stage_bw=g.intra_bandwidth_bps,
-                                    stage_latency=g.intra_latency_s, replica_bw=ring_bw or 1.0,
-                                    replica_latency=ring_lat, tflops=g.tflops, mfu=g.mfu or base.mfu, k=None)
-        plan, preds[g.name] = _group_plan(m, g, group, need[g.name], valid_ratios, target_utilisation, tolerance)
+        plan = _group_plan(m, g, per_replica[g.name], need[g.name], valid_ratios, target_utilisation, tolerance,
+                           exchange)
+        plan.stage_memory_gb = max(stage_memory_bytes(m, depth[g.name], **mem_kw)) / 1e9
+        per_replica[g.name] = dataclasses.replace(per_replica[g.name], ratio=plan.ratio)
         plans.append(plan)
-
-    sync = max(p.outer_sync_time for p in preds.values())
-    slowest = max(p.schedule_time for p in preds.values())
-    H = base.H
-    outer_step = H * slowest + sync
-    tokens = 0.0
-    for gp in plans:
-        if gp.name in preds:
-            p = preds[gp.name]
-            gp.fleet_utilisation = H * p.breakdown["compute"] / outer_step
-            tokens += gp.replicas * p.tokens_per_step * H
-    if len({round(p.schedule_time, 9) for p in preds.values()}) > 1:
+    step = predict_outer_step(m, [per_replica[name] for name in order])
+    slowest = _place(plans, step, contiguous=len(set(replica_stages)) > 1)
+    if len({round(r.inner_step_time, 9) for r in step.replicas}) > 1:
         notes.append("Replicas run at different speeds; SparseLoCo's outer sync waits for the "
                      "slowest, which fleet_utilisation counts.")
     used = {f: getattr(base, f) for f in ("mfu", "micro_batch", "n_mb", "H", "topk", "chunk", "quant_bits",
                                           "value_bytes", "act_bytes", "overlap")}
     used.update(bytes_per_param=bytes_per_param, outer_state_bytes_per_param=outer_state_bytes_per_param,
                 activation_checkpointing=activation_checkpointing, memory_headroom=memory_headroom,
-                ratios=list(valid_ratios), stage_memory_gb=stage_mem / 1e9)
-    return FleetPlan(m.name, stages, M, target_utilisation, ring_bw, ring_lat, sync, outer_step,
-                     tokens / outer_step, plans, used, notes)
+                ratios=list(valid_ratios), stage_memory_gb=max(p.stage_memory_gb for p in plans if p.stages))
+    one_s = replica_stages[0] if len(set(replica_stages)) == 1 else None
+    return FleetPlan(m.name, one_s, M, target_utilisation, ring_bw, ring_lat, step.outer_sync_time,
+                     step.outer_step_time, step.tokens_per_second, plans, used, notes, replica_stages,
+                     step.block_parts, step.exchange_time, slowest, fleet_config(m, base, plans, replica_stages, one_s))
+
+
+def _place(plans: list[GroupPlan], step: OuterStep, contiguous: bool) -> str:
+    """Each hosting group's replica numbers (and rank numbers where each replica's ranks follow each
+    other: `contiguous`), its wait and fleet utilisation (from its first replica: a group's
+    replicas are alike); returns the slowest group's name."""
+    replica = rank = 0
+    slowest = ""
+    for gp in plans:
+        if gp.stages is None:
+            continue
+        gp.first_replica, gp.first_rank = replica, rank if contiguous else None
+        r = step.replicas[replica]
+        gp.wait_time, gp.fleet_utilisation = r.wait_time, r.utilisation
+        if step.slowest in range(replica, replica + gp.replicas):
+            slowest = gp.name
+        replica += gp.replicas
+        rank += gp.replicas * gp.stages
+    return slowest
+
+
+def fleet_config(m: ModelShape, base: Settings, plans: list[GroupPlan], replica_stages: list[int],
+                 stages: int | None) -> dict[str, Any]:
+    """The DeepSpeed JSON keys that run the planned fleet as the plan modelled it: the topology
+    (pipeline.stages when every replica has the one S `stages`, else hetloco.replica_stages), the compressed replicas and
+    their ratios (the most common one as `ratio`, the others in `replica_ratios`), H, the batch,
+    the sequence length, bf16 when stage links carry 2-byte activations, the schedule."""
+    ratio_of = {}
+    for gp in plans:
+        if gp.stages is not None and gp.ratio and gp.ratio > 1:
+            ratio_of.update({r: gp.ratio for r in range(gp.first_replica, gp.first_replica + gp.replicas)})
+    hetloco: dict[str, Any] = {}
+    if stages is None:
+        hetloco["replica_stages"] = replica_stages
+    if ratio_of:
+        common = max(sorted(set(ratio_of.values())), key=list(ratio_of.values()).count)
+        sub: dict[str, Any] = {"ratio": common, "compressed_replicas": sorted(ratio_of)}
+        odd = {r: x for r, x in ratio_of.items() if x != common}
+        if odd:
+            sub["replica_ratios"] = {str(r): x for r, x in sorted(odd.items())}
+        hetloco["subspace"] = sub
+    hetloco["sparseloco"] = {"inner_steps": base.H, "topk": base.topk, "chunk_size": base.chunk}
+    if base.quant_bits is not None:
+        hetloco["sparseloco"]["quant_bits"] = base.quant_bits
+    hetloco["train"] = {"seq_len": base.seq_len or m.seq_len}
+    if not base.overlap:
+        hetloco["pipeline"] = {"schedule": "blocking"}
+    cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": base.micro_batch, "gradient_accumulation_steps": base.n_mb,
+                           "bf16": {"enabled": base.act_bytes == 2}}
+    if stages is not None:
+        cfg["pipeline"] = {"stages": stages}
+    cfg["hetloco"] = hetloco
+    return cfg
 
 
 def _checked_ratios(m: ModelShape, target_utilisation: float, memory_headroom: float,
@@ -267,29 +343,46 @@ def _checked_ratios(m: ModelShape, target_utilisation: float, memory_headroom: f
     return valid_ratios
 
 
-def _fleet_stages(m: ModelShape, groups: list, need: dict[str, int | None], stages: int | None,
-                  notes: list[str]) -> int:
-    """The fleet's one S: `stages` if given (checked), else the most any group that can hold a replica needs."""
+def _group_stages(m: ModelShape, groups: list[DeviceGroup], need: dict[str, int | None], stages: int | None,
+                  memory_headroom: float, mem_kw: dict[str, Any], notes: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """Each hosting group's S, and why each other group is excluded: its own least S (or `stages`
+    for every group, checked)."""
+    depth: dict[str, int] = {}
+    why: dict[str, str] = {}
     if stages is not None:
         check_positive("stages", stages, integer=True)
         stage_tensors(m, stages)
-        return stages
-    feasible = [n for g in groups if (n := need[g.name]) is not None and n <= g.devices]
-    if not feasible:
-        raise ValueError("no group can hold a replica: every group has fewer devices than "
-                         f"stages it needs ({need})")
-    stages = max(feasible)
-    notes.append(f"S = {stages}: the most stages any group that can hold a replica needs "
-                 "(one S for all replicas, as the engine's M x S topology requires).")
-    return stages
+        stage_mem = max(stage_memory_bytes(m, stages, **mem_kw))
+        for g in groups:
+            if g.devices < stages:
+                why[g.name] = f"{g.devices} device(s) < S = {stages}"
+            elif stage_mem > g.memory_gb * 1e9 * memory_headroom:
+                why[g.name] = f"a stage needs {stage_mem / 1e9:.1f} GB > {memory_headroom:g} x {g.memory_gb:g} GB"
+            else:
+                depth[g.name] = stages
+        return depth, why
+    for g in groups:
+        n = need[g.name]
+        if n is None:
+            least = max(stage_memory_bytes(m, m.n_layers, **mem_kw))
+            why[g.name] = (f"even one layer per stage needs {least / 1e9:.1f} GB > {memory_headroom:g} x "
+                           f"{g.memory_gb:g} GB")
+        elif n > g.devices:
+            why[g.name] = f"{g.devices} device(s) < the {n} stages a replica needs in {g.memory_gb:g} GB devices"
+        else:
+            depth[g.name] = n
+    if len(set(depth.values())) > 1:
+        notes.append("Each group's replicas have the fewest stages its devices' memory allows (hetloco.replica_stages, "
+                     "replica 0's ranks first); --stages S puts every replica in S stages.")
+    return depth, why
 
 
-def _replica_ring(hosts: list, stages: int) -> tuple[float | None, float]:
+def _replica_ring(hosts: list[DeviceGroup], depth: dict[str, int]) -> tuple[float | None, float]:
     """Bandwidth and latency of the outer sync's ring: its slowest hop (intra links between a
     group's replicas, inter links between groups); None where no replica link is crossed."""
     hops_bw, hops_lat = [], []
     for g in hosts:
-        if g.devices // stages > 1:
+        if g.devices // depth[g.name] > 1:
             hops_bw.append(g.intra_bandwidth_bps)
             hops_lat.append(g.intra_latency_s)
         if len(hosts) > 1:
@@ -298,11 +391,12 @@ def _replica_ring(hosts: list, stages: int) -> tuple[float | None, float]:
     return (min(hops_bw) if hops_bw else None), (max(hops_lat) if hops_lat else 0.0)
 
 
-def _group_plan(m: ModelShape, g, group: Settings, need: int | None, valid_ratios: list[int],
-                target_utilisation: float, tolerance: float) -> tuple[GroupPlan, Prediction]:
-    """A hosting group's least ratio reaching the target (or the least within `tolerance` of its best)."""
+def _group_plan(m: ModelShape, g: DeviceGroup, group: Settings, need: int | None, valid_ratios: list[int],
+                target_utilisation: float, tolerance: float, exchange: float) -> GroupPlan:
+    """A hosting group's least ratio reaching the target (or the least within `tolerance` of its
+    best), its replicas' outer sync being the fleet's `exchange` plus their embedding shares."""
     stages = group.stages
-    cand = {r: predict(m, group, ratio=r) for r in valid_ratios}
+    cand = {r: predict(m, group, ratio=r, outer_exchange=exchange) for r in valid_ratios}
     util = {r: p.utilisation for r, p in cand.items()}
     ok = [r for r in valid_ratios if util[r] >= target_utilisation]
     if ok:
@@ -321,4 +415,4 @@ def _group_plan(m: ModelShape, g, group: Settings, need: int | None, valid_ratio
         g.name, g.devices, need, need == 1, g.devices // stages,
         "uncompressed" if r == 1 else "compressed", r, p.k, p.utilisation, None,
         bool(ok), p.schedule_time, p.dominant_overhead, reason,
-        {x: round(u, 6) for x, u in util.items()}), p
+        {x: round(u, 6) for x, u in util.items()}, stages=stages)

@@ -40,7 +40,9 @@ One inner step (one optimizer step of one replica, n_mb micro-batches of b x L t
   side and take one payload time: the formula then over-predicts by up to (M - 1)x for M > 2
   (the shaped-link benchmark measures M = 2, where the two agree). The S stage groups use
   disjoint links and run at the same time, so the slowest stage group sets the time. It blocks
-  (no overlap with the inner loop) and is amortised as sync / H per inner step.
+  (no overlap with the inner loop) and is amortised as sync / H per inner step. Replicas with
+  different S (`hetloco.replica_stages`) exchange by parameter block instead, each replica timed
+  with its own S and links, and the outer step waits for the slowest: `plan.outer_step`.
 * compute utilisation = compute time of the busiest stage / total time, with
   total = schedule + sync / H = compute + bubble + link stall + outer sync, where the bubble is
   the schedule's time on infinitely fast links less the compute, and the stall the rest.
@@ -142,26 +144,38 @@ def resolve_model(model: str | ModelShape) -> ModelShape:
 
 def stage_tensors(model: ModelShape, stages: int) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Trainable parameter tensors on each stage, as the pipeline splits the layers
-    (`sizes.decoder_layers_per_stage`): stage 0 holds the token embedding (T_S on a compressed
-    replica: same shape; T_perp is a buffer, never synced), the last stage the final norm and head."""
+    (`sizes.stage_parts`): stage 0 holds the token embedding (T_S on a compressed replica: same
+    shape; T_perp is a buffer, never synced), the last stage the final norm and head."""
     try:
-        per_stage = sizes.decoder_layers_per_stage(model.n_layers, stages)
+        parts = sizes.stage_parts(model.n_layers, stages)
     except ValueError:
         raise ValueError(f"stages={stages} exceeds n_layers={model.n_layers}: a stage needs a layer") from None
-    out: list[list[tuple[str, tuple[int, ...]]]] = []
-    first = 0
-    for s, n in enumerate(per_stage):
-        ts: list[tuple[str, tuple[int, ...]]] = []
-        if s == 0:
+    return [_layer_list_tensors(model, a, b) for a, b in zip(parts, parts[1:])]
+
+
+def block_tensors(model: ModelShape, replica_stages: Sequence[int]) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Parameter tensors of each block of the outer sync (`sizes.block_parts`: the finest common
+    partition of the replicas' stage cuts); with one S for every replica, `stage_tensors`."""
+    for stages in set(replica_stages):
+        stage_tensors(model, stages)  # one readable error for an S the model cannot take
+    parts = sizes.block_parts(model.n_layers, replica_stages)
+    return [_layer_list_tensors(model, a, b) for a, b in zip(parts, parts[1:])]
+
+
+def _layer_list_tensors(model: ModelShape, first: int, end: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensors of the layer list's entries [first, end) (`sizes.LayerLayout`)."""
+    layout = sizes.LayerLayout(model.n_layers)
+    ts: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(first, end):
+        if i == layout.embedding:
             ts.append(("embed_tokens.weight", (model.vocab, model.d)))
-        for i in range(first, first + n):
-            ts.extend(model.layer_tensors(i))
-        if s == stages - 1:
+        elif i in layout.decoders:
+            ts.extend(model.layer_tensors(i - layout.decoder(0)))
+        elif i == layout.norm:
             ts.append(("norm.weight", (model.d,)))
+        else:
             ts.append(("lm_head.weight", (model.vocab, model.d)))
-        first += n
-        out.append(ts)
-    return out
+    return ts
 
 
 def _matmul_params(tensors: list[tuple[str, tuple[int, ...]]]) -> int:
@@ -354,7 +368,12 @@ class Prediction:
     outer_bytes_per_replica: int
     """Sum of the payloads over a replica's stages (what one replica sends per outer step)."""
     outer_sync_time: float
-    """Per outer step: slowest stage group's all-gather, (M - 1) payloads over each rank's link."""
+    """Per outer step: the replicas' exchange (`outer_exchange_time`), then the embedding shares
+    over this replica's stage links."""
+    outer_exchange_time: float
+    """Per outer step: the replicas' exchange of payloads, by default the slowest stage group's
+    all-gather, (M - 1) payloads over each rank's link; a fleet of mixed S passes its own
+    (`plan.outer_step`: by block, a rank holding several blocks takes part in several exchanges)."""
     breakdown: dict[str, float]
     """Per inner step: compute (busiest stage), pipeline bubble, stage-link stall, outer sync / H."""
     total_time: float
@@ -445,9 +464,12 @@ def _stage_link_times(fwd: int, bwd: int, s: Settings) -> tuple[float, float]:
     return fwd * 8 / rate + s.stage_latency, bwd * 8 / rate + s.stage_latency
 
 
-def predict(model: str | ModelShape = "512M", settings: Settings | None = None, **overrides: Any) -> Prediction:
+def predict(model: str | ModelShape = "512M", settings: Settings | None = None, *,
+            outer_exchange: float | None = None, **overrides: Any) -> Prediction:
     """Predict one replica's inner step and the outer sync (see the module docstring);
-    `overrides` replace fields of `settings` (default `Settings()`)."""
+    `overrides` replace fields of `settings` (default `Settings()`). `outer_exchange`: seconds
+    of the replicas' exchange per outer step when the caller models it (a fleet whose replicas
+    have different S, `plan.outer_step`); None: the all-gather of the module docstring."""
     m = resolve_model(model)
     try:
         s = dataclasses.replace(settings or Settings(), **overrides)
@@ -478,9 +500,13 @@ def predict(model: str | ModelShape = "512M", settings: Settings | None = None, 
     payload = [outer_payload_bytes(ts, s.topk, s.chunk, s.quant_bits, s.value_bytes) for ts in tensors]
     dense = [4 * sum(math.prod(x) for _, x in ts) for ts in tensors]
     sync = 0.0
-    if s.replicas > 1:
+    if outer_exchange is not None:
+        check_positive("outer_exchange", outer_exchange, allow_zero=True)
+        sync = outer_exchange
+    elif s.replicas > 1:
         rate = s.replica_bw * s.link_efficiency
         sync = max((s.replicas - 1) * (p * 8 / rate + s.replica_latency) for p in payload)
+    exchange = sync
 
     # What else crosses the stage links (see the Prediction fields).
     V, d = m.vocab, m.d
@@ -513,7 +539,8 @@ def predict(model: str | ModelShape = "512M", settings: Settings | None = None, 
         slot_time=slot, schedule_time=schedule, stage_link_bytes_per_step=s.n_mb * (fwd + bwd),
         control_bytes_per_step=control, embedding_sync_bytes_per_outer_step=embedding_sync,
         outer_payload_bytes=payload, dense_outer_bytes=dense,
-        outer_bytes_per_replica=sum(payload), outer_sync_time=sync, breakdown=breakdown,
+        outer_bytes_per_replica=sum(payload), outer_sync_time=sync, outer_exchange_time=exchange,
+        breakdown=breakdown,
         total_time=total, utilisation=breakdown["compute"] / total,
         steady_state_utilisation=t_c / (slot + sync / s.H / s.n_mb),
         dominant=max(TERMS, key=lambda t: breakdown[t]),
