@@ -36,9 +36,6 @@ HET_1B = {
     "hetloco": {"sparseloco": {"inner_steps": 20}, "subspace": {"ratio": 8, "compressed_replicas": [1]},
                 "train": {"seq_len": 1024, "eval_interval": 0, "eval_batches": 2, "checkpoint_interval": 0}},
 }
-LLAMA3_8B_SHAPE = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 8192,
-                   "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False}
 
 
 def deep_update(base: dict, over: dict) -> dict:
@@ -105,10 +102,10 @@ def step_rows(metrics_path: str) -> int:
 
 
 def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int, timeout: float,
-         env: dict | None = None, stop_after: int | None = None) -> dict:
+         env: dict | None = None, stop_after: int | None = None, until_committed: bool = False) -> dict:
     """`hetloco-ds train --nproc N` on `config`; the steady rates, profiles and checkpoint sizes.
     `stop_after`: end the run once that many step rows are written (a speed run skips the final
-    checkpoint and export)."""
+    checkpoint and export); `until_committed`: and once a checkpoint has been committed."""
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(work, exist_ok=True)
@@ -118,7 +115,9 @@ def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int,
     argv = [sys.executable, "-m", "hetloco_ds.cli", "train", "--config", cfg_path, "--model-config", model,
             "--steps", str(steps), "--nproc", str(nproc), "--out", run_dir]
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    done = (lambda: step_rows(metrics) >= stop_after) if stop_after else None
+    latest = os.path.join(run_dir, "checkpoints", "latest")
+    done = (lambda: step_rows(metrics) >= stop_after and (not until_committed or os.path.exists(latest))) \
+        if stop_after else None
     rc, wall = run_cmd(argv, os.path.join(work, f"{name}.log"), timeout, env, done)
     row = {"system": "ours", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc, "model": model,
            "steps": steps, "config": config, "stopped_after_step_rows": stop_after}
@@ -131,15 +130,19 @@ def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int,
 
 
 def checkpoint_facts(metrics_path: str, run_dir: str) -> dict:
-    """Bytes on disk of the newest checkpoint and what metrics.jsonl says of each save."""
+    """The newest committed checkpoint: bytes on disk, bytes per parameter (its manifest's ranks'
+    layouts) and its manifest's seconds (training blocked, the longest background write, save to
+    commit)."""
     ckpt = os.path.join(run_dir, "checkpoints")
     latest = os.path.join(ckpt, "latest")
-    size = None
-    if os.path.exists(latest):
-        tag = open(latest).read().strip()
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(ckpt, tag)) for f in fs)
-    saves = [json.loads(line) for line in open(metrics_path)]
-    return {"bytes": size, "saves": [r for r in saves if r.get("kind") == "checkpoint"]}
+    if not os.path.exists(latest):
+        return {"bytes": None}
+    tag = open(latest).read().strip()
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(ckpt, tag)) for f in fs)
+    with open(os.path.join(ckpt, tag, "manifest.json")) as f:
+        manifest = json.load(f)
+    return {"tag": tag, "bytes": size, "step": manifest.get("step"), "seconds": manifest.get("seconds"),
+            "files": len(manifest.get("files", {}))}
 
 
 def stock(name: str, work: str, nproc: int, stages: int, model: str, mb: int, gas: int, seq: int, steps: int,
@@ -236,7 +239,25 @@ def part_s178(res: Results, work: str, a) -> None:
                              stop_after=s["ours_steps"]))
 
 
-PARTS = {"profile": part_profile, "speed": part_speed, "memory": part_memory, "s178": part_s178}
+def part_8b(res: Results, work: str, a) -> None:
+    """A Llama-3-8B shape in S = 4 stages on 4 GPUs, M = 1: stock DeepSpeed's pipeline, ours under
+    the defaults (a checkpoint every H steps; the run ends once one is committed, so its seconds
+    blocked and to commit are the manifest's) and ours with the outer state on the host."""
+    s = a.shapes
+    cfg = deep_update(s["config"], {
+        "pipeline": {"stages": 4}, "train_micro_batch_size_per_gpu": s["mb8"], "gradient_accumulation_steps": s["gas8"],
+        "hetloco": {"sparseloco": {"inner_steps": s["h8"]}, "subspace": {"compressed_replicas": "none"},
+                    "train": {"seq_len": s["seq8"], "checkpoint_interval": s["h8"], "keep_checkpoints": 1}}})
+    steps = 4 * s["h8"]
+    res.add("8b", stock("stock_8b_s4", work, 4, 4, s["model8"], s["mb8"], s["gas8"], s["seq8"], s["stock_steps"],
+                        a.timeout, vocab=s["vocab"]))
+    res.add("8b", ours("ours_8b_s4_default", work, 4, cfg, s["model8"], steps, a.timeout, stop_after=2 * s["h8"] + 4,
+                       until_committed=True))
+    cpu = deep_update(cfg, {"hetloco": {"sparseloco": {"outer_state_device": "cpu"}, "train": {"checkpoint_interval": 0}}})
+    res.add("8b", ours("ours_8b_s4_outer_cpu", work, 4, cpu, s["model8"], steps, a.timeout, stop_after=2 * s["h8"] + 4))
+
+
+PARTS = {"profile": part_profile, "speed": part_speed, "memory": part_memory, "s178": part_s178, "8b": part_8b}
 
 
 def shapes(cpu: bool) -> dict:
@@ -245,9 +266,11 @@ def shapes(cpu: bool) -> dict:
                                    "bf16": {"enabled": False},
                                    "hetloco": {"sparseloco": {"inner_steps": 3}, "train": {"seq_len": 32}}})
         return dict(nproc=4, model="tiny", ours_model="tiny", vocab=256, mb=2, gas=4, seq=32, stock_steps=4,
-                    ours_steps=4, profile_step=3, config=cfg, model178="tiny", mb178=2, seq178=32)
+                    ours_steps=4, profile_step=3, config=cfg, model178="tiny", mb178=2, seq178=32,
+                    model8="tiny", mb8=1, gas8=4, seq8=32, h8=4)
     return dict(nproc=4, model="1B", ours_model="1B", vocab=8192, mb=4, gas=8, seq=1024, stock_steps=14,
-                ours_steps=28, profile_step=12, config=HET_1B, model178="178M", mb178=8, seq178=2048)
+                ours_steps=28, profile_step=12, config=HET_1B, model178="178M", mb178=8, seq178=2048,
+                model8="8B", mb8=1, gas8=16, seq8=2048, h8=10)
 
 
 def summarize(files: list[str]) -> dict:
