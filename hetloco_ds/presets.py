@@ -32,6 +32,9 @@ PRESETS: dict[str, dict] = {
                  intermediate_size=3904, max_position_embeddings=2048),
     "1B": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=8,
                intermediate_size=8192, max_position_embeddings=1024),
+    # Llama-3.2-3B's shape (its vocabulary is 128256; its context 128K, here 8192 as Llama-3-8B's).
+    "3B": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+               intermediate_size=8192, max_position_embeddings=8192),
     # Llama-3-8B's shape (its vocabulary is 128256: pass it as the vocab), the largest that issue 28 trains.
     "8B": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=14336, max_position_embeddings=8192),

@@ -246,6 +246,37 @@ def stage_state_bytes(params: int, bf16: bool = True, sparseloco: bool = True, o
     return params * per
 
 
+def layer_activation_bytes(d: int, ffn: int, kv_dim: int, act_bytes: int = 2) -> int:
+    """Bytes one decoder layer (`model.DecoderLayer`: transformers' LlamaDecoderLayer, SDPA, our
+    RMSNorm) saves for its backward, per token, under autocast at `act_bytes` (2: bf16): each of the
+    two RMSNorms its fp32 input (4d) and its normalised input and output (2 x act d); attention q
+    and its output (2 x act d; SDPA's output is o_proj's input as is) and k, v (2 x act kv_dim);
+    SwiGLU gate and up outputs, silu(gate) and their product (4 x act ffn). No L^2 term (fused
+    attention keeps one log-sum-exp a head and position)."""
+    return 8 * d + act_bytes * (6 * d + 2 * kv_dim + 4 * ffn)
+
+
+def logit_bytes(vocab: int, act_bytes: int = 2) -> int:
+    """Bytes per token of the last stage's loss at the height of its backward (`model.causal_lm_loss`):
+    the logits (act_bytes a logit), log-softmax's fp32 output, its fp32 gradient and the fp32
+    gradient of its input (12 a logit)."""
+    return vocab * (act_bytes + 12)
+
+
+def stage_activation_bytes(tokens: int, layers: int, in_flight: int, d: int, ffn: int, kv_dim: int,
+                           vocab: int | None = None, act_bytes: int = 2) -> int:
+    """Device bytes a stage's activations hold at their peak: `in_flight` micro-batches of `tokens`
+    tokens (`pipe.order.depth` for its schedule) through its `layers` decoder layers
+    (`layer_activation_bytes`), plus one layer's worth as the backward's working set (the gradients
+    of the layer being differentiated); on the last stage (`vocab` given) the final RMSNorm's
+    saved tensors per micro-batch in flight and one micro-batch's loss (`logit_bytes`)."""
+    per_layer = layer_activation_bytes(d, ffn, kv_dim, act_bytes)
+    total = (in_flight * layers + 1) * tokens * per_layer
+    if vocab is not None:
+        total += in_flight * tokens * (4 + 2 * act_bytes) * d + tokens * logit_bytes(vocab, act_bytes)
+    return total
+
+
 # --------------------------------------------------------------------------- pipeline layout
 @dataclass(frozen=True)
 class LayerLayout:

@@ -374,7 +374,7 @@ def test_fleet_with_one_s_gives_the_numbers_it_gave_before_mixed_topologies():
 
 def test_fleet_proposes_a_mixed_fleet_for_a_big_host_beside_small_machines():
     """examples/heterogeneous_fleet/mixed_fleet.json, 1B: an 8 x 80 GB host holds a replica per GPU
-    (S = 1), 24 GB desktops need 2 stages, 12 GB laptops 4. The planner gives each group its own S
+    (S = 1), 24 GB desktops need 2 stages, 16 GB laptops 4. The planner gives each group its own S
     (replica 0's ranks first), the outer sync is by the common partition's 4 blocks, the S = 1
     ranks hold all 4 and set its time, the host waits for the laptops, and the config it prints
     parses and names as many ranks as the groups lend. One S for all (the old planner's S = 4)
@@ -486,3 +486,146 @@ def test_plan_boundary_bytes_equal_the_engine_message(vocab, wire):
     assert p.fwd_bytes_microbatch == sent
     assert [tuple(t.shape) for t in message] == [s for s, _ in codec.message_spec(b, L)]
     assert torch.equal(codec.decode(message)[1], ids)
+
+
+# --------------------------------------------------------------------- device memory (issue 28)
+def test_stage_memory_is_sizes_state_plus_the_schedules_activations_by_hand():
+    """TINY (d 8, ffn 16, kv 8, vocab 32) in 2 stages, 4 tokens a micro-batch, 8 a step: each
+    stage's state is sizes.stage_state_bytes of its parameters; a decoder layer saves
+    8 x 8 + 2 x (6 x 8 + 2 x 8 + 4 x 16) = 320 B a token; the last stage adds its final norm,
+    (4 + 4) x 8 B a token per micro-batch in flight, and one micro-batch's loss, 32 x 14 B a token.
+    Overlapped, stage 0 holds 3 (S - 1) + 1 = 4 micro-batches, blocking S = 2; the last stage 1.
+    Outer state on the host: 8 B a parameter less. Breaks if plan restates a size rule or ignores
+    the schedule's depth."""
+    assert sizes.layer_activation_bytes(8, 16, 8) == 320
+    p0, p1 = (sum(math.prod(s) for _, s in ts) for ts in plan.stage_tensors(TINY, 2))
+    kw = dict(micro_batch=1, n_mb=8)
+    over = plan.stage_memory_bytes(TINY, 2, **kw)
+    assert over == [26 * p0 + (4 * 1 + 1) * 4 * 320, 26 * p1 + (1 * 1 + 1) * 4 * 320 + 4 * 8 * 8 + 4 * 32 * 14]
+    block = plan.stage_memory_bytes(TINY, 2, schedule="blocking", **kw)
+    assert block == [26 * p0 + (2 + 1) * 4 * 320, over[1]]
+    cpu = plan.stage_memory_bytes(TINY, 2, outer_state_device="cpu", **kw)
+    assert cpu == [over[0] - 8 * p0, over[1] - 8 * p1]
+    assert plan.min_stages(TINY, max(over), **kw) <= 2 and plan.min_stages(TINY, 1.0, **kw) is None
+
+
+def test_fleet_with_the_outer_state_on_the_host_needs_fewer_stages_and_says_so():
+    """mixed_fleet.json's 16 GB laptops need S = 4 for 1B with the outer state on the GPU; on the host
+    (8 B/parameter less on every stage) S = 2 holds a replica, and the config it prints sets
+    hetloco.sparseloco.outer_state_device "cpu" so the run is the one planned."""
+    gpu = plan.plan_fleet(str(MIXED_FLEET), "1B", 0.9, n_mb=64)
+    cpu = plan.plan_fleet(str(MIXED_FLEET), "1B", 0.9, n_mb=64, outer_state_device="cpu")
+    need = {g.name: g.stages_needed for g in cpu.groups}
+    assert {g.name: g.stages_needed for g in gpu.groups}["laptops"] == 4 and need["laptops"] < 4
+    assert cpu.config["hetloco"]["sparseloco"]["outer_state_device"] == "cpu"
+    assert "outer_state_device" not in gpu.config["hetloco"]["sparseloco"]
+
+
+def test_layer_activation_rule_matches_the_tensors_a_decoder_layer_saves():
+    """sizes.layer_activation_bytes against what our DecoderLayer (transformers' LlamaDecoderLayer)
+    actually saves for backward under bf16 autocast on this CPU, per token (the difference of two
+    sequence lengths, so the cached weight casts and rotary tables drop out), within 5%: GQA and
+    not, two FFN widths. Breaks if a transformers or torch upgrade changes what a layer keeps."""
+    from transformers import LlamaConfig
+
+    from hetloco_ds.model import DecoderLayer
+
+    def saved(layer, d, L):
+        storages = {}
+        x = torch.randn(1, L, d).to(torch.bfloat16).requires_grad_()
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer((x, None))
+        own = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers(), x]}
+        return sum(n for p, n in storages.items() if p not in own)
+
+    torch.manual_seed(0)
+    for d, ffn, heads, kv_heads in [(256, 1024, 4, 4), (256, 512, 4, 1), (512, 1376, 8, 2)]:
+        cfg = LlamaConfig(hidden_size=d, intermediate_size=ffn, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          num_hidden_layers=1, vocab_size=64, max_position_embeddings=256)
+        layer = DecoderLayer(cfg, 0)
+        per_token = (saved(layer, d, 256) - saved(layer, d, 128)) / 128
+        rule = sizes.layer_activation_bytes(d, ffn, d // heads * kv_heads)
+        assert rule == pytest.approx(per_token, rel=0.05), (d, ffn, kv_heads, per_token, rule)
+
+
+SCALE = REPO / "bench" / "results" / "scale_h100x4"
+MEMORY_TOLERANCE = (-0.05, 0.10)
+"""Predicted peak / measured peak - 1 allowed. Tight below: a plan that under-predicts proposes a
+run that runs out of memory. Looser above: over-predicting only costs a smaller model than would fit,
+and the planners add MEMORY_HEADROOM for what allocated bytes leave out."""
+
+
+def _measured_stage_peaks():
+    """(file, run, config, {stage: GiB}) for every ours row of bench/scale.py's committed GPU runs:
+    a profiled row gives every rank's peak allocated (rank = stage x M + replica, the stage's peak is
+    the max over its replicas), the others the metrics writers' (each replica's last stage)."""
+    for name in ("speed_pinned_loads_r0_r1.json", "speed_r2_memory_s178.json", "s178_r1_r2.json"):
+        for row in json.loads((SCALE / name).read_text())["rows"]:
+            if row["system"] != "ours" or row["rc"] != 0:
+                continue
+            cfg = row["config"]
+            S = cfg["pipeline"]["stages"]
+            peaks = {S - 1: row["peak_memory_gib_writers"]}
+            if row["profile"]:
+                M = row["nproc"] // S
+                peaks = {s: max(row["profile"][f"rank{s * M + r}"]["peak_allocated_gib"] for r in range(M))
+                         for s in range(S)}
+            yield name, row, cfg, peaks
+
+
+def test_plan_memory_matches_the_peaks_measured_on_h100s():
+    """plan's per-stage peak (`stage_memory_bytes`) against every stage peak bench/scale.py measured on
+    4x H100 (1B on one GPU with the outer state on the GPU and on the host; 1B M = 2 x S = 2 under
+    both schedules, every rank profiled; 178M S = 2's last stage), each at its run's shape, micro-batch,
+    accumulation, seq_len, schedule and outer-state placement, vocabulary 8192 (the default data's
+    BPE, data.DEFAULT_VOCAB_SIZE). The schedule "auto" ran overlapped (copy-engine links on one host).
+    Breaks if the memory rules drift from what training holds by more than MEMORY_TOLERANCE."""
+    from hetloco_ds.data import DEFAULT_VOCAB_SIZE
+
+    lo, hi = MEMORY_TOLERANCE
+    cases = 0
+    for name, row, cfg, peaks in _measured_stage_peaks():
+        h = cfg["hetloco"]
+        schedule = h.get("pipeline", {}).get("schedule", "auto")
+        predicted = plan.stage_memory_bytes(
+            ModelShape.preset(row["model"], vocab=DEFAULT_VOCAB_SIZE), cfg["pipeline"]["stages"],
+            micro_batch=cfg["train_micro_batch_size_per_gpu"], n_mb=cfg["gradient_accumulation_steps"],
+            seq_len=h["train"]["seq_len"], schedule="overlapped" if schedule == "auto" else schedule,
+            bf16=cfg["bf16"]["enabled"], outer_state_device=h["sparseloco"].get("outer_state_device", "gpu"))
+        for s, gib in peaks.items():
+            ratio = predicted[s] / 2**30 / gib
+            assert 1 + lo <= ratio <= 1 + hi, (name, row["name"], s, predicted[s] / 2**30, gib)
+            cases += 1
+    assert cases == 13  # 1B S = 2: 2 profiled rows x 2 stages + 4 writers' rows; 1B S = 1: 2; 178M S = 2: 3
+
+
+def test_largest_preset_grows_with_gpus_and_memory():
+    """More GPUs or more memory never gives a smaller largest preset, and the host's outer state never
+    a smaller one than the GPU's; every answer fits its budget in at most that many stages."""
+    size = {name: m.n_params() for name, m in plan.PRESETS.items()}
+    table = plan.largest_table(32000, seq_len=2048)
+    for i, row in enumerate(table):
+        for j, (gpu, cpu) in enumerate(row):
+            assert gpu.preset and size[cpu.preset] >= size[gpu.preset] and gpu.stages <= gpu.gpus
+            assert gpu.peak_gb <= 0.9 * gpu.memory_gb
+            if i:
+                assert size[gpu.preset] >= size[table[i - 1][j][0].preset]
+            if j:
+                assert size[gpu.preset] >= size[row[j - 1][0].preset]
+
+
+@pytest.mark.parametrize("marker", ["plan-largest", "plan-largest-2048"])
+def test_readme_largest_table_is_the_commands_output(marker, capsys):
+    """README's table of the largest preset per GPU count and memory is what `hetloco-ds plan
+    --largest` prints now (breaks when the memory rules, the presets or the README drift apart)."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split(f"<!-- {marker} -->")[1].split(f"<!-- /{marker} -->")[0]
+    command, output = block.strip().strip("`").strip().split("\n", 1)
+    argv = command.split()
+    assert argv[:3] == ["hetloco-ds", "plan", "--largest"]
+    assert plan.main(argv[2:]) == 0
+    assert capsys.readouterr().out.strip() == output.strip()

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..presets import DEFAULT_VOCAB
 from ..sizes import QUANT_BITS
 from .fleet import FleetPlan, plan_fleet
+from .memory import format_largest, largest_table
 from .model import PRESETS, TERMS, ModelShape, Prediction, Settings, fmt_bytes, fmt_rate, fmt_time, parse_rate, predict, resolve_model
 from .outer_step import OuterStep, predict_outer_step
 
@@ -180,6 +182,11 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
                     "of its replicas (hetloco.replica_stages, or pipeline.stages x --replicas), each with its own S "
                     "and ratio, and who waits for whom; it sets H, top-k, the batch, seq_len, bf16, the schedule, "
                     "and options given here override those")
+    ap.add_argument("--largest", action="store_true", help="print the largest preset one replica trains on 1, 2, 4, "
+                    "8 GPUs of 24, 40, 80, 141 GB, with the outer state on the GPU and on the host (--vocab, --seq-len, "
+                    "--micro-batch, --n-mb, --schedule apply to every preset)")
+    ap.add_argument("--outer-state-device", choices=("gpu", "cpu"), default="gpu",
+                    help="fleet: where the outer state waits between outer steps (hetloco.sparseloco.outer_state_device)")
     ap.add_argument("--target", type=float, default=0.9, help="fleet: target compute utilisation")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON ('-' = stdout)")
     return ap
@@ -253,10 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         m = _model_from_args(a)
         settings = settings_from_args(a)
-        if a.fleet and a.config:
-            raise ValueError("give --fleet (plan a fleet) or --config (predict a configured run), not both")
+        if sum(map(bool, (a.fleet, a.config, a.largest))) > 1:
+            raise ValueError("give one of --fleet (plan a fleet), --config (predict a configured run), --largest")
+        if a.largest:
+            return _print_largest(a, settings)
         if a.fleet:
-            res: Any = plan_fleet(a.fleet, m, a.target, settings, stages=a.stages)
+            res: Any = plan_fleet(a.fleet, m, a.target, settings, stages=a.stages, outer_state_device=a.outer_state_device)
             text = format_fleet(res)
         elif a.config:
             res = predict_outer_step(m, replicas_from_config(a.config, a))
@@ -275,4 +284,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.json:
             Path(a.json).write_text(payload + "\n")
             print(f"\nwrote {a.json}")
+    return 0
+
+
+def largest_text(a: argparse.Namespace, settings: Settings) -> str:
+    """The `--largest` table for the batch, sequence length, schedule and vocabulary given."""
+    vocab = a.vocab or DEFAULT_VOCAB
+    schedule = "overlapped" if settings.overlap else "blocking"
+    table = largest_table(vocab, micro_batch=settings.micro_batch, n_mb=settings.n_mb, seq_len=settings.seq_len,
+                          schedule=schedule, bf16=settings.act_bytes == 2)
+    return format_largest(table, vocab, settings.micro_batch, settings.n_mb, settings.seq_len, schedule)
+
+
+def _print_largest(a: argparse.Namespace, settings: Settings) -> int:
+    for name in ("d", "layers", "heads", "kv_heads", "ffn"):
+        if getattr(a, name) is not None:
+            raise ValueError(f"--largest compares the presets; --{name.replace('_', '-')} does not apply")
+    if a.json:
+        raise ValueError("--largest prints a table; --json does not apply")
+    print(largest_text(a, settings))
     return 0

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 from .. import sizes
+from .memory import MEMORY_HEADROOM, min_stages, stage_memory_bytes
 from .model import ModelShape, Settings, check_positive, fmt_rate, parse_rate, predict, resolve_model, stage_tensors
 from .outer_step import OuterStep, exchange_times, predict_outer_step
 
@@ -83,40 +83,6 @@ def load_fleet(fleet: str | Path | Sequence[dict] | dict) -> list[DeviceGroup]:
     if len(set(names)) != len(names):
         raise ValueError(f"fleet group names must be unique, got {names}")
     return groups
-
-
-def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1,
-                       bytes_per_param: int = 16, outer_state_bytes_per_param: int = 8,
-                       activation_checkpointing: bool = False, seq_len: int | None = None) -> list[int]:
-    """Device memory each stage needs.
-
-    Parameters: `bytes_per_param` (16 = fp32 master 4 + AdamW moments 8 + bf16 weights 2 + bf16
-    grads 2) plus `outer_state_bytes_per_param` (8 = SparseLoCo's fp32 error feedback and fp32
-    theta at the last sync; 0 if those live in host memory).
-    Activations (bf16, FlashAttention so no L^2 term, Korthikanti et al. 2022): 34*d bytes per
-    token and layer, or 2*d per layer plus one layer's 34*d with activation checkpointing; 1F1B
-    keeps S - s micro-batches in flight on stage s. The last stage adds 6 bytes per logit (bf16
-    logits + fp32 loss). Framework overhead is the planner's `memory_headroom`.
-    """
-    L = model.seq_len if seq_len is None else seq_len
-    tok = micro_batch * L
-    out = []
-    for s, (ts, nl) in enumerate(zip(stage_tensors(model, stages), sizes.decoder_layers_per_stage(model.n_layers, stages))):
-        params = sum(math.prod(x) for _, x in ts)
-        per_mb = tok * (nl * 2 * model.d + 34 * model.d) if activation_checkpointing else tok * nl * 34 * model.d
-        act = (stages - s) * per_mb
-        if s == stages - 1:
-            act += tok * model.vocab * 6
-        out.append(params * (bytes_per_param + outer_state_bytes_per_param) + act)
-    return out
-
-
-def min_stages(model: ModelShape, memory_bytes: float, **mem_kw: Any) -> int | None:
-    """Smallest S whose every stage fits `memory_bytes`; None if even one layer per stage does not."""
-    for s in range(1, model.n_layers + 1):
-        if max(stage_memory_bytes(model, s, **mem_kw)) <= memory_bytes:
-            return s
-    return None
 
 
 @dataclass
@@ -196,17 +162,17 @@ def plan_fleet(
     *,
     stages: int | None = None,
     ratios: Sequence[int] = DEFAULT_RATIOS,
-    bytes_per_param: int = 16,
-    outer_state_bytes_per_param: int = 8,
-    activation_checkpointing: bool = False,
-    memory_headroom: float = 0.9,
+    outer_state_device: str = "gpu",
+    memory_headroom: float = MEMORY_HEADROOM,
     tolerance: float = 0.005,
     **overrides: Any,
 ) -> FleetPlan:
     """Plan a heterogeneous fleet.
 
     1. Memory: each group's smallest stage count S_g whose per-stage memory
-       (`stage_memory_bytes`) fits `memory_headroom` of one device.
+       (`plan.memory.stage_memory_bytes`: `sizes`' rules, the schedule's micro-batches in flight,
+       the outer state on the device or, `outer_state_device="cpu"`, on the host) fits
+       `memory_headroom` of one device.
     2. Topology: each group's replicas get its own S_g (`hetloco.replica_stages`): a group whose
        devices hold a replica in fewer stages (one large GPU, one 8-GPU host) is not cut as deep as
        the small-memory machines' pipelines. A group with fewer devices than S_g, or whose device
@@ -228,9 +194,9 @@ def plan_fleet(
         raise ValueError(f"plan_fleet: {err}") from None
     groups = load_fleet(fleet)
     valid_ratios = _checked_ratios(m, target_utilisation, memory_headroom, ratios)
-    mem_kw = dict(micro_batch=base.micro_batch, bytes_per_param=bytes_per_param,
-                  outer_state_bytes_per_param=outer_state_bytes_per_param,
-                  activation_checkpointing=activation_checkpointing)
+    mem_kw = dict(micro_batch=base.micro_batch, n_mb=base.n_mb, seq_len=base.seq_len,
+                  schedule="overlapped" if base.overlap else "blocking", bf16=base.act_bytes == 2,
+                  outer_state_device=outer_state_device)
     notes: list[str] = []
     need = {g.name: min_stages(m, g.memory_gb * 1e9 * memory_headroom, **mem_kw) for g in groups}
     depth, why = _group_stages(m, groups, need, stages, memory_headroom, mem_kw, notes)
@@ -265,13 +231,13 @@ def plan_fleet(
                      "slowest, which fleet_utilisation counts.")
     used = {f: getattr(base, f) for f in ("mfu", "micro_batch", "n_mb", "H", "topk", "chunk", "quant_bits",
                                           "value_bytes", "act_bytes", "overlap")}
-    used.update(bytes_per_param=bytes_per_param, outer_state_bytes_per_param=outer_state_bytes_per_param,
-                activation_checkpointing=activation_checkpointing, memory_headroom=memory_headroom,
+    used.update(outer_state_device=outer_state_device, memory_headroom=memory_headroom,
                 ratios=list(valid_ratios), stage_memory_gb=max(p.stage_memory_gb for p in plans if p.stages))
     one_s = replica_stages[0] if len(set(replica_stages)) == 1 else None
     return FleetPlan(m.name, one_s, M, target_utilisation, ring_bw, ring_lat, step.outer_sync_time,
                      step.outer_step_time, step.tokens_per_second, plans, used, notes, replica_stages,
-                     step.block_parts, step.exchange_time, slowest, fleet_config(m, base, plans, replica_stages, one_s))
+                     step.block_parts, step.exchange_time, slowest,
+                     fleet_config(m, base, plans, replica_stages, one_s, outer_state_device))
 
 
 def _place(plans: list[GroupPlan], step: OuterStep, contiguous: bool) -> str:
@@ -294,11 +260,12 @@ def _place(plans: list[GroupPlan], step: OuterStep, contiguous: bool) -> str:
 
 
 def fleet_config(m: ModelShape, base: Settings, plans: list[GroupPlan], replica_stages: list[int],
-                 stages: int | None) -> dict[str, Any]:
+                 stages: int | None, outer_state_device: str = "gpu") -> dict[str, Any]:
     """The DeepSpeed JSON keys that run the planned fleet as the plan modelled it: the topology
     (pipeline.stages when every replica has the one S `stages`, else hetloco.replica_stages), the compressed replicas and
     their ratios (the most common one as `ratio`, the others in `replica_ratios`), H, the batch,
-    the sequence length, bf16 when stage links carry 2-byte activations, the schedule."""
+    the sequence length, bf16 when stage links carry 2-byte activations, the schedule, the outer
+    state on the host where the plan put it there."""
     ratio_of = {}
     for gp in plans:
         if gp.stages is not None and gp.ratio and gp.ratio > 1:
@@ -316,6 +283,8 @@ def fleet_config(m: ModelShape, base: Settings, plans: list[GroupPlan], replica_
     hetloco["sparseloco"] = {"inner_steps": base.H, "topk": base.topk, "chunk_size": base.chunk}
     if base.quant_bits is not None:
         hetloco["sparseloco"]["quant_bits"] = base.quant_bits
+    if outer_state_device != "gpu":
+        hetloco["sparseloco"]["outer_state_device"] = outer_state_device
     hetloco["train"] = {"seq_len": base.seq_len or m.seq_len}
     if not base.overlap:
         hetloco["pipeline"] = {"schedule": "blocking"}

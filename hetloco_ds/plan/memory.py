@@ -1,0 +1,114 @@
+"""Device memory a stage needs, and the largest named shape our defaults train on a GPU count and
+memory (`hetloco-ds plan --largest`).
+
+Every size rule is `sizes`'s: parameters, gradients, AdamW's moments, bf16 weight casts and the
+outer state from `sizes.stage_state_bytes`; activations from `sizes.stage_activation_bytes`, with
+each stage's micro-batches in flight from `pipe.order.depth` for the schedule in use.
+tests/test_plan.py checks the sum against the peaks measured on H100s (bench/results/scale_h100x4/).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .. import sizes
+from ..pipe.order import depth
+from .model import PRESETS, ModelShape, check_positive, stage_tensors
+
+LARGEST_GPUS = (1, 2, 4, 8)
+"""GPU counts of the `--largest` table's rows."""
+LARGEST_MEMORY_GB = (24, 40, 80, 141)
+"""Per-GPU memory (GB, 1e9 bytes) of its columns."""
+MEMORY_HEADROOM = 0.9
+"""Fraction of a device's memory the planners let a stage's predicted peak take (the rest: the CUDA
+context, the allocator's cached blocks, communication buffers)."""
+
+
+def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, n_mb: int = 32,
+                       seq_len: int | None = None, schedule: str = "overlapped", bf16: bool = True,
+                       sparseloco: bool = True, outer_state_device: str = "gpu") -> list[int]:
+    """Peak device bytes of each stage of one replica in `stages` stages: `sizes.stage_state_bytes`
+    of its parameters plus `sizes.stage_activation_bytes` of its layers, with `pipe.order.depth`
+    micro-batches of micro_batch x seq_len tokens in flight (of `n_mb` a step) under `schedule`.
+    Left out: a compressed replica's basis U and T_perp buffer (d x k and V x d fp32 on its stages)."""
+    L = model.seq_len if seq_len is None else seq_len
+    tokens = micro_batch * L
+    act_bytes = 2 if bf16 else 4
+    layers = sizes.decoder_layers_per_stage(model.n_layers, stages)
+    out = []
+    for s, (tensors, nl) in enumerate(zip(stage_tensors(model, stages), layers)):
+        params = sum(math.prod(shape) for _, shape in tensors)
+        act = sizes.stage_activation_bytes(tokens, nl, depth(schedule, stages, s, n_mb), model.d, model.ffn,
+                                           model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes)
+        out.append(sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device) + act)
+    return out
+
+
+def min_stages(model: ModelShape, memory_bytes: float, most: int | None = None, **mem_kw) -> int | None:
+    """Smallest S (at most `most`, and at most one decoder layer a stage) whose every stage fits
+    `memory_bytes`; None if none does."""
+    for s in range(1, min(model.n_layers, most or model.n_layers) + 1):
+        if max(stage_memory_bytes(model, s, **mem_kw)) <= memory_bytes:
+            return s
+    return None
+
+
+@dataclass(frozen=True)
+class Largest:
+    """The largest preset one replica trains on `gpus` GPUs of `memory_gb` each, in `stages` stages."""
+
+    gpus: int
+    memory_gb: float
+    outer_state_device: str
+    preset: str | None
+    """None: not even the smallest preset fits."""
+    stages: int | None
+    params: int | None
+    peak_gb: float | None
+    """Its busiest stage's predicted peak."""
+
+
+def largest_preset(gpus: int, memory_gb: float, vocab: int, *, presets: Sequence[str] | None = None,
+                   headroom: float = MEMORY_HEADROOM, **mem_kw) -> Largest:
+    """The preset with the most parameters (at vocabulary `vocab`, its own sequence length unless
+    mem_kw names one) that one replica of at most `gpus` stages trains with every stage's
+    `stage_memory_bytes` within `headroom` x `memory_gb`, and its fewest stages."""
+    check_positive("gpus", gpus, integer=True)
+    check_positive("memory_gb", memory_gb)
+    shapes = [ModelShape.preset(name, vocab=vocab) for name in (presets or PRESETS)]
+    device = mem_kw.get("outer_state_device", "gpu")
+    for m in sorted(shapes, key=lambda x: x.n_params(), reverse=True):
+        S = min_stages(m, memory_gb * 1e9 * headroom, most=gpus, **mem_kw)
+        if S is not None:
+            return Largest(gpus, memory_gb, device, m.name, S, m.n_params(), max(stage_memory_bytes(m, S, **mem_kw)) / 1e9)
+    return Largest(gpus, memory_gb, device, None, None, None, None)
+
+
+def largest_table(vocab: int, gpus: Sequence[int] = LARGEST_GPUS, memory_gb: Sequence[float] = LARGEST_MEMORY_GB,
+                  devices: Sequence[str] = ("gpu", "cpu"), **mem_kw) -> list[list[tuple[Largest, ...]]]:
+    """`largest_preset` for every GPU count (rows) and memory (columns), one entry per outer-state
+    placement in `devices`."""
+    return [[tuple(largest_preset(g, mem, vocab, outer_state_device=dev, **mem_kw) for dev in devices)
+             for mem in memory_gb] for g in gpus]
+
+
+def format_largest(table: list[list[tuple[Largest, ...]]], vocab: int, micro_batch: int, n_mb: int,
+                   seq_len: int | None, schedule: str) -> str:
+    """The `--largest` table: per cell "preset S=n" for each outer-state placement, "/"-separated."""
+    mems = [row[0].memory_gb for row in table[0]]
+    places = " / ".join(f'"{c.outer_state_device}"' for c in table[0][0])
+    seq = (f"seq_len {seq_len}" if seq_len else "each preset's own seq_len ("
+           + ", ".join(f"{n} {m.seq_len}" for n, m in PRESETS.items()) + ")")
+    head = (f"Largest preset one replica trains (fewest stages S <= GPUs; every stage's predicted peak "
+            f"<= {MEMORY_HEADROOM:g} x the GPU's memory), {schedule} schedule, micro-batch {micro_batch} x "
+            f"{n_mb} a step, {seq}, vocab {vocab}, bf16, AdamW; outer state {places} "
+            f"(sparseloco.outer_state_device):")
+    cols = ["GPUs"] + [f"{m:g} GB" for m in mems]
+    rows = [cols]
+    for row in table:
+        cells = [" / ".join("-" if c.preset is None else f"{c.preset} S={c.stages}" for c in cell) for cell in row]
+        rows.append([str(row[0][0].gpus)] + cells)
+    w = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    return head + "\n\n" + "\n".join(lines)
