@@ -583,6 +583,9 @@ def test_plan_memory_matches_the_peaks_measured_on_h100s():
     both schedules, every rank profiled; 178M S = 2's last stage), each at its run's shape, micro-batch,
     accumulation, seq_len, schedule and outer-state placement, vocabulary 8192 (the default data's
     BPE, data.DEFAULT_VOCAB_SIZE). The schedule "auto" ran overlapped (copy-engine links on one host).
+    Not an out-of-sample check for every term: the per-layer rule is read from the code (and checked
+    above on the CPU), but the backward working set and the loss's bytes a logit were chosen among
+    code-read accountings with these runs in view; a new shape measured on a GPU is the real test.
     Breaks if the memory rules drift from what training holds by more than MEMORY_TOLERANCE."""
     from hetloco_ds.data import DEFAULT_VOCAB_SIZE
 
