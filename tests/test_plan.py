@@ -560,11 +560,14 @@ and the planners add MEMORY_HEADROOM for what allocated bytes leave out."""
 
 
 def _measured_stage_peaks():
-    """(file, run, config, {stage: GiB}) for every ours row of bench/scale.py's committed GPU runs:
-    a profiled row gives every rank's peak allocated (rank = stage x M + replica, the stage's peak is
-    the max over its replicas), the others the metrics writers' (each replica's last stage)."""
-    for name in ("speed_pinned_loads_r0_r1.json", "speed_r2_memory_s178.json", "s178_r1_r2.json"):
-        for row in json.loads((SCALE / name).read_text())["rows"]:
+    """(file, run, config, {stage: GiB}) for every ours row of bench/scale.py's committed GPU runs
+    (every JSON of bench/results/scale_h100x4 with rows: a run committed there later, the 8B one,
+    joins the check): a profiled row gives every rank's peak allocated (rank = stage x M + replica,
+    the stage's peak is the max over its replicas), the others the metrics writers' (each replica's
+    last stage)."""
+    for path in sorted(SCALE.glob("*.json")):
+        name = path.name
+        for row in json.loads(path.read_text()).get("rows", []):
             if row["system"] != "ours" or row["rc"] != 0:
                 continue
             cfg = row["config"]
@@ -579,7 +582,7 @@ def _measured_stage_peaks():
 
 def test_plan_memory_matches_the_peaks_measured_on_h100s():
     """plan's per-stage peak (`stage_memory_bytes`) against every stage peak bench/scale.py measured on
-    4x H100 (1B on one GPU with the outer state on the GPU and on the host; 1B M = 2 x S = 2 under
+    4x H100 (so far: 1B on one GPU with the outer state on the GPU and on the host; 1B M = 2 x S = 2 under
     both schedules, every rank profiled; 178M S = 2's last stage), each at its run's shape, micro-batch,
     accumulation, seq_len, schedule and outer-state placement, vocabulary 8192 (the default data's
     BPE, data.DEFAULT_VOCAB_SIZE). The schedule "auto" ran overlapped (copy-engine links on one host).
@@ -603,7 +606,8 @@ def test_plan_memory_matches_the_peaks_measured_on_h100s():
             ratio = predicted[s] / 2**30 / gib
             assert 1 + lo <= ratio <= 1 + hi, (name, row["name"], s, predicted[s] / 2**30, gib)
             cases += 1
-    assert cases == 13  # 1B S = 2: 2 profiled rows x 2 stages + 4 writers' rows; 1B S = 1: 2; 178M S = 2: 3
+    # at least: 1B S = 2, 4 profiled rows x 2 stages + 4 writers' rows; 1B S = 1, 2; 178M S = 2, 3
+    assert cases >= 17
 
 
 def test_largest_preset_grows_with_gpus_and_memory():
