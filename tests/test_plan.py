@@ -572,8 +572,8 @@ def _measured_stage_peaks():
                 continue
             cfg = row["config"]
             S = cfg["pipeline"]["stages"]
-            peaks = {S - 1: row["peak_memory_gib_writers"]}
-            if row["profile"]:
+            peaks = {S - 1: row["peak_memory_gib_writers"]} if row.get("peak_memory_gib_writers") else {}
+            if row.get("profile"):
                 M = row["nproc"] // S
                 peaks = {s: max(row["profile"][f"rank{s * M + r}"]["peak_allocated_gib"] for r in range(M))
                          for s in range(S)}
