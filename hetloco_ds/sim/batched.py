@@ -35,6 +35,7 @@ from ..boundary import decode_hidden, encode_hidden
 from ..config import HetlocoConfig, RunConfig
 from ..model import TokenEmbedding, causal_lm_loss, layer_list
 from .core import build_layers, link_bytes, outer_step_all, stage_algorithms, tied_apart
+from .sharded import Shards
 
 
 class _Stage(nn.Module):
@@ -55,9 +56,11 @@ class ReplicaView:
     """Replica m's modules, parameters and per-stage method state, its parameters being views of
     row m of the stacked tensors (what StageAlgorithm reads and writes)."""
 
-    def __init__(self, template, stacked: dict[int, nn.Parameter], m: int, parts, hetloco, num_replicas, device):
-        self.replica = m
-        memo = {pid: nn.Parameter(t.detach()[m], requires_grad=False) for pid, t in stacked.items()}
+    def __init__(self, template, stacked: dict[int, nn.Parameter], m: int, parts, hetloco, num_replicas, device,
+                 row: int | None = None):
+        self.replica = m  # the global id (a sharded row's block holds rows 0.. of its stacked tensors)
+        row = m if row is None else row
+        memo = {pid: nn.Parameter(t.detach()[row], requires_grad=False) for pid, t in stacked.items()}
         self.layers = copy.deepcopy(template, memo)
         self.parts = parts
         self.stage_params, self.algorithms, self.links = stage_algorithms(
@@ -73,16 +76,21 @@ class ReplicaView:
 
 class BatchedSimulation:
     """M replicas x S virtual stages as one batched computation; the interface of
-    `replica.Simulation` (train_step, outer_step, validation_losses, link_bytes_per_step)."""
+    `replica.Simulation` (train_step, outer_step, validation_losses, link_bytes_per_step).
+
+    With `shards` (a `sharded.Shards` of G processes) this process holds only its block of the M
+    replicas (`replicas`, `params` and losses are that block's); whatever couples replicas
+    meets the other blocks through it (sim/sharded.py)."""
 
     def __init__(self, run: RunConfig, hetloco: HetlocoConfig, llama_config, replicas: int, stages: int, device,
-                 compile: bool = False):
+                 compile: bool = False, shards: Shards | None = None):
         self.run, self.hetloco, self.M, self.S, self.device = run, hetloco, replicas, stages, device
         self.micro, self.gas = run.micro_batch, run.grad_accum
         self.step = 0
         self.outer_steps = 0
         self.members = tuple(str(m) for m in range(replicas))
-        M = replicas
+        self.shards = shards or Shards(replicas)
+        M = self.shards.local  # replicas stacked in this process
         template = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed,
                                                        tied_apart(llama_config, hetloco, stages))]
         stacked: dict[int, nn.Parameter] = {}
@@ -92,7 +100,8 @@ class BatchedSimulation:
                     stacked[id(p)] = nn.Parameter(p.detach().unsqueeze(0).repeat(M, *([1] * p.dim())))
         self.params = list(stacked.values())
         parts = sizes.stage_parts(llama_config.num_hidden_layers, stages)
-        self.replicas = [ReplicaView(template, stacked, m, parts, hetloco, M, device) for m in range(M)]
+        self.replicas = [ReplicaView(template, stacked, m, parts, hetloco, replicas, device, row)
+                         for row, m in enumerate(self.shards.ids)]
 
         # T_perp of every (replica, stage) becomes a view of one stacked buffer per stage; every
         # later change of it (eqs. 3-4, the AdamW-het re-split, a checkpoint load) is in place.
@@ -124,21 +133,9 @@ class BatchedSimulation:
         self._stage_fns = [vmap(self._stage_call(stage)) for stage in self.stages]
         self._loss = vmap(causal_lm_loss)
 
-        d = llama_config.hidden_size
         self.wire = torch.bfloat16 if run.bf16 else torch.float32
         self.bf16 = run.bf16
-        bases = [r.algorithms[0].basis for r in self.replicas]
-        self.widths = [r.width for r in self.replicas]
-        self.compressed = torch.tensor([b is not None for b in bases], device=device)
-        self.any_compressed = bool(self.compressed.any())
-        self.all_compressed = bool(self.compressed.all())
-        self.basis = None
-        if self.any_compressed:
-            kmax = max(b.shape[1] for b in bases if b is not None)
-            self.basis = torch.zeros(M, d, kmax, device=device)
-            for m, b in enumerate(bases):
-                if b is not None:
-                    self.basis[m, :, :b.shape[1]] = b
+        self._bases(llama_config.hidden_size)
         self._encode = vmap(functools.partial(encode_hidden, wire_dtype=self.wire))
         self._decode = vmap(decode_hidden)
         # One compiled graph for the whole forward and loss: compiling the vmapped pieces one
@@ -154,6 +151,23 @@ class BatchedSimulation:
 
         self.optimizer = optim.build_optimizer(self.params, run.optimizer)
         self.scheduler = optim.build_scheduler(run.scheduler, self.optimizer)
+
+    def _bases(self, d: int) -> None:
+        """Which replicas compress and their bases, zero-padded to the row's largest k; every
+        replica's link width. A sharded row gathers the widths of every block, so each block pads
+        to the k the whole row would and its batched codec computes exactly as the row's."""
+        bases = [r.algorithms[0].basis for r in self.replicas]
+        ks = self.shards.gather(torch.tensor([0 if b is None else b.shape[1] for b in bases], device=self.device))
+        self.widths = [k or d for k in ks.tolist()]
+        self.compressed = torch.tensor([b is not None for b in bases], device=self.device)
+        self.any_compressed = bool(self.compressed.any())
+        self.all_compressed = bool(self.compressed.all())
+        self.basis = None
+        if self.any_compressed:
+            self.basis = torch.zeros(len(bases), d, int(ks.max()), device=self.device)
+            for m, b in enumerate(bases):
+                if b is not None:
+                    self.basis[m, :, :b.shape[1]] = b
 
     @staticmethod
     def _stage_call(stage: _Stage):
@@ -202,9 +216,10 @@ class BatchedSimulation:
         grads = [p.grad for p in self.params if p.grad is not None]
         with torch.no_grad():
             if not self.hetloco.sparseloco.enabled:
-                # Plain data parallelism: every replica steps with the mean gradient.
+                # Plain data parallelism: every replica steps with the mean gradient (of every
+                # block's replicas: each process gathers the row's [M, ...] and takes the same mean).
                 for g in grads:
-                    g.copy_(g.mean(0, keepdim=True).expand_as(g))
+                    g.copy_(self.shards.gather(g).mean(0, keepdim=True).expand_as(g))
             self._clip(grads)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -220,13 +235,17 @@ class BatchedSimulation:
         """Each replica's gradients scaled by optim.clip_'s rule with that replica's own norm."""
         if self.run.clip <= 0 or not grads:
             return
-        sq = torch.stack([g.float().reshape(self.M, -1).pow(2).sum(1) for g in grads]).sum(0)
+        # [tensors, replicas] summed over tensors: a sharded row sums the whole row's matrix, as a
+        # reduction's order depends on its shape, then takes its block's norms.
+        sq = self.shards.gather(torch.stack([g.float().reshape(len(self.replicas), -1).pow(2).sum(1) for g in grads]),
+                                dim=1)
+        sq = self.shards.mine(sq.sum(0))
         coef = (self.run.clip / (sq.sqrt() + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(grads, [coef.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for g in grads])
 
     def outer_step(self) -> dict:
         self.outer_steps += 1
-        return {"outer_step": self.outer_steps, **outer_step_all(self.replicas, self.members)}
+        return {"outer_step": self.outer_steps, **outer_step_all(self.replicas, self.members, self.shards)}
 
     def state_dict(self) -> dict:
         """Everything a row needs to continue (at an outer-step boundary): the stacked parameters,
@@ -250,10 +269,11 @@ class BatchedSimulation:
 
     @torch.no_grad()
     def validation_losses(self, batches) -> list[float]:
-        """Every replica's mean loss over the same held-out batches, each through its own pipeline."""
-        rows = [self.losses(ids.expand(self.M, *ids.shape), labels.expand(self.M, *labels.shape))
-                for ids, labels in batches]
-        return torch.stack(rows).mean(0).tolist()
+        """Every replica's mean loss over the same held-out batches, each through its own pipeline
+        (a sharded row's: every block's, gathered)."""
+        M = len(self.replicas)
+        rows = [self.losses(ids.expand(M, *ids.shape), labels.expand(M, *labels.shape)) for ids, labels in batches]
+        return self.shards.gather(torch.stack(rows), dim=1).mean(0).tolist()
 
     def link_bytes_per_step(self, seq_len: int) -> dict:
         return link_bytes(self, self.widths, seq_len)

@@ -95,12 +95,17 @@ def link_bytes(sim, widths: list[int], seq_len: int) -> dict:
 
 
 @torch.no_grad()
-def outer_step_all(replicas, members: tuple[str, ...]) -> dict:
+def outer_step_all(replicas, members: tuple[str, ...], shards=None) -> dict:
     """One outer step of every stage of every replica (`replicas[m].algorithms[s]`, `.links[s]`),
     exactly as the engine's ranks take it: per stage every replica prepares, the payloads are
     'all-gathered' (a list), all finish; then every stage of every replica syncs its embeddings
     (StageAlgorithm.sync_embeddings), after every owner of a shared aggregate (the first stage's
     T_S, a tied head's on the last stage) has offered it in its finish.
+
+    With `shards` (a `sharded.Shards`) `replicas` are this process's block of the row's `members`:
+    the payloads, the replicas' parameters for the dense mean and their error norms are gathered
+    from every block, in replica order, and the rest runs as on one process (the replicas leave
+    an outer step with the same theta, so the applied update is any replica's).
 
     Returns the replicas excluded and the per-sync diagnostics, computed from what the outer step
     has anyway (theta at the last sync, the replicas' parameters, the payloads, the error buffers),
@@ -111,6 +116,8 @@ def outer_step_all(replicas, members: tuple[str, ...]) -> dict:
       update_norm, dense_norm  their norms (1/M aggregation shrinks the first)
       error_norm             the error buffer's norm after this step, mean over replicas
     """
+    gather = shards.gather if shards is not None else (lambda t: t)
+    gather_list = shards.gather_list if shards is not None else list
     excluded: set[str] = set()
     selected = distinct = 0
     dev = replicas[0].algorithms[0].device
@@ -122,11 +129,13 @@ def outer_step_all(replicas, members: tuple[str, ...]) -> dict:
         algs = [r.algorithms[s] for r in replicas]
         ref = algs[0]
         before = [t.to(dev, copy=True) for t in ref.outer.theta_prev]  # the synced theta, alike on every replica
-        dense = [tp - torch.stack([a.params[i].detach().float() for a in algs]).mean(0) for i, tp in enumerate(before)]
+        dense = [tp - gather(torch.stack([a.params[i].detach().float() for a in algs])).mean(0)
+                 for i, tp in enumerate(before)]
         emb = [i for i, p in enumerate(ref.params) if any(p is e.weight for e in ref.embeddings)]
         perp = ref.perp.clone() if emb and ref.perp is not None else None
         snapshots.append((before, dense, emb, perp))
-        gathered = Gathered([a.prepare() for a in algs], members)
+        # Every block reaches these gathers once per stage, in stage order.
+        gathered = Gathered(gather_list([a.prepare() for a in algs]), members)
         for m, (r, a) in enumerate(zip(replicas, algs)):
             result = a.finish(gathered, r.links[s], count_selected=m == 0)
             excluded.update(result.excluded)
@@ -146,7 +155,8 @@ def outer_step_all(replicas, members: tuple[str, ...]) -> dict:
             dot += (a.double() * d.double()).sum()
             applied_sq += a.double().pow(2).sum()
             dense_sq += d.double().pow(2).sum()
-    dot, applied_sq, dense_sq, error = dot.item(), applied_sq.item(), dense_sq.item(), error_sq.sqrt().mean().item()
+    error = gather(error_sq).sqrt().mean().item()
+    dot, applied_sq, dense_sq = dot.item(), applied_sq.item(), dense_sq.item()
     return {
         "excluded": sorted(int(m) for m in excluded),
         "replicas_per_selected": selected / distinct if distinct else None,

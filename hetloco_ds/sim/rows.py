@@ -21,6 +21,7 @@ from ..config import ConfigError, HetlocoConfig, RunConfig, SparseLoCoConfig
 from ..data import ReplicaBatches, validation_batches
 from .batched import BatchedSimulation
 from .replica import Simulation
+from .sharded import Shards
 
 
 @dataclass
@@ -97,6 +98,7 @@ class _RowLog:
         from tqdm import tqdm
 
         self.variant, self.M, self.S, self.steps = variant.name, sim.M, sim.S, steps
+        self.shards = getattr(sim, "shards", None) or Shards(sim.M)
         self.enabled = hetloco.sparseloco.enabled
         self.H = hetloco.sparseloco.inner_steps if self.enabled else 1
         self.link = sim.link_bytes_per_step(hetloco.train.seq_len)
@@ -111,7 +113,8 @@ class _RowLog:
 
     def flush(self) -> None:
         first = len(self.history) + 1
-        self.history.extend(replica_losses(torch.stack(self.pending)))
+        # [steps, replicas held here, gas] -> every replica's (a sharded row's blocks, in replica order)
+        self.history.extend(replica_losses(self.shards.gather(torch.stack(self.pending), dim=1)))
         self.pending.clear()
         self.bar.update(len(self.history) - first + 1)
         self.bar.set_postfix_str(f"loss {sum(self.history[-1]) / len(self.history[-1]):.3f}", refresh=False)
@@ -142,9 +145,14 @@ class _RowLog:
 
 
 def _resume(sim, state_path: str | None, variant: Variant, steps: int, device) -> tuple[list, list, int, float]:
-    """(history, outer rows, steps done, seconds spent) of the row's saved state at `state_path`,
-    loaded into `sim`; an empty start where there is none."""
-    if not (state_path and os.path.exists(state_path)):
+    """(history, outer rows, steps done, seconds spent) of the row's saved state at `state_path`
+    (a sharded row: each block's own file), loaded into `sim`; an empty start where there is none."""
+    saved = sim.shards.every(bool(state_path and os.path.exists(state_path))) if state_path else [False]
+    if any(saved) and not all(saved):
+        raise ConfigError(f"{variant.name}: the saved state of blocks {[g for g, s in enumerate(saved) if s]} "
+                          f"of {len(saved)} exists, of the others not ({state_path}): resume on the same "
+                          "--gpus-per-row, or remove the row's saved state")
+    if not saved[0]:
         return [], [], 0, 0.0
     state = torch.load(state_path, map_location=device, weights_only=False)
     if state["variant"] != asdict(variant) or state["steps"] != steps:
@@ -182,7 +190,8 @@ def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], st
 
 def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, replicas: int, stages: int, steps: int,
                      device, metrics_path: str | None = None, progress: bool = True, batched: bool = True,
-                     compile: bool = False, deadline: float | None = None, state_path: str | None = None) -> dict:
+                     compile: bool = False, deadline: float | None = None, state_path: str | None = None,
+                     shards: int = 1) -> dict:
     """Train one row and validate every replica; the result's "status" is "done".
 
     `batched` runs the replicas as one batched computation (`batched.BatchedSimulation`), else one
@@ -191,19 +200,28 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     steps) the row stops when, at this call's pace, it could not reach the next boundary before
     the deadline. With `state_path` it then saves its state there ("status": "saved") and a later
     call with the same path continues from it, ending exactly as an uninterrupted run; without,
-    it stops as soon as it is projected to end after the deadline ("status": "abandoned")."""
+    it stops as soon as it is projected to end after the deadline ("status": "abandoned").
+
+    `shards` G > 1: this process is one of the G processes of the torch.distributed world that
+    run the row together (sim/sharded.py), holding replicas [g M/G, (g+1) M/G); every process
+    returns the whole row's result, rank 0 alone writes `metrics_path` and shows progress, and
+    each saves its block's state at `state_path`.g<g>."""
     hetloco = variant.hetloco(run.hetloco, replicas)
     run = variant.run(run)
     torch.manual_seed(hetloco.train.seed)
+    if (state_path or shards > 1) and not batched:
+        raise ConfigError("resuming a row (state_path) or sharding it needs the batched simulator")
     if batched:
-        sim = BatchedSimulation(run, hetloco, llama_config, replicas, stages, device, compile=compile)
+        sh = Shards.of_world(replicas, shards)
+        sim = BatchedSimulation(run, hetloco, llama_config, replicas, stages, device, compile=compile, shards=sh)
+        state_path = sh.state_path(state_path)
+        if not sh.rank0:
+            metrics_path, progress = None, False
     else:
         sim = Simulation(run, hetloco, llama_config, replicas, stages, device)
-    if state_path and not batched:
-        raise ConfigError("resuming a row (state_path) needs the batched simulator")
     history, outer_rows, done, spent = _resume(sim, state_path, variant, steps, device)
     feeds = [ReplicaBatches(corpus.train, m, replicas, sim.micro, seed=hetloco.train.seed, position=done * sim.gas)
-             for m in range(replicas)]
+             for m in (sim.shards.ids if batched else range(replicas))]
     val_it = validation_batches(corpus.val, sim.micro)
     val_batches = [tuple(t.to(device) for t in next(val_it)) for _ in range(hetloco.train.eval_batches)]
     t0 = time.perf_counter()
@@ -223,6 +241,8 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         pace = (time.perf_counter() - t0) / (step - done)
         stop = (time.time() + pace * interval > deadline if state_path
                 else time.time() + pace * (steps - step) > deadline)
+        if batched:
+            stop = sim.shards.first(stop)  # every block stops at the same boundary
         if stop:
             log.close()
             seconds = spent + time.perf_counter() - t0
@@ -231,6 +251,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
                 torch.save({"variant": asdict(variant), "steps": steps, "step": step, "sim": sim.state_dict(),
                             "history": history, "outer": outer_rows, "seconds": seconds}, tmp)
                 os.replace(tmp, state_path)
+                sim.shards.every(True)  # "saved" once every block has saved
             return {"status": "saved" if state_path else "abandoned", "variant": asdict(variant), "step": step,
                     "steps": steps, "seconds": seconds}
     log.bar.close()
