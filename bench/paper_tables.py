@@ -16,7 +16,10 @@ A` / `--outer-lr X` set those on every SparseLoCo row, and a row can carry any s
 Rows x seeds are spread over every visible GPU, `--procs-per-gpu` worker processes on each (one
 batched row fills a GPU: 1). Workers take the next unclaimed row in priority order and rewrite
 their own `paper_tables_<tag>_g<gpu>p<proc>.json` under `--out` after every row, so a killed
-run keeps what finished; `bench/summarize_tables.py` merges them.
+run keeps what finished; `bench/summarize_tables.py` merges them. `--gpus-per-row G` makes a worker
+G processes on G GPUs that run each row together, each holding M/G of its replicas (sim/sharded.py;
+the same losses as one process up to the kernels' summation order): a row too long for one GPU's
+session then fits. Its rank 0 takes, records and writes rows as a lone worker does.
 
 Budget: a worker starts no row it cannot finish before `--budget-s` (judged by `--s-per-step` or
 its previous row's pace), and a running row stops at its last outer-step boundary before the
@@ -29,6 +32,7 @@ machine, so rows longer than one run's time limit still finish.
         --state-dir runs/paper_tables_state --tag h100x8 --out $OUT          # the tables
     python bench/paper_tables.py --data ... --estimate                      # FLOPs and GPU-minutes per row
     python bench/paper_tables.py --data ... --cpu-smoke --out /tmp/tables   # tiny, M = 2 x S = 2, 2 steps, CPU
+    python bench/paper_tables.py --data ... --cpu-smoke --gpus-per-row 2 --out /tmp/tables  # the same, 2 processes
 """
 from __future__ import annotations
 
@@ -43,14 +47,17 @@ import time
 import typing
 
 import torch
+import torch.distributed as tdist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hetloco_ds import checkpoint  # noqa: E402
 from hetloco_ds.config import ConfigError, SparseLoCoConfig, parse_config  # noqa: E402
 from hetloco_ds.data import Corpus  # noqa: E402
+from hetloco_ds.launch import free_port  # noqa: E402
 from hetloco_ds.presets import model_config_for  # noqa: E402
 from hetloco_ds.sim.rows import degradation_table, parse_variants, simulate_variant  # noqa: E402
+from hetloco_ds.sim.sharded import Shards, init_group  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, as bench/gpu_throughput.py
 
@@ -194,13 +201,39 @@ def claim(claims: str, name: str) -> bool:
         return False
 
 
-def worker(args) -> int:
-    """Run unclaimed rows in priority order until none is left or the budget ends; rewrite `--out` after each."""
-    torch.set_num_threads(args.threads)
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-    corpus, run, llama = load(args)
-    device = torch.device(args.device)
+def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dict, float]:
+    """One row (`simulate_variant`), compiled if asked, and the time its last attempt started; a
+    compiler failure reruns it eager (noted in `meta`). In a group of --gpus-per-row processes
+    every one calls it for the same row."""
+    t0 = time.time()
+    if args.compile:
+        # Each row compiles from scratch: a second row's simulator otherwise recompiles under the
+        # guards and vmap state the first row's left on the same code objects (on 2 H100s,
+        # adamw-pp:8 after het:96 in one process failed with a BatchedTensor inside fake tensors,
+        # where every row run first in its process compiled).
+        torch._dynamo.reset()
+    kw = {"shards": args.gpus_per_row} if args.gpus_per_row > 1 else {}
+    try:
+        return simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
+                                compile=args.compile, deadline=args.deadline - 60, state_path=state, **kw), t0
+    except Exception as err:  # noqa: BLE001 - a compiler failure costs the row's speed, not the row
+        if not args.compile or isinstance(err, torch.cuda.OutOfMemoryError):
+            raise
+        # A group's processes compile the same graph, so they fail (and fall back) alike.
+        print(f"[{args.worker}] {v.name}: compiled run failed ({type(err).__name__}: {str(err)[:200]}); "
+              "this row runs eager", flush=True)
+        meta["eager_rows"] = meta.get("eager_rows", []) + [v.name]
+        t0 = time.time()
+        return simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
+                                compile=False, deadline=args.deadline - 60, state_path=state, **kw), t0
+
+
+def saved_state(path: str | None) -> bool:
+    """Whether a row's state was saved at `path` (by one process, or by a group's first block)."""
+    return bool(path) and (os.path.exists(path) or os.path.exists(path + ".g0"))
+
+
+def worker_meta(args, llama, corpus, device) -> dict:
     seq_len = corpus.train.shape[1]
     tokens_per_replica_step = args.micro * args.gas * seq_len
     meta = {
@@ -215,64 +248,85 @@ def worker(args) -> int:
         "corpus_train_tokens": corpus.train.numel(), "data": corpus.description, "simulator": "batched",
         "compile": args.compile, "lr_sweep": args.lr_sweep, "eval_batches": args.eval_batches,
     }
-    results, unfinished, pace, eager_rows = [], [], args.s_per_step, []
+    if args.gpus_per_row > 1:
+        meta["gpus_per_row"] = args.gpus_per_row
+    return meta
+
+
+def worker(args) -> int:
+    """Run unclaimed rows in priority order until none is left or the budget ends; rewrite `--out` after each.
+
+    With --gpus-per-row G this is one of a group of G processes that run each row together
+    (sim/sharded.py): the group's rank 0 chooses, claims and records the rows as a lone worker
+    does and tells the others each row it starts (`Shards.first`); they run it beside it."""
+    torch.set_num_threads(args.threads)
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    device = init_group(args.gpus_per_row, args.device) if args.gpus_per_row > 1 else torch.device(args.device)
+    group = Shards.of_world(args.replicas, args.gpus_per_row)
+    corpus, run, llama = load(args)
+    if not group.rank0:
+        by_name = {v.name: v for v in ordered_variants(args)}
+        while (name := group.first(None)) is not None:
+            run_row(args, by_name[name], run, llama, corpus, device, state_file(args, name, ".pt"), {})
+        return 0
+    meta = worker_meta(args, llama, corpus, device)
+    results, unfinished, pace = [], [], args.s_per_step
     done = finished_rows(args.skip_done)
     # A row finished by an earlier run on the same machine is marked in the state folder: the next run
     # skips it even when its JSON was not named in --skip-done (it was that run's output, not committed).
-    def in_state_dir(name: str, suffix: str) -> str | None:
-        return os.path.join(args.state_dir, safe_name(name) + suffix) if args.state_dir else None
-
     variants = [v for v in ordered_variants(args) if v.name not in done]
-    marks = {v.name: in_state_dir(v.name, ".done") for v in variants}
+    marks = {v.name: state_file(args, v.name, ".done") for v in variants}
     variants = [v for v in variants if not (marks[v.name] and os.path.exists(marks[v.name]))]
-    states = {v.name: in_state_dir(v.name, ".pt") for v in variants}
+    states = {v.name: state_file(args, v.name, ".pt") for v in variants}
     # Rows saved by an earlier run first: they are the closest to done.
-    variants.sort(key=lambda v: not (states[v.name] and os.path.exists(states[v.name])))
+    variants.sort(key=lambda v: not saved_state(states[v.name]))
     for v in variants:
         state = states[v.name]
         if pace and not state and time.time() + pace * args.steps + 60 > args.deadline:
             continue  # would not end in time; another worker or a later run takes it
         if not claim(args.claims, v.name):
             continue
-        t0 = time.time()
-        if args.compile:
-            # Each row compiles from scratch: a second row's simulator otherwise recompiles under the
-            # guards and vmap state the first row's left on the same code objects (on 2 H100s,
-            # adamw-pp:8 after het:96 in one process failed with a BatchedTensor inside fake tensors,
-            # where every row run first in its process compiled).
-            torch._dynamo.reset()
-        try:
-            r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
-                                 compile=args.compile, deadline=args.deadline - 60, state_path=state)
-        except Exception as err:  # noqa: BLE001 - a compiler failure costs the row's speed, not the row
-            if not args.compile or isinstance(err, torch.cuda.OutOfMemoryError):
-                raise
-            print(f"[{args.worker}] {v.name}: compiled run failed ({type(err).__name__}: {str(err)[:200]}); "
-                  "this row runs eager", flush=True)
-            eager_rows.append(v.name)
-            meta["eager_rows"] = eager_rows
-            t0 = time.time()
-            r = simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
-                                 compile=False, deadline=args.deadline - 60, state_path=state)
+        group.first(v.name)  # the group's other processes start this row
+        r, t0 = run_row(args, v, run, llama, corpus, device, state, meta)
         if r["status"] != "done":
             unfinished.append({k: r[k] for k in ("status", "step", "steps", "seconds")} | {"row": v.name})
             print(f"[{args.worker}] {v.name:<28} {r['status']} at step {r['step']} of {args.steps}", flush=True)
         else:
             pace = (time.time() - t0) / args.steps
-            if marks[v.name]:
-                checkpoint.replace_text(marks[v.name], f"{r['val_loss']}\n")
-            r.pop("replica_losses")
-            r["train_losses"] = r["train_losses"][::10]  # every 10th step is enough for a curve
-            results.append(r)
-            last = r["outer"][-1] if r["outer"] else {}
-            print(f"[{args.worker}] {v.name:<28} val {r['val_loss']:.4f} train {r['final_train_loss']:.4f} "
-                  f"overlap {last.get('replicas_per_selected') or 0:.2f} cos {last.get('update_cosine') or 0:.2f} "
-                  f"({r['seconds']:.0f}s, {r['seconds'] / args.steps:.3f} s/step)", flush=True)
+            record_row(args, r, marks[v.name], results)
         checkpoint.replace_text(args.out, json.dumps({**meta, "rows": degradation_table(results),
                                                       "unfinished": unfinished}, indent=1, default=str))
         if r["status"] != "done" or time.time() + 60 > args.deadline:
             break  # the budget is spent
+    group.first(None)  # no more rows
     return 0
+
+
+def grouped_worker(args) -> int:
+    """`worker`, and with --gpus-per-row G > 1 the group's process group closed at the end."""
+    try:
+        return worker(args)
+    finally:
+        if args.gpus_per_row > 1 and tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
+def state_file(args, name: str, suffix: str) -> str | None:
+    return os.path.join(args.state_dir, safe_name(name) + suffix) if args.state_dir else None
+
+
+def record_row(args, r: dict, mark: str | None, results: list) -> None:
+    """A finished row: marked done in the state folder, trimmed, kept, printed."""
+    if mark:
+        checkpoint.replace_text(mark, f"{r['val_loss']}\n")
+    r.pop("replica_losses")
+    r["train_losses"] = r["train_losses"][::10]  # every 10th step is enough for a curve
+    results.append(r)
+    last = r["outer"][-1] if r["outer"] else {}
+    print(f"[{args.worker}] {r['variant']['name']:<28} val {r['val_loss']:.4f} train {r['final_train_loss']:.4f} "
+          f"overlap {last.get('replicas_per_selected') or 0:.2f} cos {last.get('update_cosine') or 0:.2f} "
+          f"({r['seconds']:.0f}s, {r['seconds'] / args.steps:.3f} s/step)", flush=True)
 
 
 def calibrate_worker(args) -> int:
@@ -299,21 +353,55 @@ FORWARD = ("data", "model", "replicas", "stages", "steps", "inner_steps", "micro
            "outer_lr", "state_dir", "s_per_step", "skip_done")
 
 
+def gpu_blocks(args, gpus: list[str]) -> list[list[str]]:
+    """The GPUs in blocks of --gpus-per-row, one block per row at a time (on the CPU, one block of
+    that many processes)."""
+    g = args.gpus_per_row
+    if gpus == [""]:
+        return [[""] * g]
+    return [gpus[i:i + g] for i in range(0, len(gpus) - g + 1, g)]
+
+
 def spawn(args, n: int, gpus: list[str], role: list[str], outs: list[str], claims: str) -> int:
-    """n workers, round-robin over `gpus`, each told the run's options, its role and output file."""
-    threads = args.threads or max(1, (os.cpu_count() or 1) // n)
+    """n workers, round-robin over the blocks of `gpus` (`gpu_blocks`), each told the run's options,
+    its role and output file; with --gpus-per-row G a worker is G processes, one per GPU of its
+    block, with the environment a launcher gives a torch.distributed world of G (a free port each)."""
+    g = args.gpus_per_row
+    blocks = gpu_blocks(args, gpus)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // (n * g))
     forward = [x for k in FORWARD if getattr(args, k) not in (None, "")
                for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     forward += ["--compile"] if args.compile else []
+    forward += ["--gpus-per-row", str(g)] if g > 1 else []
     procs = []
     for w in range(n):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        if gpus[w % len(gpus)]:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[w % len(gpus)]
-        cmd = [sys.executable, os.path.abspath(__file__), *forward, *role, "--worker", str(w), "--gpus", str(len(gpus)),
-               "--claims", claims, "--out", outs[w], "--threads", str(threads)]
-        procs.append(subprocess.Popen(cmd, env=env))
+        block = blocks[w % len(blocks)]
+        port = str(free_port()) if g > 1 else None
+        for rank in range(g):
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+            if block[0]:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(block)
+            if g > 1:
+                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(g), LOCAL_WORLD_SIZE=str(g),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            cmd = [sys.executable, os.path.abspath(__file__), *forward, *role, "--worker", str(w), "--gpus",
+                   str(len(gpus)), "--claims", claims, "--out", outs[w], "--threads", str(threads)]
+            procs.append(subprocess.Popen(cmd, env=env))
     return max(p.wait() for p in procs)
+
+
+def check_gpus_per_row(args, gpus: list[str]) -> None:
+    """--gpus-per-row G: G divides the replicas and the visible GPUs (SystemExit naming the numbers)."""
+    g = args.gpus_per_row
+    if g == 1:
+        return
+    if g < 1 or args.replicas % g:
+        raise SystemExit(f"paper_tables: --gpus-per-row {g} must divide --replicas {args.replicas} "
+                         "(each process holds replicas/G of a row's replicas)")
+    if gpus != [""] and len(gpus) % g:
+        raise SystemExit(f"paper_tables: --gpus-per-row {g} must divide the {len(gpus)} visible GPUs")
+    if args.calibrate:
+        raise SystemExit("paper_tables: --calibrate times one process a GPU; run it without --gpus-per-row")
 
 
 def calibrate(args, gpus: list[str]) -> int:
@@ -385,6 +473,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the batched simulator's forward")
     p.add_argument("--device", default="cuda")
     p.add_argument("--procs-per-gpu", type=int, default=int(os.environ.get("PROCS_PER_GPU", 1)))
+    p.add_argument("--gpus-per-row", type=int, default=1,
+                   help="GPUs (processes) that run one row together, each holding replicas/G of its replicas "
+                        "(sim/sharded.py); a row saved by the budget resumes only with the same value")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: CPUs / workers)")
     p.add_argument("--budget-s", type=float, default=540,
                    help="seconds from launch after which no row is started or continued (a running one stops at "
@@ -414,7 +505,7 @@ def main(argv=None) -> int:
                        rows="sparseloco,het:8", seeds="0", device="cpu", tag="smoke", threads=1)
     args = p.parse_args(argv)
     if args.worker is not None:
-        return calibrate_worker(args) if args.calibrate_worker else worker(args)
+        return calibrate_worker(args) if args.calibrate_worker else grouped_worker(args)
 
     args.command = " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else argv))
     try:  # every row's config checked here, before any worker (or GPU) starts
@@ -434,15 +525,18 @@ def main(argv=None) -> int:
     if args.estimate:
         return estimate(args)
     gpus = gpu_ids(args.device)
+    check_gpus_per_row(args, gpus)
     if args.calibrate:
         return calibrate(args, gpus)
     os.makedirs(args.out, exist_ok=True)
     if args.state_dir:
         os.makedirs(args.state_dir, exist_ok=True)
-    n = len(gpus) * args.procs_per_gpu
-    names = [f"paper_tables_{args.tag}_g{w % len(gpus)}p{w // len(gpus)}.json" for w in range(n)]
+    blocks = len(gpu_blocks(args, gpus))
+    n = blocks * args.procs_per_gpu
+    names = [f"paper_tables_{args.tag}_g{w % blocks}p{w // blocks}.json" for w in range(n)]
+    per_row = f", {args.gpus_per_row} GPUs a row" if args.gpus_per_row > 1 else ""
     print(f"{len(variants)} rows x seeds of {args.steps} steps on {len(gpus)} GPU(s) x {args.procs_per_gpu} "
-          f"processes; partial JSONs {args.out}/paper_tables_{args.tag}_g*p*.json", flush=True)
+          f"processes{per_row}; partial JSONs {args.out}/paper_tables_{args.tag}_g*p*.json", flush=True)
     if not dense_aggregation_supported() and "diloco" not in args.rows:
         print("note: the dense DiLoCo control row (diloco) needs sparseloco.aggregation 'dense' (branch templar); "
               "this checkout has none, so the default rows leave it out", flush=True)

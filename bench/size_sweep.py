@@ -12,6 +12,7 @@ Three verbs, each a step of spending device time in pieces:
 
     python bench/size_sweep.py plan                          # each size's rows, steps and GPU-minutes
     OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 20M --out $OUT [--seeds 1]
+    OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 105M --gpus-per-row 2 --out $OUT
     python bench/size_sweep.py summarize                     # bench/results/size_sweep/summary.json + .png
 
 `run` builds the corpus on the GPU machine once (bench/make_corpus.py: its Python and CUDA sources,
@@ -19,7 +20,10 @@ BPE-8192 from `.benchdata/tokenizer`, which the call carries), then runs the siz
 through paper_tables.py, spread over the GPUs, rows already committed under
 bench/results/size_sweep/<model>/ skipped and rows stopped by the budget saved in
 runs/size_sweep_state/<model>/ (resumed by the next call on the same warm machine). Its JSONs go
-to $OUT/<model>/, to be committed beside the others.
+to $OUT/<model>/, to be committed beside the others. `--gpus-per-row G` runs each row on G GPUs
+together, each holding M/G of its replicas (paper_tables.py --gpus-per-row): a 105M row, 46 minutes
+alone on an H200, then fits one session's 30 device-minutes on 2 GPUs; its saved state resumes only
+with the same G.
 """
 from __future__ import annotations
 
@@ -164,6 +168,8 @@ def run(args) -> int:
             "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows), "--seeds", args.seeds,
             "--compile", "--budget-s", str(args.budget_s - (time.time() - t0)), "--state-dir", os.path.join(args.state_dir, args.model),
             "--tag", args.tag, "--out", out]
+    if args.gpus_per_row > 1:
+        argv += ["--gpus-per-row", str(args.gpus_per_row)]
     if os.path.isdir(done):
         argv += ["--skip-done", done]
     return paper_tables.main(argv)
@@ -295,6 +301,9 @@ def main(argv=None) -> int:
     r.add_argument("--budget-s", type=float, default=500, help="seconds from start (the corpus build included) "
                    "after which no row starts or continues")
     r.add_argument("--state-dir", default="runs/size_sweep_state")
+    r.add_argument("--gpus-per-row", type=int, default=1,
+                   help="GPUs that run one row together (paper_tables.py --gpus-per-row): 2 puts a 105M row in "
+                        "one session; a saved row resumes only with the same value")
     r.add_argument("--tag", default="run")
     r.add_argument("--out", default=os.environ.get("OUT", "runs/size_sweep_out"))
     s = verbs.add_parser("summarize", help="summary.json and the plot from the committed runs")

@@ -162,6 +162,22 @@ def _resume(sim, state_path: str | None, variant: Variant, steps: int, device) -
     return state["history"], state["outer"], state["step"], state["seconds"]
 
 
+def _build(run, hetloco, variant: Variant, llama_config, replicas: int, stages: int, device, batched: bool,
+           compile: bool, state_path: str | None, shards: int):
+    """The row's simulator (a sharded row's block of it) and where this process keeps its state."""
+    if (state_path or shards > 1) and not batched:
+        raise ConfigError("resuming a row (state_path) or sharding it needs the batched simulator")
+    if not batched:
+        return Simulation(run, hetloco, llama_config, replicas, stages, device), state_path
+    sh = Shards.of_world(replicas, shards)
+    other = state_path and (state_path if sh.count > 1 else state_path + ".g0")
+    if other and os.path.exists(other):
+        raise ConfigError(f"{other}: row {variant.name} was saved by a run of another number of processes a row; "
+                          "resume it with that number, or remove its saved state")
+    sim = BatchedSimulation(run, hetloco, llama_config, replicas, stages, device, compile=compile, shards=sh)
+    return sim, sh.state_path(state_path)
+
+
 def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], steps: int, seconds: float,
                 batched: bool, compile: bool) -> dict:
     """A finished row: its losses, validation, bytes per token and per outer step, and timing."""
@@ -209,16 +225,10 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     hetloco = variant.hetloco(run.hetloco, replicas)
     run = variant.run(run)
     torch.manual_seed(hetloco.train.seed)
-    if (state_path or shards > 1) and not batched:
-        raise ConfigError("resuming a row (state_path) or sharding it needs the batched simulator")
-    if batched:
-        sh = Shards.of_world(replicas, shards)
-        sim = BatchedSimulation(run, hetloco, llama_config, replicas, stages, device, compile=compile, shards=sh)
-        state_path = sh.state_path(state_path)
-        if not sh.rank0:
-            metrics_path, progress = None, False
-    else:
-        sim = Simulation(run, hetloco, llama_config, replicas, stages, device)
+    sim, state_path = _build(run, hetloco, variant, llama_config, replicas, stages, device, batched, compile,
+                             state_path, shards)
+    if batched and not sim.shards.rank0:
+        metrics_path, progress = None, False
     history, outer_rows, done, spent = _resume(sim, state_path, variant, steps, device)
     feeds = [ReplicaBatches(corpus.train, m, replicas, sim.micro, seed=hetloco.train.seed, position=done * sim.gas)
              for m in (sim.shards.ids if batched else range(replicas))]
