@@ -12,6 +12,8 @@ Bytes are not measured here but computed from the shapes that would cross each l
                 (replica, stage) with its per-sync diagnostics (`outer_step_all`)
     replica.py  `Simulation`: one module set and optimizer per replica (the reference, `--per-replica`)
     batched.py  `BatchedSimulation`: the replicas stacked and run as one batched computation (the default)
+    sharded.py  `Shards`: one batched row over G processes, each holding M/G replicas, gathered
+                wherever the row couples them (`simulate_variant(shards=G)`)
     rows.py     a sweep's rows (`Variant`, `parse_variants`), `simulate_variant`, the degradation table
     cli.py      `hetloco-ds simulate`
 
