@@ -30,13 +30,12 @@ from ..transport.static import all_gather_payloads
 
 @dataclass(frozen=True)
 class Shards:
-    """Which of a row's `replicas` this process holds (block `index` of `count`) and how the
-    blocks meet (`group`: the row's process group, None for the default world)."""
+    """Which of a row's `replicas` this process holds: block `index` of `count`, the blocks being
+    the ranks of the torch.distributed world (one row per world)."""
 
     replicas: int
     count: int = 1
     index: int = 0
-    group: object = None
 
     def __post_init__(self):
         if self.count < 1 or self.replicas % self.count:
@@ -76,7 +75,7 @@ class Shards:
         if self.count == 1:
             return tensor
         assert tensor.shape[dim] == self.local, (tensor.shape, dim, self.local)
-        return torch.cat(all_gather_payloads(tensor.contiguous(), self.group), dim)
+        return torch.cat(all_gather_payloads(tensor.contiguous()), dim)
 
     def mine(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """This process's block of an every-replica `tensor` (along `dim`); the tensor itself when G = 1."""
@@ -93,8 +92,7 @@ class Shards:
         if self.count == 1:
             return value
         box = [value]
-        tdist.broadcast_object_list(box, src=tdist.get_global_rank(self.group, 0) if self.group else 0,
-                                    group=self.group)
+        tdist.broadcast_object_list(box, src=0)
         return box[0]
 
     def every(self, value) -> list:
@@ -102,7 +100,7 @@ class Shards:
         if self.count == 1:
             return [value]
         out = [None] * self.count
-        tdist.all_gather_object(out, value, group=self.group)
+        tdist.all_gather_object(out, value)
         return out
 
     def state_path(self, path: str | None) -> str | None:
