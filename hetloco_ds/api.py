@@ -80,7 +80,8 @@ def initialize(args=None, model: Any = None, optimizer=None, model_parameters=No
     _check_model_parameters(model_parameters, model if hf_state is not None else None)
     seq_len = seq_len or run.hetloco.train.seq_len
     init_distributed(distributed_port, dist_init_required)
-    num_replicas = check_run(run, dist.get_world_size(), llama_config.hidden_size, llama_config.num_hidden_layers)
+    num_replicas = check_run(run, dist.get_world_size(), llama_config.hidden_size, llama_config.num_hidden_layers,
+                             tied=bool(llama_config.tie_word_embeddings))
     samples = None
     if training_data is not None:
         samples = _on_every_rank(lambda: _training_samples(training_data, tokenizer, hf_dir, llama_config, seq_len,

@@ -312,7 +312,7 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     started, t0 = time.time(), time.perf_counter()
     writer = _writer(engine)
     # Replica 0's ranks write what every replica holds alike (stage layers, outer momentum).
-    writes_shared = engine.module.coord.data == 0
+    writes_shared = engine.module.replica_id == 0
     synced = _synced(engine.algorithm)
     state = collect_rank_state(engine, data_position, writes_shared=writes_shared, synced=synced)
     state.update(world_size=dist.get_world_size(), stages=engine.num_stages, replica=engine.replica,
@@ -322,7 +322,7 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
         files.update({layer_checkpoint_name(i): m.state_dict() for i, m in engine.module.checkpoint_layers().items()})
     staged = writer.stager.stage(files)  # the device-to-host copy: all that training waits for
     blocked = time.perf_counter() - t0
-    layout = {"stage": engine.stage_id, "data": engine.module.coord.data}
+    layout = {"stage": engine.stage_id, "data": engine.module.replica_id}
     writer.pending = _Pending(ckpt_dir, tag, step, keep, layout, writer.thread.submit(_write_files, partial, staged),
                               blocked, started)
     if wait:

@@ -66,7 +66,10 @@ def _default_nproc(targs) -> int:
         if config_path(targs) is None:
             return record["world_size"]
     path = config_path(targs) or default_config_path()
-    return (1 if targs.fleet is not None else 2) * parse_config(read_config_file(path), path).stages
+    run = parse_config(read_config_file(path), path)
+    if run.hetloco.replica_stages is not None and targs.fleet is None:
+        return sum(run.hetloco.replica_stages)  # one rank per stage of every replica
+    return (1 if targs.fleet is not None else 2) * run.stages
 
 
 def _train(args) -> int:

@@ -53,6 +53,14 @@ def all_gather_payloads(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     return out
 
 
+def block_groups(block_ranks: list[list[int]]) -> list:
+    """One process group per outer-sync block (`sizes.block_ranks`: the rank of every replica that
+    holds it), for replicas of their own depths. Collective over the whole world: every rank creates
+    every block's group, in block order. A group's ranks sorted are in replica order
+    (`sizes.replica_ranks`), so its rank i is replica i, as `GroupTransport` needs."""
+    return [tdist.new_group(ranks=ranks) for ranks in block_ranks]
+
+
 class GroupTransport(ReplicaTransport):
     """A stage's outer-sync exchange inside a fixed process group whose rank i is replica i.
 
