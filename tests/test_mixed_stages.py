@@ -1,0 +1,142 @@
+"""Replicas of their own pipeline depths in one static world (`hetloco.replica_stages`, issue 29).
+
+Real gloo ranks on CPU, a 4-layer tiny LLaMA built from per-layer seeds (the simulator builds the
+same model), H = 2, replica-specific batches. The outer sync runs by block (the finest common
+partition of the replicas' cuts), so every replica must end each outer step with bitwise the same
+parameters whatever its cut; with equal depths the block path must be today's engine bit for bit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+SEQ, VOCAB, H, STEPS = 16, 96, 2, 4
+
+
+def _config(replica_stages=None, stages=None, compressed=()):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "hetloco": {"sparseloco": {"inner_steps": H}, "subspace": {"ratio": 4, "compressed_replicas": list(compressed)},
+                    "train": {"seq_len": SEQ, "seed": 7}},
+    }
+    if replica_stages is not None:
+        cfg["hetloco"]["replica_stages"] = replica_stages
+    if stages is not None:
+        cfg["pipeline"] = {"stages": stages}
+    return cfg
+
+
+def _batch(replica: int, step: int):
+    g = torch.Generator().manual_seed(1000 * replica + step)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    return ids, ids
+
+
+def _state(module) -> dict:
+    """(layer index, name) -> tensor for every parameter and T_perp this rank holds."""
+    out = {}
+    for idx, layer in module.local_layers().items():
+        for name, t in list(layer.named_parameters()) + [(n, b) for n, b in layer.named_buffers() if n == "perp"]:
+            out[(idx, name)] = t.detach().clone()
+    return out
+
+
+def _engine_body(rank, cfg, tied):
+    from conftest import tiny_llama_config
+    from hetloco_ds.build import build_engine, build_module
+    from hetloco_ds.config import parse_config
+
+    run = parse_config(cfg)
+    module = build_module(run, tiny_llama_config(tied=tied))
+    engine = build_engine(run, module, seq_len=SEQ)
+    losses, synced = [], []
+    for step in range(1, STEPS + 1):
+        rec = engine.train_step(iter([_batch(engine.replica, step)]))
+        losses.append(rec.loss)
+        if rec.outer is not None:
+            synced.append(_state(module))
+    return engine.replica, losses, synced, dict(rec.bytes["outer_sync"])
+
+
+def _by_replica(results):
+    """replica -> (losses, [merged state after each outer step], [outer_sync bytes of each rank])."""
+    out: dict = {}
+    for replica, losses, synced, sync_bytes in results:
+        entry = out.setdefault(replica, (losses, [{} for _ in synced], []))
+        assert entry[0] == losses  # every stage of a replica reports the replica's loss
+        for merged, state in zip(entry[1], synced):
+            merged.update(state)
+        entry[2].append(sync_bytes)
+    return out
+
+
+def _simulate(cfg, tied):
+    from conftest import tiny_llama_config
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.sim.replica import Simulation
+
+    run = parse_config(cfg)
+    stages = run.hetloco.replica_stages
+    sim = Simulation(run, run.hetloco, tiny_llama_config(tied=tied), len(stages), run.stages, torch.device("cpu"))
+    losses = []
+    for step in range(1, STEPS + 1):
+        losses.append(sim.train_step([[_batch(m, step)] for m in range(len(stages))]).reshape(-1).tolist())
+        if step % H == 0:
+            sim.outer_step()
+    return losses, sim
+
+
+@pytest.mark.parametrize("stages,tied", [([1, 2], False), ([1, 2], True), ([1, 2, 2], True), ([1, 2, 2], False)])
+def test_mixed_depth_replicas_agree_bitwise_after_every_outer_step_and_match_the_simulator(stages, tied):
+    """[1, 2] and [1, 2, 2], the last replica compressed (ratio 4), tied and untied: after each of
+    the two outer steps every replica's whole model (every layer's parameters, a tied head's copy,
+    T_perp) is bitwise the same, while the replicas' losses differ (they trained on their own
+    data); the per-replica simulator with the same depths gives the same losses and synced model to
+    float rounding (a few ulp: it runs each replica's forward in one process; test_simulate.py's
+    CLI test holds losses to the same rel 1e-5). Each rank's outer-sync
+    bytes are those of the blocks it holds. Breaks if a block's exchange mixes coordinates of
+    different cuts, if the one-stage replica treats a tied head unlike the others, or if the
+    simulator's block walk differs from the engine's."""
+    cfg = _config(stages, compressed=[len(stages) - 1])
+    replicas = _by_replica(run_ranks(_engine_body, sum(stages), cfg, tied))
+    assert sorted(replicas) == list(range(len(stages)))
+    assert len({tuple(losses) for losses, _, _ in replicas.values()}) == len(stages)
+    ref = replicas[0][1]
+    assert len(ref) == STEPS // H
+    for m, (_, synced, _) in replicas.items():
+        for k, (want, got) in enumerate(zip(ref, synced)):
+            assert set(got) == set(want), (m, k)
+            bad = [key for key in want if not torch.equal(want[key], got[key])]
+            assert not bad, f"replica {m} after outer step {k + 1} differs from replica 0 in {bad[:4]}"
+    sim_losses, sim = _simulate(cfg, tied)
+    # Every rank's record holds its replica's bytes (its stages summed): each replica sends each
+    # block's payload to the M - 1 others, whatever its cut (replica 0: both blocks on one rank).
+    payload = sum(n for a in sim.replicas[0].algorithms for n in a.outer.nbytes)
+    for m, (_, _, sync_bytes) in replicas.items():
+        assert sync_bytes == [{"sent": payload * (len(stages) - 1), "recv": payload * (len(stages) - 1)}] * stages[m]
+    for m, (losses, _, _) in replicas.items():
+        assert [row[m] for row in sim_losses] == pytest.approx(losses, rel=1e-5), m
+    layers = sim.replicas[0].layers
+    for key, want in ref[-1].items():
+        got = layers[key[0]].get_parameter(key[1]) if key[1] != "perp" else layers[key[0]].perp
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6, msg=str(key))
+
+
+def test_equal_depths_through_replica_stages_are_todays_engine_bitwise():
+    """replica_stages [2, 2] (the per-replica grids, the block groups) against pipeline.stages = 2
+    (DeepSpeed's M x S grid): the same losses at every step and the same synced parameters, bit for
+    bit, with replica 1 compressed. Breaks if the block path changes today's math or payloads."""
+    new = _by_replica(run_ranks(_engine_body, 4, _config([2, 2], compressed=[1]), False))
+    old = _by_replica(run_ranks(_engine_body, 4, _config(stages=2, compressed=[1]), False))
+    for m in (0, 1):
+        assert new[m][0] == old[m][0]
+        for a, b in zip(new[m][1], old[m][1]):
+            assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+        assert new[m][2] == old[m][2]
