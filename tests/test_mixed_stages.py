@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import run_job, run_ranks
 
 SEQ, VOCAB, H, STEPS = 16, 96, 2, 4
 
@@ -140,3 +140,37 @@ def test_equal_depths_through_replica_stages_are_todays_engine_bitwise():
         for a, b in zip(new[m][1], old[m][1]):
             assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
         assert new[m][2] == old[m][2]
+
+
+def test_nproc_3_one_and_two_stage_replicas_train_and_export_a_model_transformers_loads(tmp_path):
+    """`hetloco-ds train` on 3 ranks (as --nproc 3 starts them) with replica_stages [1, 2] (a tied model from an HF directory,
+    replica 1 compressed, H = 2, 4 steps), then `hetloco-ds export`: transformers loads the export,
+    its loss on the validation batches is the one-stage replica's final validation loss (so the
+    export is the replicas' synced model), and it equals the OUT/hf the run wrote. Breaks if the
+    launcher, the checkpoint or the export assume one depth for every replica."""
+    from transformers import LlamaForCausalLM
+
+    import runs
+    from conftest import save_tiny_llama
+    from test_cli import read_metrics, tiny_tokenizer, transformers_validation_loss, write_config, write_text_folder
+
+    hf = tmp_path / "hf"
+    save_tiny_llama(hf, tied=True)
+    tiny_tokenizer().save_pretrained(hf)
+    data, cache, out = write_text_folder(tmp_path / "data"), tmp_path / "cache", tmp_path / "out"
+    cfg = write_config(tmp_path / "cfg.json", {"hetloco.replica_stages": [1, 2], "hetloco.sparseloco.inner_steps": 2,
+                                               "hetloco.subspace.compressed_replicas": [1],
+                                               "hetloco.subspace.ratio": 2})
+    # The 3 ranks as `--nproc 3` starts them (test_launchers: the same job), forked: fast.
+    run_job(tmp_path / "job", 3, ["train", "--steps", 4, "--model", hf, "--data", data, "--config", cfg, "--out", out],
+            runs.env(cache))
+    exported = tmp_path / "exported"
+    proc = runs.cli("export", out / "checkpoints", exported, cache=cache)
+    assert proc.returncode == 0, runs.explain(proc)
+    model = LlamaForCausalLM.from_pretrained(exported)
+    assert model.config.tie_word_embeddings and model.config.num_hidden_layers == 4
+    ours, theirs = runs.hf_tensors(exported), runs.hf_tensors(out / "hf")
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    last = [r for r in read_metrics(out) if r["kind"] == "validation"][-1]
+    assert last["step"] == 4 and len(last["replica_losses"]) == 2
+    assert last["replica_losses"][0] == pytest.approx(transformers_validation_loss(exported, data, cfg, cache), rel=1e-5)
