@@ -15,7 +15,6 @@ rank, and keeps its own replica's.
 """
 from __future__ import annotations
 
-from deepspeed import comm as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
 
 from .checks import check_instance
@@ -36,6 +35,8 @@ class ReplicaGrid(PipelineParallelGrid):
 
     def __init__(self, ranks: list[int], replica: int, num_replicas: int, pipe_group, own_group,
                  tied_group=None):
+        from deepspeed import comm as dist  # here: importing the adapter (the simulator does) loads no comm code
+
         # Not DeepSpeed's __init__, which builds an M x S grid: the attributes its methods read.
         self.global_rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -59,6 +60,8 @@ def replica_grid(replica_ranks: list[list[int]], tied: bool) -> ReplicaGrid:
     """This rank's ReplicaGrid; `replica_ranks[m]`: replica m's global ranks by stage (the same
     list on every rank). Collective: every rank creates, in this order, each replica's pipe group,
     each rank's own group, and with `tied` each multi-stage replica's first-last group."""
+    from deepspeed import comm as dist
+
     me = dist.get_rank()
     pipes = [dist.new_group(ranks=ranks) for ranks in replica_ranks]
     own = [dist.new_group(ranks=[r]) for r in range(dist.get_world_size())]

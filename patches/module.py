@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 
-from deepspeed import comm as dist
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -36,6 +35,8 @@ class PipelineModuleAdapter(PipelineModule):
     def __init__(self, *args, replica_ranks: list[list[int]] | None = None, **kwargs):
         self._replica_ranks = replica_ranks
         if replica_ranks is not None:
+            from deepspeed import comm as dist
+
             # DeepSpeed's __init__ builds a grid from `topology` before it partitions: a valid
             # one-stage grid over the world (its groups are made on every rank alike, then unused);
             # `_partition_layers`, called next, puts the replica's own grid in its place.
