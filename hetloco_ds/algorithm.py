@@ -13,8 +13,10 @@ and three entry points:
     after_inner_step(link)        after each optimizer step: T_S back into Col(U) on a compressed
                                   replica; under plain data parallelism the re-split of eqs. 3-4
     prepare() / finish(g, link)   the outer step (eq. 2, then eqs. 3-4), two-phase so that a
-    outer_step(transport, link)   driver holding every replica in one process (the simulator)
-                                  can gather the payloads itself
+    outer_step(transports, link)  driver holding every replica in one process (the simulator)
+                                  can gather the payloads itself; one payload and exchange per
+                                  outer-sync block the stage holds (the stage itself unless the
+                                  replicas have their own depths: sizes.block_parts)
 
 The engine (one stage per process), the simulator (all stages and replicas in one process)
 and the checkpoint code call only these; the collective is a `transport.ReplicaTransport` and

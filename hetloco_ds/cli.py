@@ -132,6 +132,9 @@ def _train(args) -> int:
         nproc = args.nproc if args.nproc is not None else _default_nproc(targs)
         # Every check, once, before any rank starts or anything is written.
         plan = plan_run(targs, nproc)
+        if args.link and plan.run.hetloco.replica_stages is not None:
+            raise ConfigError(f"{plan.run.source}: hetloco.replica_stages = {plan.run.hetloco.replica_stages}: --link "
+                              "rehearses DeepSpeed's M x pipeline.stages layout only")
         if args.bind_cores:
             core_shares(nproc)  # fewer cores than ranks: one line now, not from inside spawn
         if plan.resume is not None and plan.resume.note:
