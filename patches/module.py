@@ -124,7 +124,7 @@ class PipelineModuleAdapter(PipelineModule):
         # indexing would make groups only for its own. The tied layers sit on the replica's first
         # and last stage (the embedding and its head replica); S = 1 holds both itself.
         group, ranks = self._grid.tied_group, [self._grid.pp_group[0], self._grid.pp_group[-1]]
-        if group is None:
+        if group is None or self.global_rank not in ranks:  # a middle stage holds no tied module
             return {}
         keys = sorted(set(s.key for s in self._layer_specs if isinstance(s, TiedLayerSpec)))
         assert len(keys) == 1, f"one tied module expected across a replica's stages, got {keys}"

@@ -93,9 +93,11 @@ def _simulate(cfg, tied):
     return losses, sim
 
 
-@pytest.mark.parametrize("stages,tied", [([1, 2], False), ([1, 2], True), ([1, 2, 2], True), ([1, 2, 2], False)])
+@pytest.mark.parametrize("stages,tied", [([1, 2], False), ([1, 2], True), ([1, 2, 2], True), ([1, 2, 2], False),
+                                         ([2, 3], True)])
 def test_mixed_depth_replicas_agree_bitwise_after_every_outer_step_and_match_the_simulator(stages, tied):
-    """[1, 2] and [1, 2, 2], the last replica compressed (ratio 4), tied and untied: after each of
+    """[1, 2] and [1, 2, 2], the last replica compressed (ratio 4), tied and untied, and [2, 3] (three
+    blocks: replica 0's second stage holds two, replica 1's stages one each): after each of
     the two outer steps every replica's whole model (every layer's parameters, a tied head's copy,
     T_perp) is bitwise the same, while the replicas' losses differ (they trained on their own
     data); the per-replica simulator with the same depths gives the same losses and synced model to
