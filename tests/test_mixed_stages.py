@@ -93,11 +93,13 @@ def _simulate(cfg, tied):
     return losses, sim
 
 
-@pytest.mark.parametrize("stages,tied", [([1, 2], False), ([1, 2], True), ([1, 2, 2], True), ([1, 2, 2], False),
-                                         ([2, 3], True)])
-def test_mixed_depth_replicas_agree_bitwise_after_every_outer_step_and_match_the_simulator(stages, tied):
-    """[1, 2] and [1, 2, 2], the last replica compressed (ratio 4), tied and untied, and [2, 3] (three
-    blocks: replica 0's second stage holds two, replica 1's stages one each): after each of
+@pytest.mark.parametrize("stages,tied,compressed", [([1, 2], False, [1]), ([1, 2], True, [1]), ([1, 2, 2], True, [2]),
+                                                    ([1, 2, 2], False, [0, 2]), ([2, 3], True, [1])])
+def test_mixed_depth_replicas_agree_bitwise_after_every_outer_step_and_match_the_simulator(stages, tied, compressed):
+    """[1, 2] and [1, 2, 2], the last replica compressed (ratio 4; in one case the one-stage replica
+    too, which has no link to compress but keeps T_S in Col(U) as every compressed replica), tied and
+    untied, and [2, 3] (three blocks: replica 0's second stage holds two, replica 1's stages one
+    each): after each of
     the two outer steps every replica's whole model (every layer's parameters, a tied head's copy,
     T_perp) is bitwise the same, while the replicas' losses differ (they trained on their own
     data); the per-replica simulator with the same depths gives the same losses and synced model to
@@ -106,7 +108,7 @@ def test_mixed_depth_replicas_agree_bitwise_after_every_outer_step_and_match_the
     bytes are those of the blocks it holds. Breaks if a block's exchange mixes coordinates of
     different cuts, if the one-stage replica treats a tied head unlike the others, or if the
     simulator's block walk differs from the engine's."""
-    cfg = _config(stages, compressed=[len(stages) - 1])
+    cfg = _config(stages, compressed=compressed)
     replicas = _by_replica(run_ranks(_engine_body, sum(stages), cfg, tied))
     assert sorted(replicas) == list(range(len(stages)))
     assert len({tuple(losses) for losses, _, _ in replicas.values()}) == len(stages)
