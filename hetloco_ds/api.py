@@ -17,9 +17,9 @@ def initialize(args=None, model: Any = None, optimizer=None, model_parameters=No
     Call it in every rank of a job started by any launcher (deepspeed, torchrun, accelerate,
     `hetloco-ds train --nproc`); the process group is created from the launcher's environment if
     it does not exist yet. World size = pipeline.stages x replicas (or the sum of
-    hetloco.replica_stages). Before any rank builds anything, the run is checked as `hetloco-ds train` checks it (`config.check_run`: topology,
-    compressed replicas, ratios; the model's shapes; the tokenizer and the data): a bad value is
-    one ConfigError naming it, raised on every rank.
+    hetloco.replica_stages). Before any rank builds anything, the run is checked as `hetloco-ds
+    train` checks it (`config.check_run`: topology, compressed replicas, ratios; the model's shapes;
+    the tokenizer and the data): a bad value is one ConfigError naming it, raised on every rank.
 
     DeepSpeed's keywords:
     model:  a transformers `LlamaForCausalLM` (every rank passes the same weights; each stage
