@@ -56,16 +56,16 @@ class ReplicaGrid(PipelineParallelGrid):
         """The group of the replica's first and last stage (a tied model with S > 1), else None."""
 
 
-def replica_grid(replica_ranks: list[list[int]], tied: bool) -> ReplicaGrid:
+def replica_grid(replica_ranks: list[list[int]], tied: bool, own_group) -> ReplicaGrid:
     """This rank's ReplicaGrid; `replica_ranks[m]`: replica m's global ranks by stage (the same
-    list on every rank). Collective: every rank creates, in this order, each replica's pipe group,
-    each rank's own group, and with `tied` each multi-stage replica's first-last group."""
+    list on every rank); `own_group`: a group of this rank alone. Collective: every rank creates,
+    in this order, each replica's pipe group and, with `tied`, each multi-stage replica's
+    first-last group."""
     from deepspeed import comm as dist
 
     me = dist.get_rank()
     pipes = [dist.new_group(ranks=ranks) for ranks in replica_ranks]
-    own = [dist.new_group(ranks=[r]) for r in range(dist.get_world_size())]
     tied_groups = [dist.new_group(ranks=[ranks[0], ranks[-1]]) if tied and len(ranks) > 1 else None
                    for ranks in replica_ranks]
     m = next(i for i, ranks in enumerate(replica_ranks) if me in ranks)
-    return ReplicaGrid(replica_ranks[m], m, len(replica_ranks), pipes[m], own[me], tied_groups[m])
+    return ReplicaGrid(replica_ranks[m], m, len(replica_ranks), pipes[m], own_group, tied_groups[m])

@@ -109,7 +109,8 @@ class PipelineModuleAdapter(PipelineModule):
     def _partition_layers(self, method="uniform"):
         if self._replica_ranks is not None:
             tied = any(isinstance(s, TiedLayerSpec) for s in self._layer_specs)
-            self._grid = replica_grid(self._replica_ranks, tied)
+            # The one-stage grid DeepSpeed just built gives each rank a group of its own (its slice group).
+            self._grid = replica_grid(self._replica_ranks, tied, self._grid.get_slice_parallel_group())
             self._topo = self._grid.topology()
             self.num_stages, self.stage_id = self._grid.pipe_parallel_size, self._grid.stage_id
         # DeepSpeed reads `parts` elsewhere (stage_owner, to place tied layers).

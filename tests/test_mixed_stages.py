@@ -209,3 +209,21 @@ def test_a_mixed_depth_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
     for (straight, s_state), (resumed, r_state) in run_ranks(_resume_body, 3, cfg, str(tmp_path / "ckpt")):
         assert straight == resumed
         assert set(s_state) == set(r_state) and all(torch.equal(s_state[k], r_state[k]) for k in s_state)
+
+
+def test_rank_layout_and_block_holders():
+    """Equal depths keep DeepSpeed's layout (rank = stage x M + replica); mixed depths number each
+    replica's ranks contiguously; each block's holders, one per replica, sorted by rank, are in
+    replica order (what GroupTransport's member order needs). Breaks if a layout change reorders
+    replicas inside a block group or moves today's equal-depth ranks."""
+    from hetloco_ds import sizes
+
+    assert sizes.replica_ranks([2, 2]) == [[0, 2], [1, 3]]
+    assert sizes.replica_ranks([1, 2, 2]) == [[0], [1, 2], [3, 4]]
+    assert sizes.replica_ranks([2, 1]) == [[0, 1], [2]]
+    assert sizes.block_parts(4, [1, 2]) == [0, 3, 7]  # embedding + 2 decoders | 2 decoders + norm + head
+    assert sizes.block_ranks(4, [1, 2, 2]) == [[0, 1, 3], [0, 2, 4]]
+    assert sizes.block_ranks(4, [2, 3]) == [[0, 2], [1, 3], [1, 4]]
+    assert sizes.block_ranks(4, [2, 2]) == [[0, 1], [2, 3]]  # the stages' data-parallel groups
+    for stages in ([1, 2], [2, 1], [3, 1, 2], [2, 3]):
+        assert all(b == sorted(b) for b in sizes.block_ranks(4, stages))
