@@ -1,7 +1,8 @@
 """The static transport: every replica in one torch.distributed world, as DeepSpeed lays it out.
 
 `GroupTransport` runs a stage's outer-sync exchange inside DeepSpeed's data-parallel group of
-that stage; `PipeStageLink` shares tensors from a replica's first stage over its pipe group.
+that stage (replicas of their own depths: one per outer-sync block, in the block's group,
+`block_groups`); `PipeStageLink` shares tensors from a replica's first stage over its pipe group.
 Both count what they put on a wire in the engine's ByteMeter.
 
 Why the gloo exchange is not `all_gather`: gloo's TCP transport is a rendezvous. A send's data
