@@ -227,3 +227,33 @@ def test_rank_layout_and_block_holders():
     assert sizes.block_ranks(4, [2, 2]) == [[0, 1], [2, 3]]  # the stages' data-parallel groups
     for stages in ([1, 2], [2, 1], [3, 1, 2], [2, 3]):
         assert all(b == sorted(b) for b in sizes.block_ranks(4, stages))
+
+
+@pytest.mark.parametrize("settings", [{}, {"quant_bits": 2, "outer_momentum": 0.9, "norm_clip": "median"}])
+def test_a_stage_split_into_blocks_takes_the_whole_stages_outer_step_bit_for_bit(settings):
+    """Three fake replicas, five tensors of a stage in two blocks (BlockStates, one payload each)
+    against one SparseLoCoState over all five, two outer steps: the same parameters, bitwise, and
+    one more 16-byte header per block on the wire. The premise of the exchange by block: a
+    tensor's chunking, top-k, quantisation, clipping, error feedback and momentum never depend
+    on the other tensors of its payload. Breaks if any of them starts to."""
+    from hetloco_ds.sparseloco.outer import BlockStates, OuterConfig, SparseLoCoState
+
+    cfg = OuterConfig(topk=4, chunk_size=16, **settings)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(8, 8), (8,), (8, 8), (4, 8), (8,)]
+    whole = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    split = [[t.clone() for t in p] for p in whole]
+    one = [SparseLoCoState(p, cfg) for p in whole]
+    blocked = [BlockStates(p, [[0, 1], [2, 3, 4]], cfg) for p in split]
+    for _ in range(2):
+        for a, b in zip(whole, split):
+            for x, y in zip(a, b):
+                step = torch.randn(x.shape, generator=g) * 0.1
+                x.add_(step), y.add_(step)
+        payloads = [s.prepare(p) for s, p in zip(one, whole)]
+        reports = [s.finish(p, payloads) for s, p in zip(one, whole)]
+        by_block = list(zip(*[s.prepare(p) for s, p in zip(blocked, split)]))
+        blocked_reports = [s.finish(p, by_block) for s, p in zip(blocked, split)]
+        assert blocked_reports[0].bytes_per_replica == reports[0].bytes_per_replica + 16
+        assert blocked_reports[0].contributors == reports[0].contributors == (0, 1, 2)
+        assert all(torch.equal(x, y) for a, b in zip(whole, split) for x, y in zip(a, b))

@@ -737,7 +737,7 @@ class BlockStates:
         averages = {b[j]: avg for r, b in zip(reports, self.blocks) for j, avg in r.averages.items()}
         counted = [r for r in reports if r.selected is not None]
         return OuterReport(sum(r.bytes_per_replica for r in reports),
-                           tuple(m for m in reports[0].contributors + reports[0].excluded if m not in excluded),
+                           tuple(m for m in range(len(payloads[0])) if m not in excluded),
                            excluded, averages,
                            sum(r.selected for r in counted) if counted else None,
                            sum(r.distinct for r in counted) if counted else None)
