@@ -13,8 +13,10 @@ and three entry points:
     after_inner_step(link)        after each optimizer step: T_S back into Col(U) on a compressed
                                   replica; under plain data parallelism the re-split of eqs. 3-4
     prepare() / finish(g, link)   the outer step (eq. 2, then eqs. 3-4), two-phase so that a
-    outer_step(transport, link)   driver holding every replica in one process (the simulator)
-                                  can gather the payloads itself
+    outer_step(transports, link)  driver holding every replica in one process (the simulator)
+                                  can gather the payloads itself; one payload and exchange per
+                                  outer-sync block the stage holds (the stage itself unless the
+                                  replicas have their own depths: sizes.block_parts)
 
 The engine (one stage per process), the simulator (all stages and replicas in one process)
 and the checkpoint code call only these; the collective is a `transport.ReplicaTransport` and
@@ -43,7 +45,7 @@ from torch import Tensor, nn
 
 from . import subspace
 from .model import DecoderLayer, TokenEmbedding
-from .sparseloco.outer import SparseLoCoState
+from .sparseloco.outer import BlockStates
 from .transport import Gathered, ReplicaTransport, StageLink
 
 
@@ -71,13 +73,17 @@ class StageAlgorithm:
     tied head's copy on the last); only those whose weight is among `params` are T_S copies this
     object updates. `layers`: the stage's layers (the Table 5b ablation projects DecoderLayers).
     `tied`: the model ties its embedding and head and they sit on different stages (every stage
-    of the replica passes the same value).
+    of the replica passes the same value; a one-stage replica that holds the head as a copy of its own,
+    `pipe.module.head_apart`, passes True too). `blocks`: the indices into `params` of each
+    outer-sync block the stage holds (`sizes.block_parts`), one payload and exchange each; None: one
+    block, the whole stage (every replica cut alike).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], hetloco, *, replica: int, num_replicas: int,
                  hidden_size: int, vocab_size: int, device, embeddings: Sequence[TokenEmbedding] = (),
-                 layers: Sequence[nn.Module] = (), tied: bool = False):
+                 layers: Sequence[nn.Module] = (), tied: bool = False, blocks: Sequence[Sequence[int]] | None = None):
         self.params = list(params)
+        self.blocks = [list(range(len(self.params)))] if blocks is None else [list(b) for b in blocks]
         self.cfg = hetloco
         self.replica, self.num_replicas = replica, num_replicas
         self.shape = (vocab_size, hidden_size)
@@ -95,7 +101,7 @@ class StageAlgorithm:
             k = subspace.subspace_dim(hidden_size, sub.ratio_for(replica, num_replicas))
             self.basis = subspace.make_basis(hidden_size, k, sub.seed).to(self.device)
         self.perp: Tensor | None = None
-        self.outer: SparseLoCoState | None = None
+        self.outer: BlockStates | None = None
         self.outer_steps = 0
         self.tied_apart = tied and self.sparseloco and hetloco.sparseloco.tied_embeddings == "outer_step"
         """The embedding and head copies train apart between outer steps (module docstring)."""
@@ -126,8 +132,8 @@ class StageAlgorithm:
                 emb.weight.copy_(t_s)
                 emb.perp = self.perp
         if self.sparseloco:
-            self.outer = SparseLoCoState(self.params, self.cfg.sparseloco,
-                                         on_host=self.cfg.sparseloco.outer_state_device == "cpu")
+            self.outer = BlockStates(self.params, self.blocks, self.cfg.sparseloco,
+                                     on_host=self.cfg.sparseloco.outer_state_device == "cpu")
 
     # ------------------------------------------------------------------ inner loop
     @torch.no_grad()
@@ -150,37 +156,47 @@ class StageAlgorithm:
                                        self.cfg.subspace.project_residual_weights)
 
     # ------------------------------------------------------------------ outer step
-    def prepare(self) -> Tensor:
-        """Error feedback and compression of this stage's pseudo-gradient: its uint8 payload."""
+    def prepare(self) -> list[Tensor]:
+        """Error feedback and compression of this stage's pseudo-gradient: a uint8 payload per block."""
         return self.outer.prepare(self.params)
 
-    def finish(self, gathered: Gathered, link: StageLink, count_selected: bool = False) -> OuterResult:
-        """Aggregate the gathered payloads into the synced theta (eq. 2). A driver then calls
-        `sync_embeddings` on every stage (the engine at once; the simulator after every stage's
-        finish, since it runs one stage at a time). `count_selected` adds the overlap of the
-        replicas' selections (a diagnostic)."""
+    def finish(self, gathered: Sequence[Gathered], link: StageLink, count_selected: bool = False) -> OuterResult:
+        """Aggregate each block's gathered payloads (`gathered[k]`, every replica's payload of block k,
+        members alike) into the synced theta (eq. 2). A driver then calls `sync_embeddings` on every
+        stage (the engine at once; the simulator after every stage's finish, since it runs one stage
+        at a time). `count_selected` adds the overlap of the replicas' selections (a diagnostic)."""
         keep = self.kept_average
         theta_old = None
         if self.tied_apart and keep:
             theta_old = self.outer.synced(keep[0])
-        report = self.outer.finish(self.params, gathered.payloads, keep_average=keep, count_selected=count_selected)
+        report = self.outer.finish(self.params, [g.payloads for g in gathered], keep_average=keep,
+                                   count_selected=count_selected)
         if self._syncs_embedding:
-            own = report.averages[keep[0]] if keep else None
-            if own is not None and self.tied_apart:
-                link.offer(own, "first" if link.is_first else "last")
+            # The embedding on a first stage, a tied head's copy on a last one; a one-stage replica
+            # holding both copies owns both aggregates.
+            sources = ["first"] * link.is_first + ["last"] * (link.is_last and (self.tied_apart or not link.is_first))
+            own = {src: report.averages[i] for src, i in zip(sources, keep)}
+            if self.tied_apart:
+                for src, avg in own.items():
+                    link.offer(avg, src)
             self._synced = (own, theta_old)
         self.outer_steps += 1
+        members = gathered[0].members
         return OuterResult(
             outer_step=self.outer_steps,
             payload_bytes=report.bytes_per_replica,
-            contributors=tuple(gathered.members[i] for i in report.contributors),
-            excluded=tuple(gathered.members[i] for i in report.excluded),
+            contributors=tuple(members[i] for i in report.contributors),
+            excluded=tuple(members[i] for i in report.excluded),
             selected=report.selected,
             distinct=report.distinct,
         )
 
-    def outer_step(self, transport: ReplicaTransport, link: StageLink) -> OuterResult:
-        result = self.finish(transport.exchange(self.prepare()), link)
+    def outer_step(self, transports: Sequence[ReplicaTransport], link: StageLink) -> OuterResult:
+        """The whole outer step through `transports[k]`, block k's exchange. Every rank exchanges
+        its blocks in block order, so a rank waiting in one exchange waits only for ranks that are
+        done with every earlier block: no cycle, no deadlock."""
+        payloads = self.prepare()
+        result = self.finish([t.exchange(p) for t, p in zip(transports, payloads, strict=True)], link)
         self.sync_embeddings(link)
         return result
 
@@ -219,7 +235,7 @@ class StageAlgorithm:
         sparse = not (self.outer.cfg.dense or self.outer.cfg.outer_momentum > 0)
 
         def share(source: str):
-            mine = own if (link.is_first if source == "first" else link.is_last) else None
+            mine = own.get(source)
             if sparse:
                 return link.share_sparse(mine, self.shape, source=source)
             return link.share_dense(mine, self.shape, kind="embedding_sync", source=source)

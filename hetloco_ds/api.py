@@ -16,10 +16,10 @@ def initialize(args=None, model: Any = None, optimizer=None, model_parameters=No
 
     Call it in every rank of a job started by any launcher (deepspeed, torchrun, accelerate,
     `hetloco-ds train --nproc`); the process group is created from the launcher's environment if
-    it does not exist yet. World size = pipeline.stages x replicas. Before any rank builds
-    anything, the run is checked as `hetloco-ds train` checks it (`config.check_run`: topology,
-    compressed replicas, ratios; the model's shapes; the tokenizer and the data): a bad value is
-    one ConfigError naming it, raised on every rank.
+    it does not exist yet. World size = pipeline.stages x replicas (or the sum of
+    hetloco.replica_stages). Before any rank builds anything, the run is checked as `hetloco-ds
+    train` checks it (`config.check_run`: topology, compressed replicas, ratios; the model's shapes;
+    the tokenizer and the data): a bad value is one ConfigError naming it, raised on every rank.
 
     DeepSpeed's keywords:
     model:  a transformers `LlamaForCausalLM` (every rank passes the same weights; each stage
@@ -80,7 +80,8 @@ def initialize(args=None, model: Any = None, optimizer=None, model_parameters=No
     _check_model_parameters(model_parameters, model if hf_state is not None else None)
     seq_len = seq_len or run.hetloco.train.seq_len
     init_distributed(distributed_port, dist_init_required)
-    num_replicas = check_run(run, dist.get_world_size(), llama_config.hidden_size, llama_config.num_hidden_layers)
+    num_replicas = check_run(run, dist.get_world_size(), llama_config.hidden_size, llama_config.num_hidden_layers,
+                             tied=bool(llama_config.tie_word_embeddings))
     samples = None
     if training_data is not None:
         samples = _on_every_rank(lambda: _training_samples(training_data, tokenizer, hf_dir, llama_config, seq_len,

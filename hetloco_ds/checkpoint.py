@@ -89,8 +89,11 @@ def collect_rank_state(engine, data_position: int, *, writes_shared: bool, synce
     algorithm = engine.algorithm.state_dict()
     outer = algorithm["outer"]
     if outer is not None:
-        outer = {k: v for k, v in outer.items()
-                 if not (k == "theta_prev" and synced) and not (k == "momentum" and not writes_shared)}
+        def strip(state: dict) -> dict:
+            return {k: v for k, v in state.items()
+                    if not (k == "theta_prev" and synced) and not (k == "momentum" and not writes_shared)}
+
+        outer = {"blocks": [strip(b) for b in outer["blocks"]]} if "blocks" in outer else strip(outer)
     return {
         "local_steps": engine.local_steps,
         "data_position": data_position,
@@ -311,10 +314,12 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
 
     started, t0 = time.time(), time.perf_counter()
     writer = _writer(engine)
-    # Replica 0's ranks write what every replica holds alike (stage layers, outer momentum).
-    writes_shared = engine.module.coord.data == 0
+    # Replica 0's ranks write what every replica holds alike (stage layers, outer momentum). With
+    # replicas of their own depths no other rank holds a replica-0 rank's blocks: each keeps its momentum.
+    writes_shared = engine.module.replica_id == 0
     synced = _synced(engine.algorithm)
-    state = collect_rank_state(engine, data_position, writes_shared=writes_shared, synced=synced)
+    state = collect_rank_state(engine, data_position, synced=synced,
+                               writes_shared=writes_shared or engine.replica_stages is not None)
     state.update(world_size=dist.get_world_size(), stages=engine.num_stages, replica=engine.replica,
                  stage=engine.stage_id)
     files = {STATE_FILE.format(rank=rank): state}
@@ -322,7 +327,7 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
         files.update({layer_checkpoint_name(i): m.state_dict() for i, m in engine.module.checkpoint_layers().items()})
     staged = writer.stager.stage(files)  # the device-to-host copy: all that training waits for
     blocked = time.perf_counter() - t0
-    layout = {"stage": engine.stage_id, "data": engine.module.coord.data}
+    layout = {"stage": engine.stage_id, "data": engine.module.replica_id}
     writer.pending = _Pending(ckpt_dir, tag, step, keep, layout, writer.thread.submit(_write_files, partial, staged),
                               blocked, started)
     if wait:
@@ -558,10 +563,12 @@ def load(engine, ckpt_dir: str, tag: str | None = None, *, module_only: bool = F
             algorithm.outer.rebase(i, p)
         return 0
     if outer is not None:
-        outer = dict(outer)
-        outer.setdefault("theta_prev", [p.detach() for p in algorithm.params])  # synced: the weights
-        if algorithm.outer.momentum is not None and "momentum" not in outer:
-            outer["momentum"] = _shared_state(engine, ckpt_dir, tag)["algorithm"]["outer"]["momentum"]
+        parts = [dict(b) for b in outer["blocks"]] if "blocks" in outer else [dict(outer)]
+        for part, block in zip(parts, algorithm.blocks):  # synced: theta_prev is the weights
+            part.setdefault("theta_prev", [algorithm.params[i].detach() for i in block])
+        if algorithm.outer.momentum is not None and "momentum" not in parts[0]:  # one block: replica 0's
+            parts[0]["momentum"] = _shared_state(engine, ckpt_dir, tag)["algorithm"]["outer"]["momentum"]
+        outer = {"blocks": parts} if "blocks" in outer else parts[0]
     state["algorithm"] = {"outer": outer, "perp": algorithm.perp, "outer_steps": state["algorithm"]["outer_steps"]}
     return restore_rank_state(engine, state, optimizer=optimizer, lr_scheduler=lr_scheduler)
 

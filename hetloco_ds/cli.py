@@ -66,7 +66,10 @@ def _default_nproc(targs) -> int:
         if config_path(targs) is None:
             return record["world_size"]
     path = config_path(targs) or default_config_path()
-    return (1 if targs.fleet is not None else 2) * parse_config(read_config_file(path), path).stages
+    run = parse_config(read_config_file(path), path)
+    if run.hetloco.replica_stages is not None and targs.fleet is None:
+        return sum(run.hetloco.replica_stages)  # one rank per stage of every replica
+    return (1 if targs.fleet is not None else 2) * run.stages
 
 
 def _train(args) -> int:
@@ -129,6 +132,9 @@ def _train(args) -> int:
         nproc = args.nproc if args.nproc is not None else _default_nproc(targs)
         # Every check, once, before any rank starts or anything is written.
         plan = plan_run(targs, nproc)
+        if args.link and plan.run.hetloco.replica_stages is not None:
+            raise ConfigError(f"{plan.run.source}: hetloco.replica_stages = {plan.run.hetloco.replica_stages}: --link "
+                              "rehearses DeepSpeed's M x pipeline.stages layout only")
         if args.bind_cores:
             core_shares(nproc)  # fewer cores than ranks: one line now, not from inside spawn
         if plan.resume is not None and plan.resume.note:

@@ -244,7 +244,8 @@ class PipelineConfig(_Section):
 class HetlocoConfig(_Section):
     replica_stages: list[int] | None = None
     """Pipeline depth of each replica, one entry per replica (e.g. [1, 2]: replica 0 whole on one
-    rank, replica 1 in two stages); None: every replica has pipeline.stages."""
+    rank, replica 1 in two stages; the world is their sum); None: every replica has pipeline.stages,
+    which is ignored when this is set. Static mode only."""
     sparseloco: SparseLoCoConfig = Field(default_factory=SparseLoCoConfig)
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
@@ -282,6 +283,7 @@ class RunConfig:
     hetloco: HetlocoConfig
     source: str
     stages: int
+    """pipeline.stages; with hetloco.replica_stages, the deepest replica's."""
     bf16: bool = False
     """bf16.enabled: autocast over fp32 master weights per replica; bf16 crosses stage links."""
     clip: float = 1.0
@@ -425,6 +427,8 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
         stages = 1
     if not isinstance(stages, int) or stages < 1:
         raise ConfigError(f"{source}: pipeline.stages must be a positive integer, got {stages!r}")
+    if hetloco.replica_stages is not None:
+        stages = max(hetloco.replica_stages)  # the deepest replica's (each replica has its own)
     pipeline["stages"] = stages
 
     zero = ds.get("zero_optimization", {}) or {}
@@ -574,8 +578,19 @@ def default_config_path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "cpu_tiny.json")
 
 
-def check_topology(world_size: int, stages: int, source: str, num_layers: int | None = None) -> int:
-    """Replicas M = world / S, or one error showing both numbers."""
+def check_topology(world_size: int, stages: int, source: str, num_layers: int | None = None,
+                   replica_stages: list[int] | None = None) -> int:
+    """Replicas M = world / S (with `replica_stages`: one per entry, the world their sum), or one
+    error showing the numbers."""
+    if replica_stages is not None:
+        if sum(replica_stages) != world_size:
+            raise ConfigError(f"{source}: world size {world_size} does not match hetloco.replica_stages = "
+                              f"{replica_stages}, which needs {sum(replica_stages)} ranks (one per stage of every replica)")
+        deep = [m for m, s in enumerate(replica_stages) if num_layers is not None and s > num_layers]
+        if deep:
+            raise ConfigError(f"{source}: hetloco.replica_stages[{deep[0]}] = {replica_stages[deep[0]]} exceeds the "
+                              f"model's {num_layers} decoder layers")
+        return len(replica_stages)
     if stages > world_size or world_size % stages != 0:
         raise ConfigError(
             f"{source}: world size {world_size} is not divisible by pipeline.stages = {stages}; "
@@ -586,13 +601,28 @@ def check_topology(world_size: int, stages: int, source: str, num_layers: int | 
     return world_size // stages
 
 
-def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int, elastic: bool = False) -> int:
+def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int, elastic: bool = False,
+              tied: bool = False) -> int:
     """Every check that needs the world size or the model: run once where the job is launched.
 
     Returns the number of replicas M; `elastic`: the job is one replica of a fleet of
-    hetloco.elastic.max_replicas, whose size is returned."""
-    M = check_topology(world_size, run.stages, run.source, num_layers)
-    made = f"{world_size} ranks / pipeline.stages = {run.stages} make"
+    hetloco.elastic.max_replicas, whose size is returned. `tied`: the model ties its embedding and head."""
+    mixed = run.hetloco.replica_stages
+    if mixed is not None and elastic:
+        raise ConfigError(f"{run.source}: hetloco.replica_stages = {mixed} is for the static mode (one world); an "
+                          "elastic replica is one pipeline of pipeline.stages ranks")
+    M = check_topology(world_size, run.stages, run.source, num_layers, mixed)
+    made = (f"hetloco.replica_stages = {mixed} makes" if mixed is not None
+            else f"{world_size} ranks / pipeline.stages = {run.stages} make")
+    if mixed is not None and len(set(mixed)) > 1:
+        sl = run.hetloco.sparseloco
+        if not sl.enabled:
+            raise ConfigError(f"{run.source}: hetloco.replica_stages = {mixed} mixes depths, which needs the outer sync "
+                              "(hetloco.sparseloco.enabled = false all-reduces gradients between equal stages)")
+        if tied and sl.tied_embeddings != "outer_step":
+            raise ConfigError(f"{run.source}: hetloco.sparseloco.tied_embeddings = \"{sl.tied_embeddings}\" with mixed "
+                              f"hetloco.replica_stages = {mixed}: a tied model's copies must train apart "
+                              "(\"outer_step\") on every replica alike")
     if elastic:
         if M != 1:
             raise ConfigError(f"an elastic replica is one pipeline of pipeline.stages = {run.stages} ranks; "

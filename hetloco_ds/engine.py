@@ -16,6 +16,7 @@ it differs from the stock engine in this, and nothing else:
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import time
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from deepspeed import comm as dist
 
-from . import optim
+from . import optim, sizes
 from .algorithm import StageAlgorithm
 from .config import RunConfig
 from .meter import ByteMeter, nbytes
@@ -32,7 +33,7 @@ from .patches import PipelineEngineAdapter
 from .pipe import order, schedule as pipe_schedule
 from .pipe.links import StageLinks, gemm_sm_carveout, open_links
 from .transport import member_ids
-from .transport.static import GroupTransport, PipeStageLink
+from .transport.static import GroupTransport, PipeStageLink, block_groups
 
 # DeepSpeed's PipelineEngine.__init__ puts these on the wire before our counters exist: a
 # 4-byte loss scalar to the next stage (a p2p "warm-up") and a [2] int64 parameter count
@@ -69,8 +70,9 @@ class HetlocoEngine(PipelineEngineAdapter):
     def __init__(self, *args, run: RunConfig, seq_len: int, replica: tuple[int, int] | None = None,
                  transport=None, **kwargs):
         """`replica`: (this replica's id, the fleet's size) when the job is one replica of an elastic
-        fleet (default: DeepSpeed's data-parallel id and size). `transport`: engine -> ReplicaTransport,
-        called once the stage's algorithm is set up (default: the static GroupTransport)."""
+        fleet (default: the module's replica in this world and the world's replicas). `transport`:
+        engine -> ReplicaTransport, called once the stage's algorithm is set up (default: the static
+        GroupTransport of each outer-sync block this rank holds)."""
         self.run = run
         self.hetloco = hetloco = run.hetloco
         self.seq_len = seq_len
@@ -79,8 +81,10 @@ class HetlocoEngine(PipelineEngineAdapter):
         """bf16: each weight's autocast cast made once per optimizer step, not once per micro-batch
         (`_weight_casts`); False gives the per-micro-batch casts (the same bits, more work)."""
         super().__init__(*args, **kwargs)
-        self.replica, self.num_replicas = replica or (self.grid.data_parallel_id, self.grid.data_parallel_size)
+        self.replica, self.num_replicas = replica or self.module.replica
         self.dp_group = self.grid.get_data_parallel_group()
+        self.replica_stages = self.hetloco.replica_stages if replica is None else None
+        """Each replica's depth when this world's replicas have their own grids (static mode), else None."""
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
         self._count_deepspeed_init_traffic()
@@ -101,14 +105,47 @@ class HetlocoEngine(PipelineEngineAdapter):
             self.trainable_params(), hetloco, replica=self.replica, num_replicas=self.num_replicas,
             hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, device=self.device,
             embeddings=self.module.embeddings(), layers=list(self.module.local_layers().values()),
-            tied=bool(cfg.tie_word_embeddings) and self.num_stages > 1)
+            tied=bool(cfg.tie_word_embeddings) and (self.num_stages > 1 or self.module.head_apart),
+            blocks=self._param_blocks())
         self.module.autocast_dtype = torch.bfloat16 if run.bf16 else None
         self.module.configure_boundary(self.algorithm.basis, torch.bfloat16 if run.bf16 else torch.float32)
         self._open_links()  # once the boundary's width and wire dtype (a copy-engine slot's size) are set
         self.algorithm.setup(self.stage_link)
         self.module.codec.perp = self.algorithm.perp
-        self.transport = GroupTransport(self.dp_group, self.meter) if transport is None else transport(self)
+        if transport is not None:
+            self.transports = [transport(self)]
+        elif self.replica_stages is None:
+            self.transports = [GroupTransport(self.dp_group, self.meter)]
+        else:
+            groups = block_groups(sizes.block_ranks(cfg.num_hidden_layers, self.replica_stages))  # collective
+            self.transports = [GroupTransport(groups[b], self.meter) for b in self._blocks_held()]
+        self.transport = self.transports[0]
+        """The first block's: the one that carries the hooks (`begin`, `outer_fields`, `state_dict`, ...)."""
         self.meter.since_mark()
+
+    def _blocks_held(self) -> list[int]:
+        """The outer-sync blocks (`sizes.block_parts`) this rank holds, in order."""
+        n = self.module.llama_config.num_hidden_layers
+        return sizes.stage_blocks(n, self.num_stages, self.stage_id, sizes.block_parts(n, self.replica_stages))
+
+    def _param_blocks(self) -> list[list[int]] | None:
+        """Indices into `trainable_params()` of each block this rank holds (None: the stage is one
+        block). In the stage's parameter order within a block: DeepSpeed registers the tied modules
+        first, then the layers by index, on every stage alike, so each replica lists a block's
+        parameters in the same order."""
+        if self.replica_stages is None:
+            return None
+        n = self.module.llama_config.num_hidden_layers
+        parts = sizes.block_parts(n, self.replica_stages)
+        layer_of: dict[int, int] = {}
+        for idx, module in sorted(self.module.local_layers().items()):
+            for p in module.parameters():
+                layer_of.setdefault(id(p), idx)
+        held = self._blocks_held()
+        out: dict[int, list[int]] = {b: [] for b in held}
+        for i, p in enumerate(self.trainable_params()):
+            out[bisect.bisect_right(parts, layer_of[id(p)]) - 1].append(i)
+        return [out[b] for b in held]
 
     def _open_links(self) -> None:
         """The schedule, and the stage links over the one backend `pipe.links.open_links` chooses for
@@ -127,8 +164,7 @@ class HetlocoEngine(PipelineEngineAdapter):
 
     def _replica_ranks(self) -> list[list[int]]:
         """Every pipeline of this job, as its global ranks by stage."""
-        return [[self.grid.stage_to_global(s, data=m) for s in range(self.num_stages)]
-                for m in range(self.grid.data_parallel_size)]
+        return self.module.replica_ranks()
 
     def _count_deepspeed_init_traffic(self) -> None:
         if not self.is_last_stage():
@@ -347,7 +383,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         """SparseLoCo outer step for this stage, inside this stage's data-parallel group."""
         start = time.perf_counter()
         self.transport.begin()  # elastic: this boundary's quorum, which may replace the stage's synced state
-        result = self.algorithm.outer_step(self.transport, self.stage_link)
+        result = self.algorithm.outer_step(self.transports, self.stage_link)
         if result.excluded and self.global_rank == 0:
             print(f"[hetloco] WARNING outer step {result.outer_step}: replicas {list(result.excluded)} had a "
                   "non-finite pseudo-gradient and were excluded; they were reset to the synced parameters",
@@ -395,15 +431,16 @@ class HetlocoEngine(PipelineEngineAdapter):
         paper averages validation; the same on every rank. Every rank calls it at the same step.
         An elastic replica is its own job: only its own loss."""
         loss = self.evaluate(data_iter, micro_batches)
-        here, me = self.grid.data_parallel_size, self.grid.data_parallel_id
+        me, here = self.module.replica
         losses = [0.0] * here
         if self.is_last_stage():
             losses[me] = loss
             if here > 1:
                 # The replicas' last stages sum their one-hot vectors; then each broadcasts the
                 # list over its own pipe group: two collectives, in this order on every rank.
+                # (Replicas of their own depths: the last stages are the last block's group.)
                 t = torch.tensor(losses, dtype=torch.float64, device=self.device)
-                dist.all_reduce(t, group=self.dp_group)
+                dist.all_reduce(t, group=self.dp_group if self.replica_stages is None else self.transports[-1].group)
                 self.meter.add("sent", nbytes(t), "control")
                 self.meter.add("recv", nbytes(t), "control")
                 losses = t.tolist()

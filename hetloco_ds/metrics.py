@@ -99,7 +99,7 @@ class RunFacts:
     @classmethod
     def from_engine(cls, engine) -> "RunFacts":
         # The replicas this job runs: an elastic replica (a job of its own) counts its own tokens/s.
-        return cls(num_replicas=engine.grid.data_parallel_size, num_stages=engine.num_stages,
+        return cls(num_replicas=engine.module.replica[1], num_stages=engine.num_stages,
                    flops_per_token=training_flops_per_token(engine.module.llama_config, engine.seq_len),
                    device=torch.device(engine.device), peak_flops=peak_flops(torch.device(engine.device)))
 

@@ -342,3 +342,37 @@ def block_parts(num_layers: int, replica_stages: Sequence[int]) -> list[int]:
     for stages in set(replica_stages):
         cuts.update(stage_parts(num_layers, stages))
     return sorted(cuts)
+
+
+# --------------------------------------------------------------------------- mixed pipeline depths
+def replica_ranks(replica_stages: Sequence[int]) -> list[list[int]]:
+    """Global ranks of each replica's stages in one static world (`hetloco.replica_stages`).
+
+    Equal depths keep DeepSpeed's PipeDataParallelTopology layout (rank = stage * M + replica);
+    mixed depths number each replica's ranks contiguously, replica 0's first ([1, 2]: [[0], [1, 2]]).
+    Either way a group holding one rank of every replica, sorted by rank, is in replica order."""
+    stages = list(replica_stages)
+    M = len(stages)
+    if len(set(stages)) == 1:
+        return [[s * M + m for s in range(stages[0])] for m in range(M)]
+    first = [sum(stages[:m]) for m in range(M)]
+    return [[first[m] + s for s in range(stages[m])] for m in range(M)]
+
+
+def stage_blocks(num_layers: int, stages: int, stage: int, blocks: Sequence[int]) -> list[int]:
+    """Indices of the outer-sync blocks (`block_parts`) that stage `stage` of a depth-`stages`
+    replica holds whole."""
+    parts = stage_parts(num_layers, stages)
+    lo, hi = parts[stage], parts[stage + 1]
+    return [b for b in range(len(blocks) - 1) if lo <= blocks[b] and blocks[b + 1] <= hi]
+
+
+def block_ranks(num_layers: int, replica_stages: Sequence[int]) -> list[list[int]]:
+    """For each outer-sync block, the global rank of every replica that holds it (replica order)."""
+    blocks = block_parts(num_layers, replica_stages)
+    out: list[list[int]] = [[] for _ in range(len(blocks) - 1)]
+    for ranks, stages in zip(replica_ranks(replica_stages), replica_stages):
+        for s, rank in enumerate(ranks):
+            for b in stage_blocks(num_layers, stages, s, blocks):
+                out[b].append(rank)
+    return out

@@ -240,7 +240,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         if record["world_size"] != world:
             raise ConfigError(f"--resume: the run has {record['world_size']} ranks ({record['replicas']} replicas x "
                               f"pipeline.stages = {record['stages']}); this launch has {world}")
-    check_topology(world, run.stages, run.source)
+    check_topology(world, run.stages, run.source, replica_stages=run.hetloco.replica_stages)
 
     seq_len = run.hetloco.train.seq_len
     hf_dir = None
@@ -253,7 +253,8 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     else:
         llama_config, tokenizer, args = _model_and_tokenizer(args, run)
         hf_dir = args.model
-    M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers, elastic=args.fleet is not None)
+    M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers, elastic=args.fleet is not None,
+                  tied=bool(llama_config.tie_word_embeddings))
     positions = getattr(llama_config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
         model = (meta.path if record is not None else f"--model {args.model}" if args.model
@@ -569,7 +570,7 @@ class _Loop:
             val = data.validation_batches(self.plan.corpus.val, engine.micro_batch_size) if self.needs_data else None
             losses = engine.validation_losses(val, self.cfg.eval_batches)
             mean = sum(losses.values()) / len(losses)
-            if engine.is_last_stage() and engine.grid.data_parallel_id == 0:
+            if engine.is_last_stage() and engine.module.replica_id == 0:
                 self.writer.write({"kind": "validation", "step": step, "replica": engine.replica, "loss": mean,
                                    "replica_losses": [losses[m] for m in sorted(losses)], "time": time.time()})
             self.progress.validation(step, mean)

@@ -40,6 +40,10 @@ REQUIRED: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("deepspeed.runtime.pipe.module", "PipelineModule._partition_layers", ("self", "method")),
     ("deepspeed.runtime.pipe.module", "PipelineModule._set_bounds", ("self", "start", "stop")),
     ("deepspeed.runtime.pipe.module", "PipelineModule.ckpt_layer_path", ("self", "ckpt_dir", "local_layer_idx")),
+    ("deepspeed.runtime.pipe.module", "PipelineModule._index_tied_modules", ("self",)),
+    ("deepspeed.runtime.pipe.module", "PipelineModule._synchronize_tied_weights", ("self",)),
+    ("deepspeed.runtime.pipe.topology", "PipelineParallelGrid.stage_to_global", ("self", "stage_id", "kwargs")),
+    ("deepspeed.runtime.pipe.topology", "ProcessTopology.__init__", ("self", "axes", "dims")),
     ("deepspeed.runtime.utils", "set_random_seed", ("seed",)),
     ("deepspeed.comm.torch", "build_shm_op", ()),
 )
@@ -48,6 +52,10 @@ INSTANCE_ATTRIBUTES = {
     "PipelineEngine": ("pipe_buffers", "total_loss", "grad_layer"),
     "PipelineEngine after _exec_schedule": ("fwd_outputs",),
     "PipelineModule": ("forward_funcs", "tied_comms", "_local_start", "_topo", "seed_layers"),
+    # patches.grid: what the replica's grid sets in place of DeepSpeed's, read by its methods
+    "PipelineModule with a replica grid": ("_grid", "_layer_specs", "tied_modules", "tied_weight_attrs", "num_stages",
+                                           "stage_id", "parts"),
+    "ProcessTopology": ("mapping", "axes", "dims"),
 }
 
 

@@ -438,3 +438,30 @@ def test_export_never_writes_into_or_deletes_its_source(recorded_run, where, cap
                    "inside_checkpoints": (ckpt / "hf", f"is inside the checkpoint directory {ckpt} it reads from")}[where]
     fails_with(capsys, ["export", ckpt, target, "--overwrite"], f"export target {target} {why}", out,
                prefix="hetloco-ds export: error: ")
+
+
+MIXED_CASES = {
+    "replica_stages_against_the_world": (
+        {"hetloco.replica_stages": [1, 2]}, ["--nproc", 2],
+        "{cfg}: world size 2 does not match hetloco.replica_stages = [1, 2], which needs 3 ranks (one per stage of "
+        "every replica)"),
+    "replica_stages_deeper_than_the_model": (
+        {"hetloco.replica_stages": [1, 5]}, ["--nproc", 6],
+        "{cfg}: hetloco.replica_stages[1] = 5 exceeds the model's 4 decoder layers"),
+    "replica_stages_in_elastic_mode": (
+        {"hetloco.replica_stages": [1, 2]}, ["--elastic", "--nproc", 3],
+        "{cfg}: hetloco.replica_stages = [1, 2] is for the static mode (one world); --elastic runs replicas of "
+        "pipeline.stages ranks each"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MIXED_CASES))
+def test_bad_mixed_depths_fail_before_any_rank_with_one_line(case, inputs, tmp_path, capsys):
+    """hetloco.replica_stages whose ranks are not the world, a replica deeper than the model, or
+    mixed depths in elastic mode: one line, before any rank starts. Breaks if the check moves into
+    the ranks (where every rank would fail alike, after building groups)."""
+    edits, extra, line = MIXED_CASES[case]
+    cfg = write_config(tmp_path / "cfg.json", edits)
+    out = tmp_path / "out"
+    fails_with(capsys, _train(inputs, cfg, out, *extra), line.format(cfg=cfg), out)
+    assert not out.exists()

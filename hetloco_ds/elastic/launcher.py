@@ -80,7 +80,11 @@ def _fleet_config(targs, nproc: int | None, bind_cores: bool) -> tuple[dict, str
     else:
         source = config_path(targs) or default_config_path()
         raw = read_config_file(source)
-    stages = parse_config(raw, source).stages
+    run = parse_config(raw, source)
+    if run.hetloco.replica_stages is not None:
+        raise ConfigError(f"{source}: hetloco.replica_stages = {run.hetloco.replica_stages} is for the static mode "
+                          "(one world); --elastic runs replicas of pipeline.stages ranks each")
+    stages = run.stages
     if nproc is None:  # two replicas; on --resume as many as the fleet's directory holds
         held = [m for m in range(parse_config(raw, source).hetloco.elastic.max_replicas or 2)
                 if os.path.exists(os.path.join(replica_dir(out, m), rundir.RUN_CONFIG))] if targs.resume else []

@@ -188,8 +188,10 @@ def open_links(pipeline, replica_ranks: Sequence[Sequence[int]], me: int, device
     Every rank of the job calls it at the same point (it may all-gather and create groups);
     `replica_ranks[m]` lists replica m's global ranks by stage; `message_spec()`: the largest message
     this rank receives (a copy-engine link's slot), asked only for the copy engines."""
-    stages = len(replica_ranks[0])
-    stage = next(ranks.index(me) for ranks in replica_ranks if me in ranks)
+    # Chosen alike on every rank (collectives follow): by whether any replica has stage links, so a
+    # one-stage replica beside deeper ones (`hetloco.replica_stages`) takes part in making their groups.
+    stages = max(len(ranks) for ranks in replica_ranks)
+    own = next(ranks for ranks in replica_ranks if me in ranks)
     named = pipeline.link_transport
     apart = None  # a stage link between two hosts: where it matters to the choice
     if stages > 1 and (named == "copy_engine" or (
@@ -213,7 +215,7 @@ def open_links(pipeline, replica_ranks: Sequence[Sequence[int]], me: int, device
         if me == 0:
             log.warning(f"copy-engine stage links unavailable ({reason}); running the {schedule} "
                         "schedule over process groups")
-    kernels = order.resident_link_kernels(schedule, stages, stage)
+    kernels = order.resident_link_kernels(schedule, len(own), own.index(me))
     if schedule == "overlapped" and stages > 1:
         groups = DirectedGroups(replica_ranks, me, device, meter, pipeline.link_max_ctas)
         return LinkChoice(schedule, transport, groups, kernels)

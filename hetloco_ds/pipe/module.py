@@ -9,6 +9,7 @@ grad(X^) U backward.
 from __future__ import annotations
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from transformers import LlamaConfig
@@ -19,10 +20,26 @@ from ..model import TokenEmbedding, causal_lm_loss, layer_list
 from ..patches import PipelineModuleAdapter
 
 
-def layer_specs(config: LlamaConfig) -> list:
-    """`model.layer_list` as DeepSpeed LayerSpecs (tied layers as TiedLayerSpecs of one module)."""
-    return [TiedLayerSpec(e.tied, e.cls, *e.args, forward_fn=e.forward_fn, tied_weight_attr=["weight"]) if e.tied
-            else LayerSpec(e.cls, *e.args) for e in layer_list(config)]
+def layer_specs(config: LlamaConfig, head_apart: bool = False) -> list:
+    """`model.layer_list` as DeepSpeed LayerSpecs (tied layers as TiedLayerSpecs of one module).
+
+    `head_apart`: a tied head is a module of its own beside the embedding on the same stage (a
+    one-stage replica in a world whose other replicas hold the copies on two stages:
+    `HetlocoPipelineModule`); still a function over that module, so it has no layer file."""
+    specs = []
+    for e in layer_list(config):
+        key = e.tied and (f"{e.tied}_head" if head_apart and e.forward_fn is not None else e.tied)
+        specs.append(TiedLayerSpec(key, e.cls, *e.args, forward_fn=e.forward_fn, tied_weight_attr=["weight"]) if key
+                     else LayerSpec(e.cls, *e.args))
+    return specs
+
+
+def head_apart(config: LlamaConfig, replica_stages: list[int] | None, stages: int) -> bool:
+    """Whether a replica of `stages` stages holds a tied model's embedding and head as two copies
+    on one stage: it has one stage and another replica has several, where the copies train apart
+    (`sparseloco.tied_embeddings: outer_step`); so every replica's outer step sees the same
+    parameters, and its replicas end each outer step bitwise alike."""
+    return bool(config.tie_word_embeddings) and replica_stages is not None and stages == 1 and max(replica_stages) > 1
 
 
 class HetlocoPipelineModule(PipelineModuleAdapter):
@@ -33,15 +50,22 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
     """
 
     def __init__(self, config: LlamaConfig, num_stages: int, world_size: int, seed: int = 0, hf_dir: str | None = None,
-                 hf_state=None):
+                 hf_state=None, replica_stages: list[int] | None = None):
+        """`replica_stages`: each replica's depth (`hetloco.replica_stages`); the world is laid out by
+        `sizes.replica_ranks` and this rank's replica has its own grid (`num_stages` is then its depth)."""
         self.llama_config = config
         self._hf_dir = hf_dir
         self._hf_state = hf_state
         """An in-memory LlamaForCausalLM state dict to load instead of `hf_dir` (the public API's model=)."""
-        topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world_size // num_stages)
+        ranks = None
+        if replica_stages is not None:
+            ranks = sizes.replica_ranks(replica_stages)
+            num_stages = next(len(r) for r in ranks if dist.get_rank() in r)
+        self.head_apart = head_apart(config, replica_stages, num_stages)
         super().__init__(
-            layers=layer_specs(config),
-            topology=topology,
+            layers=layer_specs(config, self.head_apart),
+            topology=None if ranks else PipeDataParallelTopology(num_pp=num_stages, num_dp=world_size // num_stages),
+            replica_ranks=ranks,
             loss_fn=causal_lm_loss,
             # Seed each layer by its index, so a fresh model is the same whatever S is.
             seed_layers=True,
@@ -75,7 +99,13 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
 
     @property
     def replica_id(self) -> int:
-        return self.coord.data
+        return self.replica[0]
+
+    @torch.no_grad()
+    def sync_local_copies(self) -> None:
+        if self.head_apart:  # the head copy starts as (and after a load is) the embedding
+            layers = self.local_layers()
+            layers[sizes.LayerLayout(self.llama_config.num_hidden_layers).head].weight.copy_(layers[0].weight)
 
     @property
     def is_first_stage(self) -> bool:

@@ -32,7 +32,7 @@ from torch.func import functional_call, vmap
 
 from .. import optim, sizes
 from ..boundary import decode_hidden, encode_hidden
-from ..config import HetlocoConfig, RunConfig
+from ..config import ConfigError, HetlocoConfig, RunConfig
 from ..model import TokenEmbedding, causal_lm_loss, layer_list
 from .core import build_layers, link_bytes, outer_step_all, stage_algorithms, tied_apart
 from .sharded import Shards
@@ -63,7 +63,7 @@ class ReplicaView:
         memo = {pid: nn.Parameter(t.detach()[row], requires_grad=False) for pid, t in stacked.items()}
         self.layers = copy.deepcopy(template, memo)
         self.parts = parts
-        self.stage_params, self.algorithms, self.links = stage_algorithms(
+        self.stage_params, self.algorithms, self.links, self.block_ids = stage_algorithms(
             self.layers, parts, hetloco, m, num_replicas, device)
         self.params = [p for ps in self.stage_params for p in ps]
 
@@ -84,6 +84,10 @@ class BatchedSimulation:
 
     def __init__(self, run: RunConfig, hetloco: HetlocoConfig, llama_config, replicas: int, stages: int, device,
                  compile: bool = False, shards: Shards | None = None):
+        if hetloco.replica_stages is not None and len(set(hetloco.replica_stages)) > 1:
+            # vmap runs one stage function over every replica's row: the replicas must be cut alike.
+            raise ConfigError(f"the batched simulator runs replicas cut alike; hetloco.replica_stages = "
+                              f"{hetloco.replica_stages} mixes depths: use --per-replica")
         self.run, self.hetloco, self.M, self.S, self.device = run, hetloco, replicas, stages, device
         self.micro, self.gas = run.micro_batch, run.grad_accum
         self.step = 0

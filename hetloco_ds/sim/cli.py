@@ -17,6 +17,22 @@ from ..config import ConfigError, load_config
 from .rows import degradation_table, format_table, parse_variants, simulate_variant
 
 
+def _check_depths(run, args, num_layers: int) -> None:
+    """`hetloco.replica_stages` (each replica's depth) against --replicas, --stages, the model and the simulator."""
+    depths = run.hetloco.replica_stages
+    if depths is None:
+        return
+    where = f"{run.source}: hetloco.replica_stages = {depths}"
+    if len(depths) != args.replicas:
+        raise ConfigError(f"{where} names {len(depths)} replicas; --replicas is {args.replicas}")
+    if args.stages is not None:
+        raise ConfigError(f"{where} gives each replica its depth; leave out --stages")
+    for S in depths:
+        sizes.stage_parts(num_layers, S)
+    if len(set(depths)) > 1 and not args.per_replica:
+        raise ConfigError(f"{where} mixes depths, which the batched simulator cannot vmap over; add --per-replica")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hetloco-ds simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="DeepSpeed JSON with a hetloco section (default: configs/cpu_tiny.json)")
@@ -48,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
         llama_config = model_config_for(args.model_config, len(tokenizer))
         sizes.stage_parts(llama_config.num_hidden_layers, stages)
+        _check_depths(run, args, llama_config.num_hidden_layers)
         for v in variants:
             if v.ratio > 1:
                 sizes.subspace_dim(llama_config.hidden_size, v.ratio)

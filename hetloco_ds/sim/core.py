@@ -3,7 +3,8 @@ StageAlgorithm and LocalStageLink, the bytes the real links would carry, and the
 every (replica, stage) with its per-sync diagnostics.
 
 A simulator here is `replica.Simulation` or `batched.BatchedSimulation`: both hold `replicas`,
-each with `layers`, `algorithms[s]`, `links[s]` and `stage_params`.
+each with `layers`, `algorithms[s]`, `links[s]`, `stage_params` and `block_ids[s]` (the outer-sync
+blocks stage s holds: `[s]` when every replica has the same depth, else `sizes.block_parts`'s).
 """
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from ..sparseloco.outer import payload_nbytes
 from ..transport import Gathered, LocalStageLink
 
 
-def tied_apart(config, hetloco: HetlocoConfig, stages: int) -> bool:
+def tied_apart(config, hetloco: HetlocoConfig, stages: int | list[int]) -> bool:
     """Whether a tied model's embedding and head copies train apart between outer steps (as the
-    pipeline's first and last stages hold them: StageAlgorithm.tied_apart)."""
-    return (bool(config.tie_word_embeddings) and stages > 1 and hetloco.sparseloco.enabled
+    pipeline's first and last stages hold them: StageAlgorithm.tied_apart); `stages`: the depth, or
+    each replica's (a one-stage replica beside deeper ones holds two copies too: pipe.module.head_apart)."""
+    deepest = max(stages) if isinstance(stages, (list, tuple)) else stages
+    return (bool(config.tie_word_embeddings) and deepest > 1 and hetloco.sparseloco.enabled
             and hetloco.sparseloco.tied_embeddings == "outer_step")
 
 
@@ -61,22 +64,42 @@ def stage_params(layers, parts) -> list[list[nn.Parameter]]:
     return out
 
 
-def stage_algorithms(layers, parts, hetloco: HetlocoConfig, replica: int, num_replicas: int, device):
+def param_blocks(layers, params: list[nn.Parameter], held: list[int], blocks: list[int]) -> list[list[int]]:
+    """Indices into `params` of each block in `held` (`blocks`: sizes.block_parts boundaries)."""
+    layer_of: dict[int, int] = {}
+    for idx, layer in enumerate(layers):
+        for p in layer.parameters():
+            layer_of.setdefault(id(p), idx)
+    out: dict[int, list[int]] = {b: [] for b in held}
+    for i, p in enumerate(params):
+        out[max(b for b in held if blocks[b] <= layer_of[id(p)])].append(i)
+    return [out[b] for b in held]
+
+
+def stage_algorithms(layers, parts, hetloco: HetlocoConfig, replica: int, num_replicas: int, device,
+                     apart: bool = False):
     """Per virtual stage of one replica: the StageAlgorithm a pipeline rank of that stage holds
-    (set up: T_S / T_perp split, theta snapshot) and its LocalStageLink."""
+    (set up: T_S / T_perp split, theta snapshot), its LocalStageLink and the outer-sync blocks it
+    holds (`hetloco.replica_stages` mixed: `sizes.block_parts`'s; else the stage itself). `apart`:
+    the layers hold a tied head as a copy of its own (`build_layers`)."""
     config = layers[1].layer.self_attn.config
     params = stage_params(layers, parts)
-    tied = bool(config.tie_word_embeddings) and len(parts) > 2
+    S = len(parts) - 1
+    tied = bool(config.tie_word_embeddings) and (S > 1 or apart)
+    mixed = hetloco.replica_stages is not None and len(set(hetloco.replica_stages)) > 1
+    blocks = sizes.block_parts(config.num_hidden_layers, hetloco.replica_stages) if mixed else None
+    block_ids = [sizes.stage_blocks(config.num_hidden_layers, S, s, blocks) if mixed else [s] for s in range(S)]
     algorithms = [
         StageAlgorithm(params[s], hetloco, replica=replica, num_replicas=num_replicas,
                        hidden_size=config.hidden_size, vocab_size=config.vocab_size, device=device,
                        embeddings=[m for m in layers[parts[s]:parts[s + 1]] if isinstance(m, TokenEmbedding)],
-                       layers=layers[parts[s]:parts[s + 1]], tied=tied)
-        for s in range(len(parts) - 1)]
-    links = LocalStageLink.for_replica(len(parts) - 1)
+                       layers=layers[parts[s]:parts[s + 1]], tied=tied,
+                       blocks=param_blocks(layers, params[s], block_ids[s], blocks) if mixed else None)
+        for s in range(S)]
+    links = LocalStageLink.for_replica(S)
     for alg, link in zip(algorithms, links):
         alg.setup(link)
-    return params, algorithms, links
+    return params, algorithms, links, block_ids
 
 
 def link_bytes(sim, widths: list[int], seq_len: int) -> dict:
@@ -85,20 +108,30 @@ def link_bytes(sim, widths: list[int], seq_len: int) -> dict:
     pipeline sends; `sim` is either simulator."""
     config = sim.replicas[0].layers[1].layer.self_attn.config
     rows = []
-    for width in widths:
+    for width, r in zip(widths, sim.replicas):
         fwd, bwd = sizes.boundary_nbytes(sim.micro, seq_len, config.hidden_size, width,
                                          2 if sim.run.bf16 else 4, config.vocab_size)
-        rows.append((fwd + bwd) * sim.gas * (sim.S - 1))
-    outer = sum(payload_nbytes([tuple(p.shape) for p in ps], sim.hetloco.sparseloco)
-                for ps in sim.replicas[0].stage_params)
+        rows.append((fwd + bwd) * sim.gas * (len(r.stage_params) - 1))
+    outer = sum(payload_nbytes([tuple(ps[i].shape) for i in block], sim.hetloco.sparseloco)
+                for ps, a in zip(sim.replicas[0].stage_params, sim.replicas[0].algorithms) for block in a.blocks)
     return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
+
+
+def _block_view(r, b: int):
+    """(algorithm, its block index k, the block's parameter indices) of block b in replica r."""
+    for a, ids in zip(r.algorithms, r.block_ids):
+        if b in ids:
+            k = ids.index(b)
+            return a, k, a.blocks[k]
+    raise KeyError(f"no stage of replica {r} holds block {b}")
 
 
 @torch.no_grad()
 def outer_step_all(replicas, members: tuple[str, ...], shards=None) -> dict:
-    """One outer step of every stage of every replica (`replicas[m].algorithms[s]`, `.links[s]`),
-    exactly as the engine's ranks take it: per stage every replica prepares, the payloads are
-    'all-gathered' (a list), all finish; then every stage of every replica syncs its embeddings
+    """One outer step of every block of every replica (`replicas[m].algorithms[s]`, `.links[s]`,
+    `.block_ids[s]`), exactly as the engine's ranks take it: every stage prepares a payload per
+    block it holds, each block's payloads are 'all-gathered' (a list, replica order), every stage
+    finishes; then every stage of every replica syncs its embeddings
     (StageAlgorithm.sync_embeddings), after every owner of a shared aggregate (the first stage's
     T_S, a tied head's on the last stage) has offered it in its finish.
 
@@ -123,21 +156,27 @@ def outer_step_all(replicas, members: tuple[str, ...], shards=None) -> dict:
     dev = replicas[0].algorithms[0].device
     dot, applied_sq, dense_sq = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(3))
     error_sq = torch.zeros(len(replicas), dtype=torch.float64, device=dev)
-    stages = range(len(replicas[0].algorithms))
+    blocks = range(1 + max(b for ids in replicas[0].block_ids for b in ids))
     snapshots = []
-    for s in stages:
-        algs = [r.algorithms[s] for r in replicas]
-        ref = algs[0]
-        before = [t.to(dev, copy=True) for t in ref.outer.theta_prev]  # the synced theta, alike on every replica
-        dense = [tp - gather(torch.stack([a.params[i].detach().float() for a in algs])).mean(0)
-                 for i, tp in enumerate(before)]
-        emb = [i for i, p in enumerate(ref.params) if any(p is e.weight for e in ref.embeddings)]
+    for b in blocks:
+        views = [_block_view(r, b) for r in replicas]
+        ref, _, idx = views[0]
+        theta = ref.outer.theta_prev
+        before = [theta[i].to(dev, copy=True) for i in idx]  # the synced theta, alike on every replica
+        dense = [tp - gather(torch.stack([a.params[j].detach().float() for a, _, js in views for j in js[n:n + 1]])).mean(0)
+                 for n, tp in enumerate(before)]
+        emb = [n for n, i in enumerate(idx) if any(ref.params[i] is e.weight for e in ref.embeddings)]
         perp = ref.perp.clone() if emb and ref.perp is not None else None
-        snapshots.append((before, dense, emb, perp))
-        # Every block reaches these gathers once per stage, in stage order.
-        gathered = Gathered(gather_list([a.prepare() for a in algs]), members)
-        for m, (r, a) in enumerate(zip(replicas, algs)):
-            result = a.finish(gathered, r.links[s], count_selected=m == 0)
+        snapshots.append((ref, idx, before, dense, emb, perp))
+    payloads = [[a.prepare() for a in r.algorithms] for r in replicas]
+    gathered = []
+    for b in blocks:
+        found = [(r.block_ids[s].index(b), s) for r in replicas for s in range(len(r.block_ids)) if b in r.block_ids[s]]
+        # Every process of a sharded row reaches this gather once per block, in block order.
+        gathered.append(Gathered(gather_list([payloads[m][s][k] for m, (k, s) in enumerate(found)]), members))
+    for m, r in enumerate(replicas):
+        for a, link, ids in zip(r.algorithms, r.links, r.block_ids):
+            result = a.finish([gathered[b] for b in ids], link, count_selected=m == 0)
             excluded.update(result.excluded)
             if m == 0:
                 selected, distinct = selected + result.selected, distinct + result.distinct
@@ -145,18 +184,16 @@ def outer_step_all(replicas, members: tuple[str, ...], shards=None) -> dict:
     for r in replicas:
         for a, link in zip(r.algorithms, r.links):
             a.sync_embeddings(link)
-    for s, (before, dense, emb, perp) in zip(stages, snapshots):
-        ref = replicas[0].algorithms[s]
-        applied = [b - p.detach().float() for b, p in zip(before, ref.params)]
+    for ref, idx, before, dense, emb, perp in snapshots:
+        applied = [bf - ref.params[i].detach().float() for bf, i in zip(before, idx)]
         if perp is not None:
-            for i in emb:
-                applied[i] += perp - ref.perp
+            for n in emb:
+                applied[n] += perp - ref.perp
         for a, d in zip(applied, dense):
             dot += (a.double() * d.double()).sum()
             applied_sq += a.double().pow(2).sum()
             dense_sq += d.double().pow(2).sum()
-    error = gather(error_sq).sqrt().mean().item()
-    dot, applied_sq, dense_sq = dot.item(), applied_sq.item(), dense_sq.item()
+    dot, applied_sq, dense_sq, error = dot.item(), applied_sq.item(), dense_sq.item(), gather(error_sq).sqrt().mean().item()
     return {
         "excluded": sorted(int(m) for m in excluded),
         "replicas_per_selected": selected / distinct if distinct else None,

@@ -23,14 +23,14 @@ class SimReplica:
     the same StageAlgorithm and BoundaryCodec a pipeline rank of that stage holds."""
 
     def __init__(self, layers, run: RunConfig, hetloco: HetlocoConfig, replica: int, num_replicas: int,
-                 stages: int, device):
+                 stages: int, device, apart: bool = False):
         self.replica = replica
         self.layers = copy.deepcopy(layers)
         config = self.layers[1].layer.self_attn.config
         self.parts = sizes.stage_parts(config.num_hidden_layers, stages)
         self.forward_fns = [e.forward_fn for e in layer_list(config)]
-        self.stage_params, self.algorithms, self.links = stage_algorithms(
-            self.layers, self.parts, hetloco, replica, num_replicas, device)
+        self.stage_params, self.algorithms, self.links, self.block_ids = stage_algorithms(
+            self.layers, self.parts, hetloco, replica, num_replicas, device, apart)
         self.params = [p for ps in self.stage_params for p in ps]
         wire = torch.bfloat16 if run.bf16 else torch.float32
         self.codecs = [BoundaryCodec(config.hidden_size, config.vocab_size, alg.basis, wire) for alg in self.algorithms]
@@ -80,14 +80,19 @@ class SimReplica:
 
 
 class Simulation:
-    """M SimReplicas meeting at outer steps, exactly as HetlocoEngine ranks do."""
+    """M SimReplicas meeting at outer steps, exactly as HetlocoEngine ranks do; with
+    `hetloco.replica_stages`, replica m has its own depth (`stages` is then ignored) and the
+    replicas meet block by block (`sizes.block_parts`), as the engine's ranks do."""
 
     def __init__(self, run: RunConfig, hetloco: HetlocoConfig, llama_config, replicas: int, stages: int, device):
-        self.run, self.hetloco, self.M, self.S, self.device = run, hetloco, replicas, stages, device
+        depths = hetloco.replica_stages or [stages] * replicas
+        if len(depths) != replicas:
+            raise ValueError(f"hetloco.replica_stages = {depths} names {len(depths)} replicas, the simulation has {replicas}")
+        self.run, self.hetloco, self.M, self.S, self.device = run, hetloco, replicas, max(depths), device
         self.micro, self.gas = run.micro_batch, run.grad_accum
-        layers = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed,
-                                                     tied_apart(llama_config, hetloco, stages))]
-        self.replicas = [SimReplica(layers, run, hetloco, m, replicas, stages, device) for m in range(replicas)]
+        apart = tied_apart(llama_config, hetloco, depths)
+        layers = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed, apart)]
+        self.replicas = [SimReplica(layers, run, hetloco, m, replicas, depths[m], device, apart) for m in range(replicas)]
         self.members = tuple(str(m) for m in range(replicas))
         self.step = 0
         self.outer_steps = 0

@@ -1,7 +1,8 @@
 """The static transport: every replica in one torch.distributed world, as DeepSpeed lays it out.
 
 `GroupTransport` runs a stage's outer-sync exchange inside DeepSpeed's data-parallel group of
-that stage; `PipeStageLink` shares tensors from a replica's first stage over its pipe group.
+that stage (replicas of their own depths: one per outer-sync block, in the block's group,
+`block_groups`); `PipeStageLink` shares tensors from a replica's first stage over its pipe group.
 Both count what they put on a wire in the engine's ByteMeter.
 
 Why the gloo exchange is not `all_gather`: gloo's TCP transport is a rendezvous. A send's data
@@ -51,6 +52,14 @@ def all_gather_payloads(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     for r in reqs:
         r.wait()
     return out
+
+
+def block_groups(block_ranks: list[list[int]]) -> list:
+    """One process group per outer-sync block (`sizes.block_ranks`: the rank of every replica that
+    holds it), for replicas of their own depths. Collective over the whole world: every rank creates
+    every block's group, in block order. A group's ranks sorted are in replica order
+    (`sizes.replica_ranks`), so its rank i is replica i, as `GroupTransport` needs."""
+    return [tdist.new_group(ranks=ranks) for ranks in block_ranks]
 
 
 class GroupTransport(ReplicaTransport):
