@@ -108,10 +108,13 @@ def link_bytes(sim, widths: list[int], seq_len: int) -> dict:
     pipeline sends; `sim` is either simulator."""
     config = sim.replicas[0].layers[1].layer.self_attn.config
     rows = []
-    for width, r in zip(widths, sim.replicas):
+    # every replica's depth (`widths` covers every replica of the row, also where a sharded row's
+    # process holds only some of them)
+    depths = sim.hetloco.replica_stages or [sim.S] * len(widths)
+    for width, depth in zip(widths, depths):
         fwd, bwd = sizes.boundary_nbytes(sim.micro, seq_len, config.hidden_size, width,
                                          2 if sim.run.bf16 else 4, config.vocab_size)
-        rows.append((fwd + bwd) * sim.gas * (len(r.stage_params) - 1))
+        rows.append((fwd + bwd) * sim.gas * (depth - 1))
     outer = sum(payload_nbytes([tuple(ps[i].shape) for i in block], sim.hetloco.sparseloco)
                 for ps, a in zip(sim.replicas[0].stage_params, sim.replicas[0].algorithms) for block in a.blocks)
     return {"stage_links_per_step": rows, "outer_payload_per_replica": outer}
