@@ -1,4 +1,5 @@
-"""`hetloco-ds train` and `export` through the real CLI, in subprocesses.
+"""`hetloco-ds train` and `export` through the real CLI: a forked 2-rank job, and `main` in process for
+the checks that must fail before any rank starts.
 
 The tiny run inputs built here (an HF directory holding a LlamaForCausalLM and its own small
 tokenizer, a text folder, a DeepSpeed JSON derived from configs/cpu_tiny.json) are shared with
@@ -10,7 +11,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,6 @@ import runs
 from distributed import run_job
 
 REPO = Path(__file__).resolve().parents[1]
-CLI_TIMEOUT_S = 180
 EOS = "<|endoftext|>"
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -85,13 +84,6 @@ def write_config(path, edits: dict | None = None):
         node[leaf] = value
     Path(path).write_text(json.dumps(cfg, indent=2))
     return Path(path)
-
-
-def run_cli(*args, cache, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """`python -m hetloco_ds.cli ARGS` in a CLI run's environment (`runs.env`: token caches under
-    `cache`, no progress bars, offline)."""
-    return subprocess.run([sys.executable, "-m", "hetloco_ds.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=runs.env(cache))
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
@@ -206,36 +198,66 @@ def _bad_empty_data(tmp_path, hf_dir, data_dir):
     return ["--config", cfg, "--model", hf_dir, "--data", empty], [re.escape("<tmp>/empty_data")]
 
 
+@pytest.fixture
+def in_process(run_inputs, monkeypatch):
+    """`hetloco_ds.cli.main` in this process as the launcher runs it (no launcher environment, the
+    module's token cache, offline), with a tripwire instead of starting ranks (as test_bad_input.py)."""
+    from hetloco_ds import launch
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HETLOCO_CACHE", str(run_inputs[2]))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launch, "spawn", tripwire)
+    monkeypatch.setattr(launch, "spawn_groups", tripwire)
+
+
+def main_in_process(capsys, *args) -> tuple[int, str]:
+    """(exit code, stderr) of `hetloco-ds ARGS` run by `hetloco_ds.cli.main` in this process."""
+    from hetloco_ds import cli
+
+    capsys.readouterr()
+    rc = cli.main([str(a) for a in args])
+    return rc, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case", [_bad_bogus_key, _bad_stage_count, _bad_checkpoint_shape, _bad_empty_data],
                          ids=["unknown_config_key", "stages_vs_nproc", "checkpoint_shape", "empty_data_folder"])
-def test_bad_input_fails_before_spawning_with_one_clear_error_and_writes_nothing(case, run_inputs, tmp_path):
+def test_bad_input_fails_before_spawning_with_one_clear_error_and_writes_nothing(case, run_inputs, in_process, tmp_path,
+                                                                                 capsys):
     """Each bad input (unknown hetloco key, stage count that does not divide --nproc, an HF
     directory whose config disagrees with its tensors, an empty data folder) must exit non-zero
     with one error line naming the bad value, no traceback, and no --out directory. Breaks if
-    validation moves into the ranks (then every rank prints the error and the run costs a
-    spawn), if the output directory is created before validation, or if the message stops
-    naming the culprit."""
+    validation moves into the ranks (then the tripwire standing in for `launch.spawn` fails the
+    test: the run would cost a spawn and every rank would print the error), if the output
+    directory is created before validation, or if the message stops naming the culprit. (In
+    process, as the launcher runs `main`: an escaping exception fails the test with its traceback.)"""
     hf_dir, data_dir, cache = run_inputs
     args, patterns = case(tmp_path, hf_dir, data_dir)
     out = tmp_path / "out"
-    proc = run_cli("train", "--steps", 2, "--nproc", 2, "--out", out, *args, cache=cache, timeout=120)
-    assert proc.returncode != 0, explain(proc)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("hetloco-ds train: error:")]
-    assert len(errors) == 1, explain(proc)
-    assert "Traceback" not in proc.stderr, explain(proc)
+    rc, err = main_in_process(capsys, "train", "--steps", 2, "--nproc", 2, "--out", out, *args)
+    assert rc != 0, err
+    errors = [line for line in err.splitlines() if line.startswith("hetloco-ds train: error:")]
+    assert len(errors) == 1, err
+    assert "Traceback" not in err, err
     message = errors[0].replace(str(tmp_path), "<tmp>")  # so a digit in the path matches nothing
     for pattern in patterns:
         assert re.search(pattern, message), (pattern, message)
     assert not out.exists()
 
 
-def test_export_of_missing_checkpoint_dir_fails_clearly(tmp_path):
+def test_export_of_missing_checkpoint_dir_fails_clearly(tmp_path, capsys):
     """`hetloco-ds export` on a directory that does not exist must exit non-zero naming it, with
-    no traceback and no output directory. Breaks if the error escapes as a traceback or if the
-    output directory is created before the input is checked."""
+    no traceback and no output directory. Breaks if the error escapes as a traceback (in process:
+    it would fail the test with it) or if the output directory is created before the input is
+    checked."""
     missing, out = tmp_path / "no_such_checkpoints", tmp_path / "hf_out"
-    proc = run_cli("export", missing, out, cache=tmp_path / "cache", timeout=120)
-    assert proc.returncode != 0, explain(proc)
-    assert "Traceback" not in proc.stderr, explain(proc)
-    assert str(missing) in proc.stderr, explain(proc)
+    rc, err = main_in_process(capsys, "export", missing, out)
+    assert rc != 0, err
+    assert "Traceback" not in err, err
+    assert str(missing) in err, err
     assert not out.exists()

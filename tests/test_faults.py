@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import runs
+from distributed import fork_job, job_stderr, run_job
 from hetloco_ds import checkpoint
 
 WORLD = 2
@@ -45,7 +46,7 @@ def _draw(rng: random.Random, layout: str, kind: str, start: int) -> str:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_jobs, tmp_path, seed):
+def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_jobs, tmp_path, seed, capsys, monkeypatch):
     """A chain of runs of one job, each but the last SIGKILLed at a seeded point, each resumed
     with a bare `--resume`. Even seeds: the "pipe" layout, one kill inside a checkpoint write and
     one inside a step; odd seeds: the "replicas" layout, inside a checkpoint write and inside an
@@ -84,17 +85,24 @@ def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_jobs, tmp
             record = (out / "run_config.json").read_bytes()
         latest = checkpoint.latest_tag(str(ckpt_dir))
         if latest is None:
-            # Killed before its first commit: --resume refuses in one line; the next run starts over.
-            refused = runs.cli(*resume, cache=cache)
-            assert refused.returncode == 2, runs.explain(refused)
-            assert runs.error_lines(refused.stderr) == [
+            # Killed before its first commit: --resume refuses in one line, before any rank starts (the
+            # launching process's checks, run here by cli.main; a rank started would trip the wire);
+            # the next run starts over.
+            rc, err = _launcher_in_process(capsys, monkeypatch, cache, resume)
+            assert rc == 2, err
+            assert runs.error_lines(err) == [
                 f"hetloco-ds train: error: --resume: {ckpt_dir} holds no complete checkpoint to resume from"]
             start = None
             continue
         _complete(ckpt_dir, latest)
         start = checkpoint.step_of(latest)
-    proc = runs.cli(*(resume if start is not None else fresh + ["--overwrite"]), cache=cache)
-    assert proc.returncode == 0, f"{log}\n{runs.explain(proc)}"
+    # The last, uninterrupted run: its 2 ranks as torchrun starts them, forked (fast); the launcher's
+    # part (a dead rank reported, the record's world size on a bare --resume) was each killed run's.
+    final = resume if start is not None else runs.train_args(inputs, out, "--overwrite")
+    try:
+        run_job(tmp_path / "final", WORLD, final, runs.env(cache))
+    except AssertionError as err:
+        raise AssertionError(f"{log}\n{err}") from None
     if start is None:
         record = (out / "run_config.json").read_bytes()
 
@@ -112,6 +120,25 @@ def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_jobs, tmp
     _complete(ckpt_dir, "global_step6")
     _complete(ckpt_dir, "global_step8")
     print("\n".join(log))
+
+
+def _launcher_in_process(capsys, monkeypatch, cache, argv) -> tuple[int, str]:
+    """(exit code, stderr) of `hetloco-ds ARGV` run by `cli.main` in this process, as the launcher
+    runs it, with a tripwire instead of starting ranks."""
+    from hetloco_ds import cli, launch
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    with monkeypatch.context() as m:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "HETLOCO_FAULT"):
+            m.delenv(key, raising=False)
+        m.setenv("HETLOCO_CACHE", str(cache))
+        m.setattr(launch, "spawn", tripwire)
+        m.setattr(launch, "spawn_groups", tripwire)
+        capsys.readouterr()
+        rc = cli.main([str(a) for a in argv])
+        return rc, capsys.readouterr().err
 
 
 def _pid(stderr: str) -> str:
@@ -151,17 +178,42 @@ def test_all_replicas_nonfinite_stops_nonzero_and_keeps_the_last_good_checkpoint
     inputs = tiny_jobs.inputs("replicas")
     cfg = runs_config(inputs, tmp_path, {"optimizer.params.lr": 1e38, "hetloco.train.max_nonfinite_outer_steps": 2})
     out = tmp_path / "out"
-    proc = runs.cli("train", "--steps", runs.STEPS, "--model", inputs["hf"], "--data", inputs["data"], "--config", cfg,
-                    "--out", out, "--nproc", WORLD, cache=inputs["cache"], timeout=180)
-    assert proc.returncode == 3, runs.explain(proc)
+    # The 2 ranks as torchrun starts them, forked (fast): the decision and its line are the ranks'; a
+    # launcher passing a rank's exit code on and stopping the others is test_a_stopped_rank's (exit 4).
+    log = tmp_path / "job"
+    procs = fork_job(log, WORLD, ["train", "--steps", runs.STEPS, "--model", inputs["hf"], "--data", inputs["data"],
+                                  "--config", cfg, "--out", out], runs.env(inputs["cache"]))
+    codes = _until_a_rank_ends(procs, 180)
+    stderr = job_stderr(log, WORLD)
+    assert [c for c in codes if c not in (None, 0)][:1] == [3], f"exit codes {codes}\n{stderr[-4000:]}"
     ckpt_dir = out / "checkpoints"
-    assert runs.error_lines(proc.stderr) == [
+    assert runs.error_lines(stderr) == [
         "hetloco-ds train: error: every replica's update was non-finite at 2 consecutive outer steps (steps 4, 6); "
         f"stopped without exporting; {ckpt_dir}/latest still names global_step2, the last good checkpoint"
-    ], runs.explain(proc)
+    ], stderr[-4000:]
     assert checkpoint.latest_tag(str(ckpt_dir)) == "global_step2"
     _complete(ckpt_dir, "global_step2")
     assert not (out / "hf").exists()
+
+
+def _until_a_rank_ends(procs, timeout: float) -> list:
+    """Wait until a rank exits non-zero (or all exit 0), then stop the others, as a launcher does;
+    returns the exit codes in the order the ranks ended (those stopped here last, as None)."""
+    deadline = time.monotonic() + timeout
+    ended: list = []
+    try:
+        while len(ended) < len(procs) and not any(c not in (None, 0) for _, c in ended):
+            assert time.monotonic() < deadline, f"no rank failed within {timeout} s"
+            for r, p in enumerate(procs):
+                if p.exitcode is not None and r not in [e for e, _ in ended]:
+                    ended.append((r, p.exitcode))
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join(10)
+    return [c for _, c in ended] + [None] * (len(procs) - len(ended))
 
 
 def runs_config(inputs, tmp_path, edits: dict):

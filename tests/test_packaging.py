@@ -12,6 +12,8 @@ import venv
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -36,8 +38,10 @@ def fresh_venv_seeing_this_interpreter(env_dir: Path) -> Path:
     packages, so inside a virtualenv the child would not find that venv's torch. A .pth file that
     `site.addsitedir`s each of this interpreter's site directories does, after the venv's own
     site-packages (where the wheel goes, so it wins over an editable install seen there; pip
-    must then be told `--ignore-installed`, or it takes that install for this one)."""
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    must then be told `--ignore-installed`, or it takes that install for this one). The venv has no
+    pip of its own (ensurepip costs seconds): `pip --python VENV_PYTHON` installs into it, pip
+    running under the venv's interpreter."""
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
     purelib = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     lines = [f"import site; site.addsitedir({d!r})" for d in _this_interpreters_site_dirs()]
@@ -45,19 +49,27 @@ def fresh_venv_seeing_this_interpreter(env_dir: Path) -> Path:
     return py
 
 
-def test_fresh_venv_sees_the_running_interpreters_packages(tmp_path):
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory) -> tuple[Path, Path]:
+    """(venv directory, its python): one fresh venv for this module's tests (the first only imports
+    torch in it; the second installs the wheel into it)."""
+    env_dir = tmp_path_factory.mktemp("pkg") / "venv"
+    return env_dir, fresh_venv_seeing_this_interpreter(env_dir)
+
+
+def test_fresh_venv_sees_the_running_interpreters_packages(fresh_venv):
     """The child venv imports torch from where the running interpreter does (its virtualenv's,
     when the tests run in one). Breaks if the venv is built with system site packages again: run
     from a virtualenv that holds its own torch, the child then finds the base interpreter's torch,
     or none."""
     import torch
 
-    py = fresh_venv_seeing_this_interpreter(tmp_path / "venv")
+    _, py = fresh_venv
     child = _run([py, "-c", "import torch; print(torch.__file__)"], env={**os.environ, "PYTHONPATH": ""}).stdout
     assert child.strip() == torch.__file__, (child, torch.__file__)
 
 
-def test_wheel_installs_into_a_fresh_venv_and_trains(tmp_path, tmp_path_factory):
+def test_wheel_installs_into_a_fresh_venv_and_trains(fresh_venv, tmp_path, tmp_path_factory):
     """Build the wheel (no build isolation: no network), install it into a fresh venv that sees
     the running interpreter's torch/DeepSpeed/transformers but not the checkout, and train 2 steps
     with the default config from a directory outside the repository. Breaks if configs/ is not
@@ -71,10 +83,10 @@ def test_wheel_installs_into_a_fresh_venv_and_trains(tmp_path, tmp_path_factory)
     assert "hetloco_ds/configs/cpu_tiny.json" in names and "hetloco_ds/patches/engine.py" in names
     assert not any(n.startswith("patches/") for n in names), "the adapter must install inside hetloco_ds"
 
-    env_dir = tmp_path / "venv"
-    py = fresh_venv_seeing_this_interpreter(env_dir)
+    env_dir, py = fresh_venv
     site_dir = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
-    _run([py, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", wheel], timeout=300)
+    _run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--ignore-installed", wheel],
+         timeout=300)
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ def _step_losses(path, **match):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_heterogeneous_engine_run_matches_simulator(tmp_path, tmp_path_factory, tied):
+def test_heterogeneous_engine_run_matches_simulator(tmp_path, tmp_path_factory, tied, monkeypatch, capsys):
     """2 replicas x 2 stages, replica 1 compressed at ratio 4, in 4 rank processes of the CLI,
     against `hetloco-ds simulate` with the same config, seeds and data: every replica's loss at
     every step agrees to float tolerance (through two outer steps and their embedding
@@ -36,11 +34,13 @@ def test_heterogeneous_engine_run_matches_simulator(tmp_path, tmp_path_factory, 
     anything that touches training."""
     cache = tmp_path_factory.getbasetemp() / "hetloco-cache"
     cfg, model, env = _files(tmp_path, cache, tied)
-    cli = [sys.executable, "-m", "hetloco_ds.cli"]
-    sim = subprocess.run(cli + ["simulate", "--config", cfg, "--model-config", model, "--replicas", "2", "--steps", "6",
-                                "--variants", "het:4", "--device", "cpu", "--out", str(tmp_path / "sim")],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert sim.returncode == 0, sim.stderr[-3000:]
+    # `hetloco-ds simulate` is one process of its own: run by cli.main here (no fresh interpreter).
+    from hetloco_ds import cli
+
+    monkeypatch.setenv("HETLOCO_CACHE", str(cache))
+    code = cli.main(["simulate", "--config", cfg, "--model-config", model, "--replicas", "2", "--steps", "6",
+                     "--variants", "het:4", "--device", "cpu", "--out", str(tmp_path / "sim")])
+    assert code == 0, capsys.readouterr().err[-3000:]
     # The 4 ranks as torchrun starts them (test_launchers: the same job as --nproc 4), forked: fast.
     run_job(tmp_path / "real.log", 4, ["train", "--config", cfg, "--model-config", model, "--steps", "6",
                                        "--out", str(tmp_path / "real")], env)
