@@ -111,6 +111,26 @@ def fork_job(log, world: int, argv: list, env: dict, fault: str | None = None) -
     return procs
 
 
+def until_a_rank_ends(procs, timeout: float) -> list:
+    """Wait until a rank exits non-zero (or all exit 0), then stop the others, as a launcher does;
+    returns the exit codes in the order the ranks ended (those stopped here last, as None)."""
+    deadline = time.monotonic() + timeout
+    ended: list = []
+    try:
+        while len(ended) < len(procs) and not any(c not in (None, 0) for _, c in ended):
+            assert time.monotonic() < deadline, f"no rank failed within {timeout} s"
+            for r, p in enumerate(procs):
+                if p.exitcode is not None and r not in [e for e, _ in ended]:
+                    ended.append((r, p.exitcode))
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+            p.join(10)
+    return [c for _, c in ended] + [None] * (len(procs) - len(ended))
+
+
 def job_stderr(log, world: int) -> str:
     return "".join(open(f"{log}.rank{r}.err").read() for r in range(world))
 

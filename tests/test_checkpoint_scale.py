@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 
 import pytest
 import torch
 
 import runs
-from distributed import fork_job, job_stderr, run_job
+from distributed import fork_job, job_stderr, run_job, until_a_rank_ends
 from hetloco_ds import checkpoint
 
 STEPS = 9
@@ -106,16 +105,7 @@ def test_a_kill_during_a_background_write_keeps_latest_and_the_resume_is_bitwise
     log = tmp_path / "killed"
     procs = fork_job(log, 4, ["train", *reference["files"], "--steps", STEPS, "--out", str(out)], runs.env(cache),
                      fault="3:ckpt:2")
-    deadline = time.monotonic() + 600
-    try:
-        while not any(p.exitcode not in (None, 0) for p in procs) and not all(p.exitcode == 0 for p in procs):
-            assert time.monotonic() < deadline, "no rank ended within 600 s"
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-            p.join(10)
+    until_a_rank_ends(procs, 600)
     assert procs[3].exitcode == -9, f"exit codes {[p.exitcode for p in procs]}\n{job_stderr(log, 4)[-4000:]}"
     assert "[fault_inject] rank 3: kill at ckpt #2" in job_stderr(log, 4)
     assert checkpoint.latest_tag(str(ckpt_dir)) == "global_step3"

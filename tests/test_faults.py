@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import runs
-from distributed import fork_job, job_stderr, run_job
+from distributed import fork_job, job_stderr, run_job, until_a_rank_ends
 from hetloco_ds import checkpoint
 
 WORLD = 2
@@ -183,7 +183,7 @@ def test_all_replicas_nonfinite_stops_nonzero_and_keeps_the_last_good_checkpoint
     log = tmp_path / "job"
     procs = fork_job(log, WORLD, ["train", "--steps", runs.STEPS, "--model", inputs["hf"], "--data", inputs["data"],
                                   "--config", cfg, "--out", out], runs.env(inputs["cache"]))
-    codes = _until_a_rank_ends(procs, 180)
+    codes = until_a_rank_ends(procs, 180)
     stderr = job_stderr(log, WORLD)
     assert [c for c in codes if c not in (None, 0)][:1] == [3], f"exit codes {codes}\n{stderr[-4000:]}"
     ckpt_dir = out / "checkpoints"
@@ -194,26 +194,6 @@ def test_all_replicas_nonfinite_stops_nonzero_and_keeps_the_last_good_checkpoint
     assert checkpoint.latest_tag(str(ckpt_dir)) == "global_step2"
     _complete(ckpt_dir, "global_step2")
     assert not (out / "hf").exists()
-
-
-def _until_a_rank_ends(procs, timeout: float) -> list:
-    """Wait until a rank exits non-zero (or all exit 0), then stop the others, as a launcher does;
-    returns the exit codes in the order the ranks ended (those stopped here last, as None)."""
-    deadline = time.monotonic() + timeout
-    ended: list = []
-    try:
-        while len(ended) < len(procs) and not any(c not in (None, 0) for _, c in ended):
-            assert time.monotonic() < deadline, f"no rank failed within {timeout} s"
-            for r, p in enumerate(procs):
-                if p.exitcode is not None and r not in [e for e, _ in ended]:
-                    ended.append((r, p.exitcode))
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
-            p.join(10)
-    return [c for _, c in ended] + [None] * (len(procs) - len(ended))
 
 
 def runs_config(inputs, tmp_path, edits: dict):
