@@ -16,7 +16,6 @@ it differs from the stock engine in this, and nothing else:
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
 import os
 import time
@@ -141,11 +140,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         for idx, module in sorted(self.module.local_layers().items()):
             for p in module.parameters():
                 layer_of.setdefault(id(p), idx)
-        held = self._blocks_held()
-        out: dict[int, list[int]] = {b: [] for b in held}
-        for i, p in enumerate(self.trainable_params()):
-            out[bisect.bisect_right(parts, layer_of[id(p)]) - 1].append(i)
-        return [out[b] for b in held]
+        return sizes.params_by_block([layer_of[id(p)] for p in self.trainable_params()], self._blocks_held(), parts)
 
     def _open_links(self) -> None:
         """The schedule, and the stage links over the one backend `pipe.links.open_links` chooses for

@@ -22,6 +22,7 @@ and NCCL have no uint16): int8 up to a vocabulary of 128, int16 up to 32768, els
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -365,6 +366,15 @@ def stage_blocks(num_layers: int, stages: int, stage: int, blocks: Sequence[int]
     parts = stage_parts(num_layers, stages)
     lo, hi = parts[stage], parts[stage + 1]
     return [b for b in range(len(blocks) - 1) if lo <= blocks[b] and blocks[b + 1] <= hi]
+
+
+def params_by_block(layer_indices: Sequence[int], held: Sequence[int], blocks: Sequence[int]) -> list[list[int]]:
+    """Indices of parameters (given by the layer-list index each belongs to, in the stage's
+    parameter order) in each outer-sync block of `held` (`blocks`: `block_parts`' boundaries)."""
+    out: dict[int, list[int]] = {b: [] for b in held}
+    for i, layer in enumerate(layer_indices):
+        out[bisect.bisect_right(blocks, layer) - 1].append(i)
+    return [out[b] for b in held]
 
 
 def block_ranks(num_layers: int, replica_stages: Sequence[int]) -> list[list[int]]:

@@ -87,11 +87,7 @@ class OuterStep:
 def replica_blocks(n_layers: int, replica_stages: Sequence[int]) -> list[list[list[int]]]:
     """For each replica, the blocks (`sizes.block_parts`) each of its stages holds."""
     parts = sizes.block_parts(n_layers, replica_stages)
-    out = []
-    for stages in replica_stages:
-        cuts = sizes.stage_parts(n_layers, stages)
-        out.append([[b for b in range(len(parts) - 1) if cuts[s] <= parts[b] < cuts[s + 1]] for s in range(stages)])
-    return out
+    return [[sizes.stage_blocks(n_layers, stages, s, parts) for s in range(stages)] for stages in replica_stages]
 
 
 def exchange_times(model: str | ModelShape, replicas: Sequence[Settings]) -> tuple[list[int], list[list[int]], list[float]]:

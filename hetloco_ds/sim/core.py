@@ -70,10 +70,7 @@ def param_blocks(layers, params: list[nn.Parameter], held: list[int], blocks: li
     for idx, layer in enumerate(layers):
         for p in layer.parameters():
             layer_of.setdefault(id(p), idx)
-    out: dict[int, list[int]] = {b: [] for b in held}
-    for i, p in enumerate(params):
-        out[max(b for b in held if blocks[b] <= layer_of[id(p)])].append(i)
-    return [out[b] for b in held]
+    return sizes.params_by_block([layer_of[id(p)] for p in params], held, blocks)
 
 
 def stage_algorithms(layers, parts, hetloco: HetlocoConfig, replica: int, num_replicas: int, device,
