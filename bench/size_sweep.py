@@ -138,10 +138,10 @@ def plan(args) -> int:
             llama = model_config_for(model, 8192)
             ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=MICRO, gas=GAS)
             pace, how = paper_tables.row_flops(llama, ns, SEQ) / (paper_tables.PEAK_FLOPS * args.mfu), f"MFU {args.mfu}"
-        done = {(r["row"], s) for r in (loaded[0] if loaded else []) for s in r["seeds"]}
-        todo = [(r, 0) for r in first_seed_rows(model)] + [(f"{r} (seed 1)", 1) for r in ("sparseloco", "adamw", "diloco")]
-        left_rows = [r for r, seed in todo if (r, seed) not in done and not any(
-            d[0].startswith(r.split(" ")[0]) and d[1] == seed for d in done if seed == 1)]
+        done = {(r["table_row"], r["row"], s) for r in (loaded[0] if loaded else []) for s in r["seeds"]}
+        # seed 0: every row of the size; seed 1: SparseLoCo, the tuned AdamW and DiLoCo, whatever their lr
+        left_rows = [r for r in first_seed_rows(model) if not any(row == r and s == 0 for _, row, s in done)]
+        left_rows += [t for t in ("sparseloco", "adamw", "diloco") if not any(row == t and s == 1 for row, _, s in done)]
         minutes = (pace * steps + 60) / 60  # + compile and validation
         left = minutes * len(left_rows)
         total += left
