@@ -202,8 +202,12 @@ def gaps(rows: list[dict]) -> list[dict]:
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         pick = {r["mode"]: r for r in rows if r["model"] == model and r["tuned"] and r["mode"] in ("sparseloco", "adamw", "diloco")}
-        if "adamw" not in pick:
-            continue
+        complete = "adamw" in pick
+        if not complete:  # the bracket is still open: a provisional gap to the best AdamW lr run so far
+            tried = [r for r in rows if r["model"] == model and r["mode"] == "adamw" and 0 in r["seeds"]]
+            if not tried:
+                continue
+            pick["adamw"] = min(tried, key=lambda r: r["per_seed"][r["seeds"].index(0)])
         a = pick["adamw"]
         for mode in ("sparseloco", "diloco"):
             if mode not in pick:
@@ -214,7 +218,7 @@ def gaps(rows: list[dict]) -> list[dict]:
             mean_a = sum(a["per_seed"][a["seeds"].index(s)] for s in seeds) / len(seeds)
             out.append({"model": model, "n_params": r["n_params"], "mode": mode, "adamw_lr": a["lr"], "seeds": seeds,
                         "gap_nats": sum(diff) / len(diff), "gap_pct": 100 * sum(diff) / len(diff) / mean_a,
-                        "per_seed_nats": diff})
+                        "per_seed_nats": diff, "adamw_bracket_complete": complete})
     return out
 
 
@@ -230,6 +234,10 @@ def plot(rows: list[dict], gap_rows: list[dict], path: str) -> None:
         pts = sorted((g["n_params"], g["gap_pct"]) for g in gap_rows if g["mode"] == mode)
         if pts:
             left.plot(*zip(*pts), marker=marker, label=f"ours: {mode} - tuned AdamW")
+        open_ = [(g["n_params"], g["gap_pct"]) for g in gap_rows if g["mode"] == mode and not g["adamw_bracket_complete"]]
+        if open_:  # ringed: AdamW's lr bracket not yet complete at that size
+            left.plot(*zip(*open_), "o", markersize=13, markerfacecolor="none", color="grey",
+                      label="AdamW bracket still open" if mode == "sparseloco" else None)
     left.plot([PAPER_PARAMS[k] for k in PAPER_GAP_PCT], list(PAPER_GAP_PCT.values()), "k*", markersize=12,
               label="paper: SparseLoCo - AdamW")
     left.plot([20453760], [LONG_20M_GAP_PCT], "C0x", markersize=9,
@@ -282,7 +290,8 @@ def summarize(args) -> int:
     plot(rows, gap_rows, os.path.join(args.results, "size_sweep.png"))
     for g in gap_rows:
         print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}): {g['gap_nats']:+.4f} nats "
-              f"({g['gap_pct']:+.2f}%), seeds {g['seeds']}")
+              f"({g['gap_pct']:+.2f}%), seeds {g['seeds']}"
+              + ("" if g["adamw_bracket_complete"] else f"; provisional: AdamW's bracket {ADAMW_LRS} is not complete"))
     for r in rows:
         if r["degradation_pct"] is not None and r["mode"] in COMPRESSED:
             print(f"{r['model']:>5} {r['mode']:<10} {r['degradation_pct']:+.2f}% over SparseLoCo, seeds {r['seeds']}")
