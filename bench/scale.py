@@ -2,7 +2,8 @@
 the path users run (`hetloco-ds train`, its data loader and launcher) on one GPU machine.
 
 Parts (each appends its rows to OUT/scale.json and can be run alone):
-  profile   M = 2 x S = 2 at 1B on 4 GPUs: stock, ours (defaults), ours (blocking), one run each,
+  profile   M = 2 x S = 2 at 1B on 4 GPUs: stock, ours (defaults: blocking inside a host), ours
+            (overlapped, over the copy engines), one run each,
             one steady step of every rank recorded by hetloco_ds.profiling
   speed     the same three, REPEATS times, interleaved; and 178M S = 2 on 2 GPUs, stock vs ours
   memory    1B on one GPU: stock vs ours (outer state on the GPU and on the host)
@@ -192,16 +193,16 @@ def part_profile(res: Results, work: str, a) -> None:
     s = a.shapes
     res.add("profile", stock("stock_1b_s2", work, s["nproc"], 2, s["model"], s["mb"], s["gas"], s["seq"],
                              s["stock_steps"], a.timeout, vocab=s["vocab"], profile_step=s["profile_step"]))
-    for name, over in (("ours_1b_default", {}), ("ours_1b_blocking", {"hetloco": {"pipeline": {"schedule": "blocking"}}})):
+    for name, over in (("ours_1b_default", {}), ("ours_1b_overlapped", {"hetloco": {"pipeline": {"schedule": "overlapped"}}})):
         cfg = deep_update(s["config"], deep_update(over, {"hetloco": {"train": {"profile_step": s["profile_step"]}}}))
         res.add("profile", ours(name, work, s["nproc"], cfg, s["ours_model"], s["ours_steps"], a.timeout))
 
 
 def part_speed(res: Results, work: str, a) -> None:
-    """Stock, ours (defaults) and ours (blocking), interleaved, `repeats` times; the first repeat
+    """Stock, ours (defaults) and ours (overlapped), interleaved, `repeats` times; the first repeat
     also profiles one steady step of each (left out of its median)."""
     s = a.shapes
-    variants = [("ours_1b_default", {}), ("ours_1b_blocking", {"hetloco": {"pipeline": {"schedule": "blocking"}}})]
+    variants = [("ours_1b_default", {}), ("ours_1b_overlapped", {"hetloco": {"pipeline": {"schedule": "overlapped"}}})]
     for r in range(a.first_repeat, a.first_repeat + a.repeats):
         prof = s["profile_step"] if r == 0 else 0
         res.add("speed", stock(f"stock_1b_s2_r{r}", work, s["nproc"], 2, s["model"], s["mb"], s["gas"], s["seq"],

@@ -189,20 +189,21 @@ def test_overlapped_and_blocking_schedules_train_bitwise_alike(hf_untied, hf_tie
         assert r["untied", "first blocking"] == r["untied", "blocking"]
 
 
-def test_auto_picks_the_copy_engines_on_gpus_inside_a_host_and_blocking_where_they_are_not():
+def test_auto_is_blocking_on_gpus_inside_a_host_and_overlapped_where_links_are_slow():
     """The defaults: on CPU (gloo) and on CUDA across hosts, overlapped over process groups; on CUDA
-    with every stage link inside a host, overlapped over the copy engines, or (when they cannot
-    start: the engine asks again with process_group) blocking, where NCCL's posted receives slowed
-    the compute. A named schedule or transport is kept; a bad name is refused naming it. Which
-    links cross is read from the stage links, not from the replicas: replicas on different hosts
-    with their stages together cross nothing."""
+    with every stage link inside a host, blocking (overlapping NVLink transfers bought no speed and
+    cost activation memory); the copy engines there when the overlapped schedule is named. A named
+    schedule or transport is kept; a bad name is refused naming it. Which links cross is read from
+    the stage links, not from the replicas: replicas on different hosts with their stages together
+    cross nothing."""
     from hetloco_ds.pipe.links import crossing_link
 
     auto = {(d, c): links_plan("auto", "auto", d, c) for d in ("cpu", "cuda") for c in (False, True)}
     assert auto == {("cpu", False): ("overlapped", "process_group"), ("cpu", True): ("overlapped", "process_group"),
-                    ("cuda", False): ("overlapped", "copy_engine"), ("cuda", True): ("overlapped", "process_group")}
+                    ("cuda", False): ("blocking", "process_group"), ("cuda", True): ("overlapped", "process_group")}
     assert links_plan("auto", "process_group", "cuda") == ("blocking", "process_group")
     assert links_plan("auto", "process_group", "cuda", True) == ("overlapped", "process_group")
+    assert links_plan("auto", "copy_engine", "cuda") == ("overlapped", "copy_engine")
     assert links_plan("overlapped", "auto", "cuda") == ("overlapped", "copy_engine")
     assert links_plan("overlapped", "process_group", "cuda") == ("overlapped", "process_group")
     assert links_plan("blocking", "auto", "cuda") == ("blocking", "process_group")
@@ -310,7 +311,7 @@ def _fallback_body(rank, hf_dir, tag):
     handler.emit = lambda record: warned.append(record.getMessage())
     links_module.log.addHandler(handler)
     out = {}
-    for case, schedule, transport, fails in [("auto", "auto", "auto", False), ("auto, fails", "auto", "auto", True),
+    for case, schedule, transport, fails in [("auto", "auto", "auto", False), ("overlapped", "overlapped", "auto", False),
                                              ("overlapped, fails", "overlapped", "auto", True),
                                              ("copy_engine, fails", "auto", "copy_engine", True)]:
         backend = (Refusing if fails and rank == 1 else HostStreamsBackend)(f"{tag}-{len(out)}", rank)
@@ -332,13 +333,14 @@ def _fallback_body(rank, hf_dir, tag):
     return out
 
 
-def test_auto_falls_back_to_process_groups_on_every_rank_when_a_rank_cannot_start_the_copy_engines(hf_untied):
-    """One pipeline of 2 stages as on GPUs inside a host. Transport "auto": the copy engines when
-    both ranks can map each other; when rank 1 cannot, both ranks run blocking (schedule "auto") or
-    overlapped over process groups (schedule "overlapped"), rank 0 says why in one warning, and all
-    three train the same bits. A named "copy_engine" that cannot start is an error on both ranks
-    naming the rank. Breaks if one rank fell back and the other did not (the job would hang to the
-    test's timeout or train apart), or if the fallback kept a copy-engine or a missing group."""
+def test_the_copy_engines_fall_back_to_process_groups_on_every_rank_when_a_rank_cannot_start_them(hf_untied):
+    """One pipeline of 2 stages as on GPUs inside a host. Schedule and transport "auto": blocking over
+    the default group, no copy engines. Schedule "overlapped", transport "auto": the copy engines when
+    both ranks can map each other; when rank 1 cannot, both ranks run overlapped over process groups
+    and rank 0 says why in one warning. All three train the same bits. A named "copy_engine" that
+    cannot start is an error on both ranks naming the rank. Breaks if one rank fell back and the
+    other did not (the job would hang to the test's timeout or train apart), or if the fallback kept
+    a copy-engine or a missing group."""
     tag = f"fallback-{os.getpid()}-{time.monotonic_ns()}"
     try:
         results = run_ranks(_fallback_body, 2, hf_untied, tag)
@@ -347,12 +349,11 @@ def test_auto_falls_back_to_process_groups_on_every_rank_when_a_rank_cannot_star
             shutil.rmtree(f"/dev/shm/hetloco-test-{tag}-{i}", ignore_errors=True)
     why = "rank 1: no peer access to the GPU of rank 0"
     for rank, r in enumerate(results):
-        assert r["auto"][:5] == ("overlapped", "copy_engine", True, False, [])
-        assert r["auto, fails"][:5] == ("blocking", "process_group", False, False, [
-            f"copy-engine stage links unavailable ({why}); running the blocking schedule over process groups"][:1 - rank])
+        assert r["auto"][:5] == ("blocking", "process_group", False, False, [])
+        assert r["overlapped"][:5] == ("overlapped", "copy_engine", True, False, [])
         assert r["overlapped, fails"][:5] == ("overlapped", "process_group", False, True, [
             f"copy-engine stage links unavailable ({why}); running the overlapped schedule over process groups"][:1 - rank])
-        assert r["auto, fails"][5] == r["overlapped, fails"][5] == r["auto"][5]
+        assert r["overlapped"][5] == r["overlapped, fails"][5] == r["auto"][5]
         assert r["copy_engine, fails"] == why
     assert [loss for loss, _ in results[0]["auto"][5]] == [loss for loss, _ in results[1]["auto"][5]]  # the replica's
 

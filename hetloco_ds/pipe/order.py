@@ -38,26 +38,28 @@ def links_plan(schedule: str, transport: str, device_type: str, links_cross_host
     not cross from one host to another. Where the copy-engine transport then fails to start, the
     engine asks again with `transport="process_group"`.
 
-    The "auto" transport is the copy engines' for the overlapped schedule on GPUs whose every stage
-    link stays inside a host: a receive posted ahead then waits without holding an SM, where NCCL's
-    waits as a kernel beside the stage's GEMMs, slowing them 8-10% at one CTA
+    The "auto" schedule is blocking on GPUs whose every stage link stays inside a host, overlapped
+    everywhere else. Over NVLink or PCIe a transfer takes far less than its compute, so there is
+    little to hide: at 1B, M = 2 x S = 2 on 4 H100s, the overlapped schedule over the copy engines
+    trained no faster than blocking in the same call, and its deeper warm-up (3S - 2 micro-batches
+    in flight on stage 0 against S) held more memory (bench/results/scale_h100x4/summary.json); over NCCL its posted receives also slow the
+    compute (gpu_two_s2_overlapped_cta1_h100.json).
+
+    The "auto" transport is the copy engines' for the overlapped schedule (named) on GPUs whose every
+    stage link stays inside a host: a receive posted ahead then waits without holding an SM, where
+    NCCL's waits as a kernel beside the stage's GEMMs, slowing them 8-10% at one CTA
     (bench/results/resident_link_ce_h100.json). Everywhere else it is the process group's (gloo on
     the CPU; NCCL across hosts, where CUDA IPC cannot reach).
-
-    The "auto" schedule is overlapped, except on GPUs inside a host whose links are NCCL's: there a
-    transfer over NVLink or PCIe takes far less than its compute, so there is little to hide, and the
-    resident receive kernels cost more than that (gpu_two_s2_overlapped_cta1_h100.json). So it is
-    blocking there.
     """
     if schedule not in ("auto",) + SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {('auto',) + SCHEDULES}")
     if transport not in ("auto",) + TRANSPORTS:
         raise ValueError(f"unknown link transport {transport!r}; expected one of {('auto',) + TRANSPORTS}")
     gpus_in_a_host = device_type == "cuda" and not links_cross_hosts
-    if transport == "auto":
-        transport = "copy_engine" if gpus_in_a_host and schedule != "blocking" else "process_group"
     if schedule == "auto":
-        schedule = "blocking" if gpus_in_a_host and transport == "process_group" else "overlapped"
+        schedule = "overlapped" if transport == "copy_engine" or not gpus_in_a_host else "blocking"
+    if transport == "auto":
+        transport = "copy_engine" if gpus_in_a_host and schedule == "overlapped" else "process_group"
     return schedule, transport
 
 

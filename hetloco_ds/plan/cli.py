@@ -172,7 +172,7 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
                     help="transfers block compute (DeepSpeed's blocking p2p); same as --schedule blocking")
     ap.add_argument("--schedule", choices=("overlapped", "blocking"), default=None,
                     help="the pipeline schedule modelled (hetloco.pipeline.schedule; default overlapped, what "
-                         "the engine's \"auto\" runs, except on GPUs inside a host without the copy-engine transport)")
+                         "the engine's \"auto\" runs over slow links; --largest: blocking, what it runs on GPUs of one host)")
     ap.add_argument("--tied", action="store_true", help="the model ties its embedding and LM head")
     ap.add_argument("--tied-embeddings", choices=("outer_step", "every_step"), default=argparse.SUPPRESS,
                     help="how a tied model keeps its copies equal (hetloco.sparseloco.tied_embeddings)")
@@ -290,7 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def largest_text(a: argparse.Namespace, settings: Settings) -> str:
     """The `--largest` table for the batch, sequence length, schedule and vocabulary given."""
     vocab = a.vocab or DEFAULT_VOCAB
-    schedule = "overlapped" if settings.overlap else "blocking"
+    # One replica on the GPUs of one host: "auto" runs blocking there (pipe.order.links_plan).
+    named = a.schedule is not None or "overlap" in vars(a)
+    schedule = ("overlapped" if settings.overlap else "blocking") if named else "blocking"
     table = largest_table(vocab, micro_batch=settings.micro_batch, n_mb=settings.n_mb, seq_len=settings.seq_len,
                           schedule=schedule, bf16=settings.act_bytes == 2)
     return format_largest(table, vocab, settings.micro_batch, settings.n_mb, settings.seq_len, schedule)
