@@ -9,6 +9,8 @@ Parts (each appends its rows to OUT/scale.json and can be run alone):
   memory    1B on one GPU: stock vs ours (outer state on the GPU and on the host)
   8b        a Llama-3-8B shape in 4 stages, M = 1: tokens/s, MFU, peak memory, checkpoint bytes
             and the seconds training blocked for it
+  mixed     178M on 4 GPUs, replicas of depths (1, 1, 2) against (2, 2) (hetloco.replica_stages):
+            per replica tokens/s, bytes per link class, outer-step seconds (issue 29)
 
     OUT=DIR bash bench/gpu.sh --gpus 4 --timeout 570 scale.py --parts speed --out DIR   # GPU machine
     python bench/scale.py --cpu-smoke --parts speed --out DIR                         # this CPU
@@ -259,7 +261,53 @@ def part_8b(res: Results, work: str, a) -> None:
     res.add("8b", ours("ours_8b_s4_outer_cpu", work, 4, cpu, s["model8"], steps, a.timeout, stop_after=2 * s["h8"] + 4))
 
 
-PARTS = {"profile": part_profile, "speed": part_speed, "memory": part_memory, "s178": part_s178, "8b": part_8b}
+def replica_rates(metrics_path: str, inner_steps: int, skip: int = 5) -> dict:
+    """Per replica (its own step rows): median tokens/s over the steady steps (`steady_rates`' rule),
+    bytes sent by link class over the whole run and per step, its outer steps' seconds and count."""
+    rows = [json.loads(line) for line in open(metrics_path)]
+    out = {}
+    for m in sorted({r["replica"] for r in rows if r.get("kind") == "step"}):
+        steps = [r for r in rows if r.get("kind") == "step" and r["replica"] == m]
+        keep = [r for r in steps if r["step"] > skip and r["step"] % inner_steps not in (0, 1)]
+        outer = [r["seconds"] for r in rows if r.get("kind") == "outer" and r.get("replica") == m]
+        sent = {k: sum(r["bytes"][k]["sent"] for r in steps if k in r.get("bytes", {}))
+                for k in sorted({k for r in steps for k in r.get("bytes", {})})}
+        out[str(m)] = {
+            "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in keep) if keep else None,
+            "steady_steps": len(keep), "steps": len(steps), "outer_steps": len(outer),
+            "sent_bytes": sent, "sent_bytes_per_step": {k: v / len(steps) for k, v in sent.items()},
+            "outer_step_seconds": outer,
+            "peak_memory_gib": max((r.get("peak_memory_bytes", 0) for r in steps), default=0) / 2**30,
+        }
+    return out
+
+
+def part_mixed(res: Results, work: str, a) -> None:
+    """Mixed pipeline depths (hetloco.replica_stages) on 4 GPUs, 178M (micro 8 x 8 at 2048 tokens,
+    H = 20): replicas of depths (1, 1, 2) with the 2-stage one compressed at ratio 8, against
+    (2, 2) with replica 1 compressed; interleaved, `repeats` times. Per replica: tokens/s, bytes
+    sent per step and at the outer step by link class, outer-step seconds."""
+    s = a.shapes
+    base = deep_update(s["config"], {"train_micro_batch_size_per_gpu": s["mb178"], "gradient_accumulation_steps": 8,
+                                     "hetloco": {"train": {"seq_len": s["seq178"]}}})
+    inner = base["hetloco"]["sparseloco"]["inner_steps"]
+    steps = 3 * inner + 2  # three outer steps and the steady steps between them
+    variants = [("ours_178m_mixed_1_1_2", 3, deep_update(base, {"pipeline": {"stages": 2}, "hetloco": {
+                    "replica_stages": [1, 1, 2], "subspace": {"compressed_replicas": [2]}}})),
+                ("ours_178m_even_2_2", 2, deep_update(base, {"pipeline": {"stages": 2}, "hetloco": {
+                    "subspace": {"compressed_replicas": [1]}}}))]
+    for r in range(a.first_repeat, a.first_repeat + a.repeats):
+        for name, replicas, cfg in variants:
+            row = ours(f"{name}_r{r}", work, s["nproc"], cfg, s["model178"], steps, a.timeout,
+                       stop_after=replicas * steps)
+            metrics = os.path.join(work, f"{name}_r{r}", "metrics.jsonl")
+            if os.path.exists(metrics):
+                row["replicas"] = replica_rates(metrics, inner)
+            res.add("mixed", row)
+
+
+PARTS = {"profile": part_profile, "speed": part_speed, "memory": part_memory, "s178": part_s178, "8b": part_8b,
+         "mixed": part_mixed}
 
 
 def shapes(cpu: bool) -> dict:

@@ -305,6 +305,27 @@ def test_scale_steady_rule_leaves_out_warmup_outer_and_profiled_steps(tmp_path):
     assert scale.step_rows(str(path)) == 12
 
 
+def test_scale_replica_rates_split_the_rows_by_replica(tmp_path):
+    """Mixed depths (scale.py --parts mixed): each replica's own steady tokens/s, bytes sent by link
+    class summed over its rows, and its outer steps; breaks if replicas' rows mix or bytes are dropped."""
+    scale = bench_module("scale")
+    path = tmp_path / "metrics.jsonl"
+    rows = []
+    for m, (tokens, act) in enumerate(((512, 0), (1024, 300))):
+        for s in range(1, 13):
+            sync = 100 * (m + 1) if s % 4 == 0 else 0
+            rows.append({"kind": "step", "replica": m, "step": s, "tokens": tokens, "seconds": 0.5 if s != 10 else 1.0,
+                         "bytes": {"activation": {"sent": act, "recv": act}, "outer_sync": {"sent": sync, "recv": sync}}})
+        rows += [{"kind": "outer", "replica": m, "step": s, "seconds": 0.25 * (m + 1)} for s in (4, 8, 12)]
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    got = scale.replica_rates(str(path), inner_steps=4)
+    assert set(got) == {"0", "1"}
+    assert got["0"]["steady_steps"] == 4 and got["0"]["tokens_per_s"] == 1024.0  # steps 6, 7, 10 (slow), 11
+    assert got["1"]["tokens_per_s"] == 2048.0 and got["1"]["outer_step_seconds"] == [0.5, 0.5, 0.5]
+    assert got["1"]["sent_bytes"] == {"activation": 3600, "outer_sync": 600} and got["0"]["sent_bytes"]["outer_sync"] == 300
+    assert got["0"]["outer_steps"] == 3 and got["1"]["sent_bytes_per_step"]["activation"] == 300
+
+
 def test_scale_summary_replays_the_committed_1b_and_178m_comparison():
     """The committed summary is what --summarize makes of the committed runs: each system's median
     over its repeats and its ratio to stock's median (bench/README quotes these)."""
