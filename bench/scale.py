@@ -9,6 +9,7 @@ Parts (each appends its rows to OUT/scale.json and can be run alone):
   memory    1B on one GPU: stock vs ours (outer state on the GPU and on the host)
   8b        a Llama-3-8B shape in 4 stages, M = 1: tokens/s, MFU, peak memory, checkpoint bytes
             and the seconds training blocked for it
+  outer_place  1B and 178M on one GPU: the outer state on the GPU vs on the host, repeats interleaved
   mixed     178M on 4 GPUs, replicas of depths (1, 1, 2) against (2, 2) (hetloco.replica_stages):
             per replica tokens/s, bytes per link class, outer-step seconds (issue 29)
 
@@ -229,6 +230,25 @@ def part_memory(res: Results, work: str, a) -> None:
                                stop_after=inner + 3))
 
 
+def part_outer_place(res: Results, work: str, a) -> None:
+    """On one GPU, 1B (micro 4 x 8 at 1024) and 178M (micro 8 x 8 at 2048): ours with the outer
+    state on the GPU against in pinned host memory, interleaved, `repeats` times; each run crosses
+    two outer steps. Whether "cpu" may be the default: its tokens/s (outer steps amortised as the
+    steady rule leaves them out, so also each run's outer-step seconds) and peak at both sizes."""
+    s = a.shapes
+    one = deep_update(s["config"], {"pipeline": {"stages": 1}, "hetloco": {"subspace": {"compressed_replicas": "none"}}})
+    inner = one["hetloco"]["sparseloco"]["inner_steps"]
+    sizes = [("1b", s["ours_model"], one),
+             ("178m", s["model178"], deep_update(one, {"train_micro_batch_size_per_gpu": s["mb178"],
+                                                       "hetloco": {"train": {"seq_len": s["seq178"]}}}))]
+    for r in range(a.first_repeat, a.first_repeat + a.repeats):
+        for size, model, base in sizes:
+            for place in ("gpu", "cpu"):
+                cfg = deep_update(base, {"hetloco": {"sparseloco": {"outer_state_device": place}}})
+                res.add("outer_place", ours(f"ours_{size}_s1_outer_{place}_r{r}", work, 1, cfg, model, 2 * inner + 4,
+                                            a.timeout, stop_after=2 * inner + 3))
+
+
 def part_s178(res: Results, work: str, a) -> None:
     """178M, S = 2 on 2 GPUs (ANCHORS.md's micro 8 x 2048, 8 micro-batches): stock vs ours, interleaved."""
     s = a.shapes
@@ -307,7 +327,7 @@ def part_mixed(res: Results, work: str, a) -> None:
 
 
 PARTS = {"profile": part_profile, "speed": part_speed, "memory": part_memory, "s178": part_s178, "8b": part_8b,
-         "mixed": part_mixed}
+         "mixed": part_mixed, "outer_place": part_outer_place}
 
 
 def shapes(cpu: bool) -> dict:
