@@ -31,7 +31,8 @@ import uuid
 import torch
 
 from . import checkpoint, rundir
-from .config import ConfigError, RunConfig, check_run, check_topology, default_config_path, parse_config
+from .config import (ConfigError, RunConfig, check_run, check_topology, default_config_path, elastic_replica,
+                     parse_config)
 from .elastic import replica as fleet
 from .elastic.replica import EXIT_REFUSED, FleetArgs
 from .presets import model_config_for
@@ -240,6 +241,8 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         if record["world_size"] != world:
             raise ConfigError(f"--resume: the run has {record['world_size']} ranks ({record['replicas']} replicas x "
                               f"pipeline.stages = {record['stages']}); this launch has {world}")
+    if args.fleet is not None:  # one replica of the fleet: its own depth when the config names every replica's
+        run = elastic_replica(run, args.fleet.replica)
     check_topology(world, run.stages, run.source, replica_stages=run.hetloco.replica_stages)
 
     seq_len = run.hetloco.train.seq_len
