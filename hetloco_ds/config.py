@@ -634,11 +634,12 @@ def elastic_replica(run: RunConfig, replica: int) -> RunConfig:
 
 
 def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int, elastic: bool = False,
-              tied: bool = False) -> int:
+              tied: bool = False, replica: int | None = None) -> int:
     """Every check that needs the world size or the model: run once where the job is launched.
 
     Returns the number of replicas M; `elastic`: the job is one replica of a fleet of
-    hetloco.elastic.max_replicas, whose size is returned. `tied`: the model ties its embedding and head."""
+    hetloco.elastic.max_replicas, whose size is returned, `replica` its id. `tied`: the model ties its
+    embedding and head."""
     mixed = run.hetloco.replica_stages
     if mixed is not None and elastic:
         raise ValueError("check_run(elastic=True) takes the replica's own run (config.elastic_replica)")
@@ -662,8 +663,10 @@ def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int
                               "(\"outer_step\") on every replica alike")
     if elastic:
         if M != 1:
-            raise ConfigError(f"an elastic replica is one pipeline of pipeline.stages = {run.stages} ranks; "
-                              f"this job has {world_size} (--nproc {run.stages}, or one replica per launch)")
+            depth = (f"pipeline.stages = {run.stages} ranks" if run.fleet_stages is None else
+                     f"{run.stages} ranks (replica {replica} of hetloco.replica_stages = {list(run.fleet_stages)})")
+            raise ConfigError(f"an elastic replica is one pipeline of {depth}; this job has {world_size} "
+                              f"(--nproc {run.stages}, or one replica per launch)")
         M = run.hetloco.elastic.max_replicas
         if M is None:
             raise ConfigError(f"{run.source}: hetloco.elastic.max_replicas is not set: the fleet's size N fixes "

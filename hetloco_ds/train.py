@@ -257,7 +257,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         llama_config, tokenizer, args = _model_and_tokenizer(args, run)
         hf_dir = args.model
     M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers, elastic=args.fleet is not None,
-                  tied=bool(llama_config.tie_word_embeddings))
+                  tied=bool(llama_config.tie_word_embeddings), replica=args.fleet.replica if args.fleet else None)
     positions = getattr(llama_config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
         model = (meta.path if record is not None else f"--model {args.model}" if args.model
