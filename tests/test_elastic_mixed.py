@@ -152,3 +152,27 @@ def test_killed_depth_2_replica_is_healed_from_the_depth_1_one_block_by_block(fl
     assert joined == 8 and sorted(back) == [8, 10], sorted(back)
     assert fleet.rows(1)[10]["members"] == fleet.rows(0)[10]["members"] == [0, 1]
     _assert_replicas_equal(fleet, (8, 10))
+
+
+def test_a_replica_with_other_depths_has_another_fleet_identity_named_in_one_line(tmp_path):
+    """The fleet's depths decide its blocks; a joiner whose config names other depths (or one depth)
+    has another fleet key, so it never contributes, and once healed it is refused in one line naming
+    both. Each replica's own run is one pipeline of its entry. Breaks if replicas cutting the model
+    into other blocks were let into one outer step."""
+    from conftest import tiny_llama_config
+    from hetloco_ds.config import elastic_replica, load_config
+    from hetloco_ds.elastic import replica as fleet
+
+    def ident(depths):
+        run = load_config(write_config(tmp_path / f"{depths}.json", {**BASE, "hetloco.replica_stages": depths}))
+        return fleet.identity(elastic_replica(run, 0), tiny_llama_config())
+
+    ours, other, even = ident([1, 2]), ident([1, 4]), ident([2, 2])
+    assert ident([1, 2]) == ours and fleet.fleet_key(other) != fleet.fleet_key(ours)
+    assert fleet.mismatch(other, ours) == ("hetloco.replica_stages = [1, 4] here, [1, 2] in the fleet: the outer "
+                                           "sync's blocks would differ")
+    assert fleet.mismatch(even, ours) == ("hetloco.replica_stages = none (one depth) here, [1, 2] in the fleet: the "
+                                          "outer sync's blocks would differ")
+    run = elastic_replica(load_config(write_config(tmp_path / "c.json", BASE)), 1)
+    assert (run.stages, run.fleet_stages, run.hetloco.replica_stages, run.hetloco.elastic.max_replicas) == (2, (1, 2),
+                                                                                                          None, 2)

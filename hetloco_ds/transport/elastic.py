@@ -11,8 +11,25 @@ who may take part.
 Model. A replica is one pipeline job of S ranks (its own torch.distributed world and store).
 torchft's replica group = one of our replicas; its group rank = the pipeline stage. Each stage rank
 holds one `ElasticTransport` (one torchft `Manager`); the Managers of one replica share one
-`ManagerServer` (on stage 0), so all stages of a replica get the same quorum, and stage k's process
-group joins stage k of every replica in it.
+`ManagerServer` (on stage 0), so all stages of a replica get the same quorum. One depth: stage k's
+process group joins stage k of every replica in the quorum, as torchft makes it.
+
+Mixed depths (`ElasticConfig.blocks`; the fleet's config names every replica's S). Stage k means
+other layers in replicas of other depths, so the exchange goes by outer-sync block
+(`sizes.block_parts` over the fleet's depths): every replica has exactly one rank holding block b,
+and block b's process group joins those ranks (rank = the replica's position in the quorum, world =
+the quorum's size). The torchft-configured group (`_BlockGroups`) builds one gloo group per block
+the rank holds, at each new quorum, in block order, all at the store torchft gives group rank 0
+(torchft picks a store per group rank; every replica's stage 0 gets the same one). A rank holding
+several blocks runs the rounds below once per block, in block order; each block keeps its own
+chain. The replica-wide agreement (d) and torchft's `should_commit` (e) stay per replica, so all
+blocks and all ranks of a replica commit together. Healing goes by block too: every rank's
+checkpoint metadata is its replica's block -> address map, the healer asks the recovery source's
+stage 0 for it (torchft asks the healer's own group rank, which the source may not have:
+`_SourceRankZero`, our one lasting override of torchft internals, checked against torchft 0.2.0 at
+the first transport), and each rank fetches each block it holds from the source's rank that holds
+it (state_transfer.py). Every up-to-date rank serves its state from its quorum until its commit
+(`_quorum`), since torchft stages it only on ranks it assigns to a joiner of their own group rank.
 
 One elastic outer step, on every stage rank of every replica:
 
@@ -22,7 +39,7 @@ One elastic outer step, on every stage rank of every replica:
    below the fleet's is healed inside this call: torchft fetches a live peer's state for this stage
    (our callables: synced parameters, T_perp, outer-step counter) and loads it. A replica that
    healed is *stale* until its next commit: it sends no pseudo-gradient, it only receives.
-2. `exchange(payload)`, one attempt:
+2. `exchange(payload)` (`exchange_blocks`: a payload per block the rank holds), one attempt:
    a. hello round (all-gather of 160 bytes): name, step, flags, payload length, the chain (a hash of
       every member set and payload this stage has applied), HMAC. Only replicas whose hello
       authenticates are heard from at all.
@@ -31,8 +48,8 @@ One elastic outer step, on every stage rank of every replica:
       chain, whose payload MAC verifies and whose header (magic, version, fingerprint, length) is
       the most common one. Every replica applies the same rule to the same bytes.
    c. vote round: a digest of the accepted set + HMAC; any disagreement fails the attempt.
-   d. S > 1: the stages of this replica intersect their accepted sets through the replica's store,
-      so all stages end the step with the same members.
+   d. Each rank intersects the accepted sets of its blocks; S > 1: the stages of this replica
+      intersect theirs through the replica's store, so all stages end the step with the same members.
    e. `Manager.should_commit()`: True on every stage of this replica only if every stage's attempt
       succeeded; then the step counts and `exchange` returns the members' payloads, sorted by name.
    Otherwise: `start_quorum()` again (the dead or hung replica is left out) and the same payload
