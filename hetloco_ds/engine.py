@@ -125,6 +125,13 @@ class HetlocoEngine(PipelineEngineAdapter):
         """The first block's: the one that carries the hooks (`begin`, `outer_fields`, `state_dict`, ...)."""
         self.meter.since_mark()
 
+    @property
+    def num_blocks(self) -> int:
+        """Outer-sync blocks of the model (`sizes.block_parts`): one per stage when every replica has this depth."""
+        if self.block_depths is None:
+            return self.num_stages
+        return len(sizes.block_parts(self.module.llama_config.num_hidden_layers, self.block_depths)) - 1
+
     def blocks_held(self) -> list[int]:
         """The outer-sync blocks (`sizes.block_parts`) this rank holds, in order (one depth: its stage)."""
         if self.block_depths is None:

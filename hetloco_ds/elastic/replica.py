@@ -291,12 +291,10 @@ class FleetTransport(ReplicaTransport):
         one rank of the replica; the others add zeros (a sum over the pipe group)."""
         from deepspeed import comm as dist
 
-        from .. import sizes
         from ..meter import nbytes
 
         e = self.engine
-        count = len(sizes.block_parts(e.module.llama_config.num_hidden_layers, e.block_depths)) - 1
-        sums = torch.zeros(count, dtype=torch.int64, device=e.device)
+        sums = torch.zeros(e.num_blocks, dtype=torch.int64, device=e.device)
         for b, held in zip(self.blocks, e.algorithm.blocks, strict=True):
             sums[b] = params_checksum([e.algorithm.params[i] for i in held])
         if e.num_stages > 1:
