@@ -192,11 +192,16 @@ class StageAlgorithm:
         )
 
     def outer_step(self, transports: Sequence[ReplicaTransport], link: StageLink) -> OuterResult:
-        """The whole outer step through `transports[k]`, block k's exchange. Every rank exchanges
-        its blocks in block order, so a rank waiting in one exchange waits only for ranks that are
-        done with every earlier block: no cycle, no deadlock."""
+        """The whole outer step through `transports[k]`, block k's exchange, or through one transport
+        that exchanges every block of the stage (`ReplicaTransport.exchange_blocks`). Every rank
+        exchanges its blocks in block order, so a rank waiting in one exchange waits only for ranks
+        that are done with every earlier block: no cycle, no deadlock."""
         payloads = self.prepare()
-        result = self.finish([t.exchange(p) for t, p in zip(transports, payloads, strict=True)], link)
+        if len(transports) == 1:
+            gathered = transports[0].exchange_blocks(payloads)
+        else:
+            gathered = [t.exchange(p) for t, p in zip(transports, payloads, strict=True)]
+        result = self.finish(gathered, link)
         self.sync_embeddings(link)
         return result
 
@@ -281,30 +286,36 @@ class StageAlgorithm:
 
     def global_state_dict(self) -> dict:
         """What every replica of this stage holds alike at an outer boundary: what a joining
-        replica needs from a live peer (its own error feedback starts at zero). theta is the
-        synced theta_prev, not the parameters: a donor is asked after its own inner steps."""
+        replica needs from a live peer (its own error feedback starts at zero). By outer-sync
+        block (`blocks[k]`: block k's synced parameters and outer momentum; a joiner of another
+        depth gets each block from the peer's rank that holds it), then what every stage of a
+        replica holds alike (T_perp, the outer-step count). theta is the synced theta_prev, not
+        the parameters: a donor is asked after its own inner steps."""
         synced = self.outer.theta_prev if self.outer is not None else [p.detach() for p in self.params]
         momentum = self.outer.momentum if self.outer is not None else None
-        return {"theta": [t.clone() for t in synced], "perp": None if self.perp is None else self.perp.clone(),
-                "momentum": None if momentum is None else [m.clone() for m in momentum],
-                "outer_steps": self.outer_steps}
+        return {"blocks": [{"theta": [synced[i].clone() for i in b],
+                            "momentum": None if momentum is None else [momentum[i].clone() for i in b]}
+                           for b in self.blocks],
+                "perp": None if self.perp is None else self.perp.clone(), "outer_steps": self.outer_steps}
 
     @torch.no_grad()
     def load_global_state_dict(self, state: dict) -> None:
         """Adopt a peer's synced stage: parameters, theta_prev, outer momentum, T_perp; error
         feedback zeroed. In place and without SparseLoCoState.load_state_dict, which would clear
         the pending flag: an elastic heal can come between prepare and finish."""
-        theta = [t.to(self.device) for t in state["theta"]]
-        for i, (p, t) in enumerate(zip(self.params, theta)):
-            p.copy_(t)
-            if self.outer is not None:
-                self.outer.rebase(i, t)
+        for block, part in zip(self.blocks, state["blocks"], strict=True):
+            for i, t in zip(block, part["theta"], strict=True):
+                t = t.to(self.device)
+                self.params[i].copy_(t)
+                if self.outer is not None:
+                    self.outer.rebase(i, t)
+            if self.outer is not None and self.outer.momentum is not None:
+                momentum = self.outer.momentum
+                for i, t in zip(block, part["momentum"], strict=True):
+                    momentum[i].copy_(t)
         if self.outer is not None:
             for e in self.outer.error:
                 e.zero_()
-            if self.outer.momentum is not None:
-                for m, t in zip(self.outer.momentum, state["momentum"]):
-                    m.copy_(t)
         if self.perp is not None:
             self.perp.copy_(state["perp"])
         self.outer_steps = int(state["outer_steps"])

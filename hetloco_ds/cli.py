@@ -67,8 +67,11 @@ def _default_nproc(targs) -> int:
             return record["world_size"]
     path = config_path(targs) or default_config_path()
     run = parse_config(read_config_file(path), path)
-    if run.hetloco.replica_stages is not None and targs.fleet is None:
-        return sum(run.hetloco.replica_stages)  # one rank per stage of every replica
+    depths = run.hetloco.replica_stages
+    if depths is not None and targs.fleet is None:
+        return sum(depths)  # one rank per stage of every replica
+    if depths is not None and 0 <= targs.fleet.replica < len(depths):
+        return depths[targs.fleet.replica]  # one replica of an elastic fleet: its own depth
     return (1 if targs.fleet is not None else 2) * run.stages
 
 

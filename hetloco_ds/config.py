@@ -11,6 +11,7 @@ import collections.abc
 import difflib
 import json
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -244,8 +245,9 @@ class PipelineConfig(_Section):
 class HetlocoConfig(_Section):
     replica_stages: list[int] | None = None
     """Pipeline depth of each replica, one entry per replica (e.g. [1, 2]: replica 0 whole on one
-    rank, replica 1 in two stages; the world is their sum); None: every replica has pipeline.stages,
-    which is ignored when this is set. Static mode only."""
+    rank, replica 1 in two stages); None: every replica has pipeline.stages, which is ignored when
+    this is set. Static mode: the world is their sum. Elastic mode: the fleet's replicas, replica m a
+    job of replica_stages[m] ranks (hetloco.elastic.max_replicas is then its length)."""
     sparseloco: SparseLoCoConfig = Field(default_factory=SparseLoCoConfig)
     subspace: SubspaceConfig = Field(default_factory=SubspaceConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
@@ -283,7 +285,8 @@ class RunConfig:
     hetloco: HetlocoConfig
     source: str
     stages: int
-    """pipeline.stages; with hetloco.replica_stages, the deepest replica's."""
+    """pipeline.stages; with hetloco.replica_stages, the deepest replica's (an elastic replica's own,
+    `elastic_replica`)."""
     bf16: bool = False
     """bf16.enabled: autocast over fp32 master weights per replica; bf16 crosses stage links."""
     clip: float = 1.0
@@ -295,6 +298,10 @@ class RunConfig:
     optimizer: OptimizerSettings = OptimizerSettings()
     scheduler: dict | None = None
     """DeepSpeed's `scheduler` section with "auto" values resolved, or None."""
+    fleet_stages: tuple[int, ...] | None = None
+    """An elastic replica of a fleet of mixed depths (`elastic_replica`): every replica's depth, the
+    fleet's hetloco.replica_stages (which this job's own config then leaves unset: it is one pipeline
+    of `stages` ranks). None otherwise."""
 
     def engine_ds_config(self) -> dict[str, Any]:
         """DeepSpeed's dict for its engine, with the settings we implement per replica taken out
@@ -601,19 +608,50 @@ def check_topology(world_size: int, stages: int, source: str, num_layers: int | 
     return world_size // stages
 
 
+def elastic_replica(run: RunConfig, replica: int) -> RunConfig:
+    """Replica `replica`'s own run in an elastic fleet whose config names every replica's depth
+    (hetloco.replica_stages): one pipeline of replica_stages[replica] ranks, the fleet's depths in
+    `fleet_stages` (None when they are one depth: plain pipeline.stages then), and
+    hetloco.elastic.max_replicas = their number. Without replica_stages: `run` itself."""
+    depths = run.hetloco.replica_stages
+    if depths is None:
+        return run
+    el = run.hetloco.elastic
+    if el.max_replicas is not None and el.max_replicas != len(depths):
+        raise ConfigError(f"{run.source}: hetloco.elastic.max_replicas = {el.max_replicas} but hetloco.replica_stages "
+                          f"= {depths} names {len(depths)} replicas, one per replica of the fleet (leave max_replicas "
+                          "out)")
+    if not 0 <= replica < len(depths):
+        raise ConfigError(f"--replica-id {replica} is not in 0..{len(depths) - 1} (hetloco.replica_stages = {depths} "
+                          f"in {run.source})")
+    stages = depths[replica]
+    ds = json.loads(json.dumps(run.ds))
+    ds.setdefault("pipeline", {})["stages"] = stages
+    hetloco = run.hetloco.model_copy(update={
+        "replica_stages": None, "elastic": el.model_copy(update={"max_replicas": len(depths)})})
+    return dataclasses.replace(run, ds=ds, hetloco=hetloco, stages=stages,
+                               fleet_stages=tuple(depths) if len(set(depths)) > 1 else None)
+
+
 def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int, elastic: bool = False,
-              tied: bool = False) -> int:
+              tied: bool = False, replica: int | None = None) -> int:
     """Every check that needs the world size or the model: run once where the job is launched.
 
     Returns the number of replicas M; `elastic`: the job is one replica of a fleet of
-    hetloco.elastic.max_replicas, whose size is returned. `tied`: the model ties its embedding and head."""
+    hetloco.elastic.max_replicas, whose size is returned, `replica` its id. `tied`: the model ties its
+    embedding and head."""
     mixed = run.hetloco.replica_stages
     if mixed is not None and elastic:
-        raise ConfigError(f"{run.source}: hetloco.replica_stages = {mixed} is for the static mode (one world); an "
-                          "elastic replica is one pipeline of pipeline.stages ranks")
+        raise ValueError("check_run(elastic=True) takes the replica's own run (config.elastic_replica)")
     M = check_topology(world_size, run.stages, run.source, num_layers, mixed)
     made = (f"hetloco.replica_stages = {mixed} makes" if mixed is not None
             else f"{world_size} ranks / pipeline.stages = {run.stages} make")
+    if run.fleet_stages is not None:  # an elastic replica of a fleet of mixed depths
+        mixed = list(run.fleet_stages)
+        deep = [m for m, s in enumerate(mixed) if s > num_layers]
+        if deep:
+            raise ConfigError(f"{run.source}: hetloco.replica_stages[{deep[0]}] = {mixed[deep[0]]} exceeds the "
+                              f"model's {num_layers} decoder layers")
     if mixed is not None and len(set(mixed)) > 1:
         sl = run.hetloco.sparseloco
         if not sl.enabled:
@@ -625,8 +663,10 @@ def check_run(run: RunConfig, world_size: int, hidden_size: int, num_layers: int
                               "(\"outer_step\") on every replica alike")
     if elastic:
         if M != 1:
-            raise ConfigError(f"an elastic replica is one pipeline of pipeline.stages = {run.stages} ranks; "
-                              f"this job has {world_size} (--nproc {run.stages}, or one replica per launch)")
+            depth = (f"pipeline.stages = {run.stages} ranks" if run.fleet_stages is None else
+                     f"{run.stages} ranks (replica {replica} of hetloco.replica_stages = {list(run.fleet_stages)})")
+            raise ConfigError(f"an elastic replica is one pipeline of {depth}; this job has {world_size} "
+                              f"(--nproc {run.stages}, or one replica per launch)")
         M = run.hetloco.elastic.max_replicas
         if M is None:
             raise ConfigError(f"{run.source}: hetloco.elastic.max_replicas is not set: the fleet's size N fixes "

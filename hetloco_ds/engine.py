@@ -84,6 +84,9 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.dp_group = self.grid.get_data_parallel_group()
         self.replica_stages = self.hetloco.replica_stages if replica is None else None
         """Each replica's depth when this world's replicas have their own grids (static mode), else None."""
+        self.block_depths = self.replica_stages or run.fleet_stages
+        """The depths the outer-sync blocks are cut for (`sizes.block_parts`): the static world's replicas'
+        or an elastic replica's fleet's; None when every replica has this one depth (a block per stage)."""
         self.pipe_group = self.grid.get_pipe_parallel_group()
         self.local_steps = 0
         self._count_deepspeed_init_traffic()
@@ -117,30 +120,39 @@ class HetlocoEngine(PipelineEngineAdapter):
             self.transports = [GroupTransport(self.dp_group, self.meter)]
         else:
             groups = block_groups(sizes.block_ranks(cfg.num_hidden_layers, self.replica_stages))  # collective
-            self.transports = [GroupTransport(groups[b], self.meter) for b in self._blocks_held()]
+            self.transports = [GroupTransport(groups[b], self.meter) for b in self.blocks_held()]
         self.transport = self.transports[0]
         """The first block's: the one that carries the hooks (`begin`, `outer_fields`, `state_dict`, ...)."""
         self.meter.since_mark()
 
-    def _blocks_held(self) -> list[int]:
-        """The outer-sync blocks (`sizes.block_parts`) this rank holds, in order."""
+    @property
+    def num_blocks(self) -> int:
+        """Outer-sync blocks of the model (`sizes.block_parts`): one per stage when every replica has this depth."""
+        if self.block_depths is None:
+            return self.num_stages
+        return len(sizes.block_parts(self.module.llama_config.num_hidden_layers, self.block_depths)) - 1
+
+    def blocks_held(self) -> list[int]:
+        """The outer-sync blocks (`sizes.block_parts`) this rank holds, in order (one depth: its stage)."""
+        if self.block_depths is None:
+            return [self.stage_id]
         n = self.module.llama_config.num_hidden_layers
-        return sizes.stage_blocks(n, self.num_stages, self.stage_id, sizes.block_parts(n, self.replica_stages))
+        return sizes.stage_blocks(n, self.num_stages, self.stage_id, sizes.block_parts(n, self.block_depths))
 
     def _param_blocks(self) -> list[list[int]] | None:
         """Indices into `trainable_params()` of each block this rank holds (None: the stage is one
         block). In the stage's parameter order within a block: DeepSpeed registers the tied modules
         first, then the layers by index, on every stage alike, so each replica lists a block's
         parameters in the same order."""
-        if self.replica_stages is None:
+        if self.block_depths is None:
             return None
         n = self.module.llama_config.num_hidden_layers
-        parts = sizes.block_parts(n, self.replica_stages)
+        parts = sizes.block_parts(n, self.block_depths)
         layer_of: dict[int, int] = {}
         for idx, module in sorted(self.module.local_layers().items()):
             for p in module.parameters():
                 layer_of.setdefault(id(p), idx)
-        return sizes.params_by_block([layer_of[id(p)] for p in self.trainable_params()], self._blocks_held(), parts)
+        return sizes.params_by_block([layer_of[id(p)] for p in self.trainable_params()], self.blocks_held(), parts)
 
     def _open_links(self) -> None:
         """The schedule, and the stage links over the one backend `pipe.links.open_links` chooses for

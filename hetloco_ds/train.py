@@ -31,7 +31,8 @@ import uuid
 import torch
 
 from . import checkpoint, rundir
-from .config import ConfigError, RunConfig, check_run, check_topology, default_config_path, parse_config
+from .config import (ConfigError, RunConfig, check_run, check_topology, default_config_path, elastic_replica,
+                     parse_config)
 from .elastic import replica as fleet
 from .elastic.replica import EXIT_REFUSED, FleetArgs
 from .presets import model_config_for
@@ -240,6 +241,8 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         if record["world_size"] != world:
             raise ConfigError(f"--resume: the run has {record['world_size']} ranks ({record['replicas']} replicas x "
                               f"pipeline.stages = {record['stages']}); this launch has {world}")
+    if args.fleet is not None:  # one replica of the fleet: its own depth when the config names every replica's
+        run = elastic_replica(run, args.fleet.replica)
     check_topology(world, run.stages, run.source, replica_stages=run.hetloco.replica_stages)
 
     seq_len = run.hetloco.train.seq_len
@@ -254,7 +257,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         llama_config, tokenizer, args = _model_and_tokenizer(args, run)
         hf_dir = args.model
     M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers, elastic=args.fleet is not None,
-                  tied=bool(llama_config.tie_word_embeddings))
+                  tied=bool(llama_config.tie_word_embeddings), replica=args.fleet.replica if args.fleet else None)
     positions = getattr(llama_config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
         model = (meta.path if record is not None else f"--model {args.model}" if args.model

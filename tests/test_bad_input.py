@@ -268,6 +268,26 @@ ELASTIC_CASES = {
                                              "--elastic starts 3 replicas but {cfg} sets hetloco.elastic.max_replicas = 2"),
     "elastic_with_a_replica_id": ({}, ["--elastic", "--replica-id", 1], "--elastic starts its own lighthouse and "
                                   "replicas; --lighthouse / --replica-id run one replica of a fleet: pass one or the other"),
+    # a fleet of mixed depths: hetloco.replica_stages names every replica's
+    "mixed_fleet_against_nproc": ({"hetloco.replica_stages": [1, 2]}, ["--elastic", "--nproc", 4],
+                                  "--nproc 4 does not match hetloco.replica_stages = [1, 2] in {cfg}: --elastic starts "
+                                  "its 2 replicas, 3 ranks in all"),
+    "mixed_fleet_against_max_replicas": (
+        {"hetloco.replica_stages": [1, 2], "hetloco.elastic.max_replicas": 3}, [*LH, "--replica-id", 0],
+        "{cfg}: hetloco.elastic.max_replicas = 3 but hetloco.replica_stages = [1, 2] names 2 replicas, one per "
+        "replica of the fleet (leave max_replicas out)"),
+    "mixed_fleet_replica_id_outside": ({"hetloco.replica_stages": [1, 2]}, [*LH, "--replica-id", 2],
+                                       "--replica-id 2 is not in 0..1 (hetloco.replica_stages = [1, 2] in {cfg})"),
+    "mixed_fleet_replica_of_another_depth": (
+        {"hetloco.replica_stages": [1, 2]}, [*LH, "--replica-id", 0, "--nproc", 2],
+        "an elastic replica is one pipeline of 1 ranks (replica 0 of hetloco.replica_stages = [1, 2]); this job has 2 "
+        "(--nproc 1, or one replica per launch)"),
+    "mixed_fleet_deeper_than_the_model": ({"hetloco.replica_stages": [1, 5]}, [*LH, "--replica-id", 0],
+                                          "{cfg}: hetloco.replica_stages[1] = 5 exceeds the model's 4 decoder layers"),
+    "mixed_fleet_of_plain_data_parallelism": (
+        {"hetloco.replica_stages": [1, 2], "hetloco.sparseloco.enabled": False}, [*LH, "--replica-id", 1],
+        "{cfg}: hetloco.replica_stages = [1, 2] mixes depths, which needs the outer sync "
+        "(hetloco.sparseloco.enabled = false all-reduces gradients between equal stages)"),
 }
 
 
@@ -448,17 +468,13 @@ MIXED_CASES = {
     "replica_stages_deeper_than_the_model": (
         {"hetloco.replica_stages": [1, 5]}, ["--nproc", 6],
         "{cfg}: hetloco.replica_stages[1] = 5 exceeds the model's 4 decoder layers"),
-    "replica_stages_in_elastic_mode": (
-        {"hetloco.replica_stages": [1, 2]}, ["--elastic", "--nproc", 3],
-        "{cfg}: hetloco.replica_stages = [1, 2] is for the static mode (one world); --elastic runs replicas of "
-        "pipeline.stages ranks each"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MIXED_CASES))
 def test_bad_mixed_depths_fail_before_any_rank_with_one_line(case, inputs, tmp_path, capsys):
-    """hetloco.replica_stages whose ranks are not the world, a replica deeper than the model, or
-    mixed depths in elastic mode: one line, before any rank starts. Breaks if the check moves into
+    """hetloco.replica_stages whose ranks are not the world, or a replica deeper than the model: one
+    line, before any rank starts (elastic fleets of mixed depths: ELASTIC_CASES). Breaks if the check moves into
     the ranks (where every rank would fail alike, after building groups)."""
     edits, extra, line = MIXED_CASES[case]
     cfg = write_config(tmp_path / "cfg.json", edits)

@@ -8,7 +8,9 @@ through torchft (`transport/elastic.py`).
                   `train`, never the other way.
 
 Identity and data. A fleet has a fixed size N (`hetloco.elastic.max_replicas`); a replica's id is
-its index m in 0..N-1, given as `--replica-id m`. The id is everything that differs between
+its index m in 0..N-1, given as `--replica-id m`. A config that names every replica's depth
+(`hetloco.replica_stages`) makes replica m a job of replica_stages[m] ranks and N their number
+(`config.elastic_replica`); the replicas then meet by outer-sync block (transport/elastic.py). The id is everything that differs between
 replicas: replica m trains on data shard m of N (`data.ReplicaBatches(blocks, m, N)`, the static
 run's replica m when N = M), compresses its stage boundaries as the config says for replica m
 (`hetloco.subspace.compressed_replicas` / `replica_ratios`), and its payloads are summed in id
@@ -27,7 +29,7 @@ inner steps a replica ran before it was healed are discarded, once.
 
 Agreement beyond the payload header. The payload fingerprint covers the outer-step config and
 the parameter shapes. What else must agree - the fleet size (disjoint shards), H, the model's
-sizes and the basis T_S lives in (the split basis: the smallest subspace of the config's
+sizes, the replicas' depths when they are mixed (the blocks) and the basis T_S lives in (the split basis: the smallest subspace of the config's
 compressed replicas, `subspace.split_basis`) - is the fleet identity. It seeds the transport's
 chain, so a replica with another identity never contributes and falls behind; when it is then
 healed, it compares the donor's identity with its own and refuses itself in one line naming

@@ -19,7 +19,7 @@ import sys
 from .. import launch as launcher
 from .. import rundir
 from ..checkpoint import CheckpointError, pick, replace_text
-from ..config import ConfigError, default_config_path, parse_config
+from ..config import ConfigError, default_config_path, elastic_replica, parse_config
 from ..train import ENV_JOB, ENV_NO_BAR, ENV_OWNED, ENV_TAG, config_path, own_run, plan_run, read_config_file
 from ..transport.auth import SECRET_ENV
 from .replica import GATE_ENV, FleetArgs, replica_dir
@@ -60,7 +60,8 @@ class _Fleet:
 
     out: str
     config_file: str
-    stages: int
+    stages: list[int]
+    """Each replica's pipeline depth."""
     replicas: int
     plans: list
     locks: dict
@@ -69,8 +70,8 @@ class _Fleet:
     """hetloco.elastic of the fleet's config."""
 
 
-def _fleet_config(targs, nproc: int | None, bind_cores: bool) -> tuple[dict, str, int, int]:
-    """(the fleet's raw config, its source, stages, replicas), checked against --nproc."""
+def _fleet_config(targs, nproc: int | None, bind_cores: bool) -> tuple[dict, str, list[int], int]:
+    """(the fleet's raw config, its source, each replica's stages, replicas), checked against --nproc."""
     out = targs.out
     config_file = os.path.join(out, FLEET_CONFIG)
     if targs.resume:
@@ -81,9 +82,16 @@ def _fleet_config(targs, nproc: int | None, bind_cores: bool) -> tuple[dict, str
         source = config_path(targs) or default_config_path()
         raw = read_config_file(source)
     run = parse_config(raw, source)
-    if run.hetloco.replica_stages is not None:
-        raise ConfigError(f"{source}: hetloco.replica_stages = {run.hetloco.replica_stages} is for the static mode "
-                          "(one world); --elastic runs replicas of pipeline.stages ranks each")
+    depths = run.hetloco.replica_stages
+    if depths is not None:  # one replica per entry, replica m of depth[m] ranks
+        elastic_replica(run, 0)  # max_replicas against the depths, before anything starts
+        if nproc is not None and nproc != sum(depths):
+            raise ConfigError(f"--nproc {nproc} does not match hetloco.replica_stages = {depths} in {source}: "
+                              f"--elastic starts its {len(depths)} replicas, {sum(depths)} ranks in all")
+        nproc = sum(depths)
+        if bind_cores:
+            launcher.core_shares(nproc)
+        return fleet_config(raw, len(depths), source), source, list(depths), len(depths)
     stages = run.stages
     if nproc is None:  # two replicas; on --resume as many as the fleet's directory holds
         held = [m for m in range(parse_config(raw, source).hetloco.elastic.max_replicas or 2)
@@ -101,7 +109,7 @@ def _fleet_config(targs, nproc: int | None, bind_cores: bool) -> tuple[dict, str
                           f"= {el.max_replicas}")
     if bind_cores:
         launcher.core_shares(nproc)  # too few cores: one line now, not after the lighthouse started
-    return raw, source, stages, replicas
+    return raw, source, [stages] * replicas, replicas
 
 
 def _prepare(targs, nproc: int | None, bind_cores: bool) -> _Fleet:
@@ -122,7 +130,7 @@ def _prepare(targs, nproc: int | None, bind_cores: bool) -> _Fleet:
     for m in range(replicas):
         fa = FleetArgs(lighthouse="http://127.0.0.1:0", replica=m, secret_file=None if generated else secret_file)
         a = dataclasses.replace(targs, out=replica_dir(out, m), fleet=fa)
-        plans.append(plan_run(a, stages, config=None if targs.resume else (raw, config_file),
+        plans.append(plan_run(a, stages[m], config=None if targs.resume else (raw, config_file),
                               secret=generated.encode() if generated else None))
     os.makedirs(out, exist_ok=True)
     if not targs.resume:
@@ -168,7 +176,9 @@ def _run(fleet: _Fleet, targs, argv: list[str], bind_cores: bool) -> int:
     shutil.rmtree(gate, ignore_errors=True)
     os.makedirs(gate)
     secret_note = f"secret in {fleet.secret_file}" if fleet.secret_file else f"secret from ${SECRET_ENV}"
-    print(f"[hetloco] elastic fleet: lighthouse {address} (localhost only), {replicas} replicas x {stages} stages, "
+    shape = (f"{replicas} replicas x {stages[0]} stages" if len(set(stages)) == 1
+             else f"{replicas} replicas of {', '.join(map(str, stages))} stages")
+    print(f"[hetloco] elastic fleet: lighthouse {address} (localhost only), {shape}, "
           f"{secret_note}; replica m writes {os.path.join(out, 'replica-m')}", flush=True)
 
     def command(m: int) -> list[str]:
@@ -184,14 +194,14 @@ def _run(fleet: _Fleet, targs, argv: list[str], bind_cores: bool) -> int:
             env["HETLOCO_QUIET"] = env[ENV_NO_BAR] = "1"
         flags = (["--resume"] if targs.resume else
                  ["--config", fleet.config_file] + (["--overwrite"] if targs.overwrite else []))
-        groups[m] = (stages, command(m) + flags + argv, env)
+        groups[m] = (stages[m], command(m) + flags + argv, env)
 
     def tick(running: set) -> None:
         # Open the gate once every rank is up (its transport heartbeating), or once a replica ended.
         go = os.path.join(gate, "go")
         if not os.path.exists(go):
             ready = sum(1 for f in os.listdir(gate) if f.startswith("ready-"))
-            if ready == replicas * stages or len(running) < replicas:
+            if ready == sum(stages) or len(running) < replicas:
                 open(go, "w").close()
 
     def ended(m: int, line: str | None) -> None:
@@ -205,7 +215,7 @@ def _run(fleet: _Fleet, targs, argv: list[str], bind_cores: bool) -> int:
         except CheckpointError:
             again = "--overwrite"
         tail = ["--steps", str(targs.steps)] if again == "--resume" else (["--config", fleet.config_file] + argv)
-        restart = " ".join(["hetloco-ds", *command(m), "--nproc", str(stages), again, *tail])
+        restart = " ".join(["hetloco-ds", *command(m), "--nproc", str(stages[m]), again, *tail])
         print(f"hetloco-ds train: error: replica {m}: {line}; the fleet goes on without it; restart it with: "
               f"{restart}", file=sys.stderr, flush=True)
 

@@ -110,7 +110,7 @@ def identity(run: RunConfig, llama_config) -> dict:
     if ratios:
         split = {"k": subspace.subspace_dim(d, max(ratios)), "ratio": max(ratios), "seed": sub.seed,
                  "embedding_adaptation": sub.embedding_adaptation}
-    return {
+    ident = {
         "max_replicas": n,
         # Every field that shapes a parameter: a joiner that differs in any is refused in one line
         # before the donor's state would fail to load into it.
@@ -118,6 +118,9 @@ def identity(run: RunConfig, llama_config) -> dict:
         "split_basis": split,
         "sparseloco": json.loads(run.hetloco.sparseloco.model_dump_json()),
     }
+    if run.fleet_stages is not None:  # mixed depths: the fleet's block partition follows from them
+        ident["replica_stages"] = list(run.fleet_stages)
+    return ident
 
 
 def fleet_key(ident: dict) -> bytes:
@@ -129,6 +132,11 @@ def mismatch(mine: dict, theirs: dict) -> str | None:
     if mine.get("max_replicas") != theirs.get("max_replicas"):
         return (f"hetloco.elastic.max_replicas = {mine.get('max_replicas')} here, {theirs.get('max_replicas')} in the "
                 "fleet: replica ids and data shards would overlap")
+    if mine.get("replica_stages") != theirs.get("replica_stages"):
+        def say(d):
+            return "none (one depth)" if d is None else str(d)
+        return (f"hetloco.replica_stages = {say(mine.get('replica_stages'))} here, "
+                f"{say(theirs.get('replica_stages'))} in the fleet: the outer sync's blocks would differ")
     a, b = mine.get("model") or {}, theirs.get("model") or {}
     key = next((k for k in MODEL_SHAPE if a.get(k) != b.get(k)), None)
     if key is not None:
@@ -181,12 +189,19 @@ class FleetTransport(ReplicaTransport):
 
         self.engine, self.identity, self.watchdog = engine, ident, watchdog
         self.replica, self.start_timeout = replica, start_timeout
+        self.blocks = cfg.block_ids
+        """The outer-sync blocks this rank holds (the stage's `StageAlgorithm.blocks`, by global id)."""
         self.inner = ElasticTransport(cfg, self._global_state, self._load_global_state)
 
     # -------------------------------------------------------------- what torchft moves to a joiner
     def _global_state(self) -> dict:
+        """By block, what a joiner's rank holding that block needs (a donor of another depth holds
+        other blocks on this rank: the joiner takes each from the rank that holds it); the rest is the
+        same on every stage of a replica."""
         e = self.engine
-        return {"algorithm": e.algorithm.global_state_dict(), "local_steps": e.local_steps,
+        algorithm = e.algorithm.global_state_dict()
+        return {"blocks": dict(zip(self.blocks, algorithm.pop("blocks"), strict=True)), "algorithm": algorithm,
+                "local_steps": e.local_steps,
                 "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
                 "fleet": self.identity}
 
@@ -197,7 +212,7 @@ class FleetTransport(ReplicaTransport):
         if why is not None:
             raise FleetRefused(f"refused by the fleet: {why}")
         e = self.engine
-        e.algorithm.load_global_state_dict(state["algorithm"])
+        e.algorithm.load_global_state_dict({**state["algorithm"], "blocks": [state["blocks"][b] for b in self.blocks]})
         e.local_steps = e.global_steps = int(state["local_steps"])
         sched = e.lr_scheduler
         if sched is not None and state["lr_scheduler"] is not None:
@@ -224,13 +239,18 @@ class FleetTransport(ReplicaTransport):
             return self.inner.begin()
 
     def exchange(self, payload: torch.Tensor):
+        return self.exchange_blocks([payload])[0]
+
+    def exchange_blocks(self, payloads: list[torch.Tensor]):
         from ..meter import nbytes
         from ..transport.elastic import committed_bytes
 
         with self._waiting(f"outer sync after step {self.engine.local_steps}"):
-            gathered = self.inner.exchange(payload)
-        # What the committed attempt put on the wire (failed attempts and state transfers are not counted).
-        n = committed_bytes(len(self.inner.last_report.participants) - 1, nbytes(payload))
+            gathered = self.inner.exchange_blocks(payloads)
+        # What the committed attempt put on the wire, block by block (failed attempts and state
+        # transfers are not counted).
+        peers = len(self.inner.last_report.participants) - 1
+        n = sum(committed_bytes(peers, nbytes(p)) for p in payloads)
         self.engine.meter.add("sent", n, "outer_sync")
         self.engine.meter.add("recv", n, "outer_sync")
         return gathered
@@ -259,9 +279,29 @@ class FleetTransport(ReplicaTransport):
                   "left": member_ids(r.left), "joined": member_ids(r.joined), "healed": r.healed,
                   "attempts": r.attempts, "quorum_seconds": r.seconds,
                   "params_checksum": [f"{int(s.item()) & (2**64 - 1):016x}" for s in sums]}
+        if e.block_depths is not None:
+            fields["block_checksums"] = self._block_checksums()
         if not r.members:  # no contributor at all (only healed replicas left): nobody was non-finite
             fields["excluded"] = []
         return fields
+
+    def _block_checksums(self) -> list[str]:
+        """Every outer-sync block's parameter checksum, in block order, the same on every rank: in a
+        fleet of mixed depths the one thing replicas of other cuts can compare. Each block is held by
+        one rank of the replica; the others add zeros (a sum over the pipe group)."""
+        from deepspeed import comm as dist
+
+        from ..meter import nbytes
+
+        e = self.engine
+        sums = torch.zeros(e.num_blocks, dtype=torch.int64, device=e.device)
+        for b, held in zip(self.blocks, e.algorithm.blocks, strict=True):
+            sums[b] = params_checksum([e.algorithm.params[i] for i in held])
+        if e.num_stages > 1:
+            dist.all_reduce(sums, group=e.pipe_group)
+            e.meter.add("sent", nbytes(sums), "control")
+            e.meter.add("recv", nbytes(sums), "control")
+        return [f"{int(s) & (2**64 - 1):016x}" for s in sums.tolist()]
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
@@ -287,7 +327,8 @@ def transport_factory(run: RunConfig, llama_config, fleet: FleetArgs, secret: by
             lighthouse=fleet.lighthouse, replica_id=replica_name(fleet.replica, el.max_replicas),
             stage=engine.stage_id, stages=engine.num_stages, secret=secret, bind=fleet.bind,
             advertise=fleet.advertise, timeout=el.timeout, quorum_timeout=el.quorum_timeout,
-            max_attempts=el.max_attempts, fleet_key=fleet_key(ident))
+            max_attempts=el.max_attempts, fleet_key=fleet_key(ident),
+            blocks=tuple(engine.blocks_held()) if engine.block_depths is not None else ())
         return FleetTransport(engine, cfg, ident, fleet.replica, el.quorum_timeout, watchdog)
 
     return build

@@ -50,9 +50,11 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
     """
 
     def __init__(self, config: LlamaConfig, num_stages: int, world_size: int, seed: int = 0, hf_dir: str | None = None,
-                 hf_state=None, replica_stages: list[int] | None = None):
+                 hf_state=None, replica_stages: list[int] | None = None, fleet_stages=None):
         """`replica_stages`: each replica's depth (`hetloco.replica_stages`); the world is laid out by
-        `sizes.replica_ranks` and this rank's replica has its own grid (`num_stages` is then its depth)."""
+        `sizes.replica_ranks` and this rank's replica has its own grid (`num_stages` is then its depth).
+        `fleet_stages`: an elastic replica's fleet of mixed depths (`RunConfig.fleet_stages`); the world
+        is this replica alone, the depths only decide `head_apart`."""
         self.llama_config = config
         self._hf_dir = hf_dir
         self._hf_state = hf_state
@@ -61,7 +63,7 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
         if replica_stages is not None:
             ranks = sizes.replica_ranks(replica_stages)
             num_stages = next(len(r) for r in ranks if dist.get_rank() in r)
-        self.head_apart = head_apart(config, replica_stages, num_stages)
+        self.head_apart = head_apart(config, replica_stages or fleet_stages, num_stages)
         super().__init__(
             layers=layer_specs(config, self.head_apart),
             topology=None if ranks else PipeDataParallelTopology(num_pp=num_stages, num_dp=world_size // num_stages),

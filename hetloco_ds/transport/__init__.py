@@ -48,6 +48,16 @@ class ReplicaTransport(abc.ABC):
         Every member must get the same list in the same order (the outer step sums in list
         order, which keeps replicas bitwise identical)."""
 
+    def exchange_blocks(self, payloads: list[torch.Tensor]) -> list[Gathered]:
+        """Every outer-sync block's payload of this stage, in block order; each block's gathered
+        payloads. A fixed group is one block's (the static mode gives a stage one transport per
+        block); a transport that exchanges all of a stage's blocks at once, and commits them all
+        or none (the elastic one), overrides it."""
+        if len(payloads) != 1:
+            raise ValueError(f"this transport exchanges one block, the stage has {len(payloads)}: give one "
+                             "transport per block")
+        return [self.exchange(payloads[0])]
+
     def start(self) -> None:
         """Once, after the job has built (and maybe loaded) its state, before its first step: wait
         until the replicas that must start together have. A fixed group starts with its world."""

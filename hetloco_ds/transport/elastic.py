@@ -11,8 +11,25 @@ who may take part.
 Model. A replica is one pipeline job of S ranks (its own torch.distributed world and store).
 torchft's replica group = one of our replicas; its group rank = the pipeline stage. Each stage rank
 holds one `ElasticTransport` (one torchft `Manager`); the Managers of one replica share one
-`ManagerServer` (on stage 0), so all stages of a replica get the same quorum, and stage k's process
-group joins stage k of every replica in it.
+`ManagerServer` (on stage 0), so all stages of a replica get the same quorum. One depth: stage k's
+process group joins stage k of every replica in the quorum, as torchft makes it.
+
+Mixed depths (`ElasticConfig.blocks`; the fleet's config names every replica's S). Stage k means
+other layers in replicas of other depths, so the exchange goes by outer-sync block
+(`sizes.block_parts` over the fleet's depths): every replica has exactly one rank holding block b,
+and block b's process group joins those ranks (rank = the replica's position in the quorum, world =
+the quorum's size). The torchft-configured group (`_BlockGroups`) builds one gloo group per block
+the rank holds, at each new quorum, in block order, all at the store torchft gives group rank 0
+(torchft picks a store per group rank; every replica's stage 0 gets the same one). A rank holding
+several blocks runs the rounds below once per block, in block order; each block keeps its own
+chain. The replica-wide agreement (d) and torchft's `should_commit` (e) stay per replica, so all
+blocks and all ranks of a replica commit together. Healing goes by block too: every rank's
+checkpoint metadata is its replica's block -> address map, the healer asks the recovery source's
+stage 0 for it (torchft asks the healer's own group rank, which the source may not have:
+`_SourceRankZero`, our one lasting override of torchft internals, checked against torchft 0.2.0 at
+the first transport), and each rank fetches each block it holds from the source's rank that holds
+it (state_transfer.py). Every up-to-date rank serves its state from its quorum until its commit
+(`_quorum`), since torchft stages it only on ranks it assigns to a joiner of their own group rank.
 
 One elastic outer step, on every stage rank of every replica:
 
@@ -22,7 +39,7 @@ One elastic outer step, on every stage rank of every replica:
    below the fleet's is healed inside this call: torchft fetches a live peer's state for this stage
    (our callables: synced parameters, T_perp, outer-step counter) and loads it. A replica that
    healed is *stale* until its next commit: it sends no pseudo-gradient, it only receives.
-2. `exchange(payload)`, one attempt:
+2. `exchange(payload)` (`exchange_blocks`: a payload per block the rank holds), one attempt:
    a. hello round (all-gather of 160 bytes): name, step, flags, payload length, the chain (a hash of
       every member set and payload this stage has applied), HMAC. Only replicas whose hello
       authenticates are heard from at all.
@@ -31,8 +48,8 @@ One elastic outer step, on every stage rank of every replica:
       chain, whose payload MAC verifies and whose header (magic, version, fingerprint, length) is
       the most common one. Every replica applies the same rule to the same bytes.
    c. vote round: a digest of the accepted set + HMAC; any disagreement fails the attempt.
-   d. S > 1: the stages of this replica intersect their accepted sets through the replica's store,
-      so all stages end the step with the same members.
+   d. Each rank intersects the accepted sets of its blocks; S > 1: the stages of this replica
+      intersect theirs through the replica's store, so all stages end the step with the same members.
    e. `Manager.should_commit()`: True on every stage of this replica only if every stage's attempt
       succeeded; then the step counts and `exchange` returns the members' payloads, sorted by name.
    Otherwise: `start_quorum()` again (the dead or hung replica is left out) and the same payload
@@ -104,9 +121,10 @@ log = logging.getLogger(__name__)
 
 # What we rely on in torchft beyond its documented Manager API; checked here so that an upgrade
 # that moves them fails at import instead of silently binding every interface.
+TORCHFT_CHECKED_AGAINST = "0.2.0"
 if not callable(getattr(_tfm, "ManagerServer", None)) or not isinstance(getattr(_tfm, "REPLICA_ID_KEY", None), str):
     raise ImportError("torchft.manager no longer has ManagerServer / REPLICA_ID_KEY; hetloco_ds.transport.elastic "
-                      "supports torchft 0.2.0")
+                      f"supports torchft {TORCHFT_CHECKED_AGAINST}")
 
 _HELLO = struct.Struct("<4sBBHqII32s64s")  # magic, version, flags, name length, step, length, fingerprint, chain, name
 _HELLO_BYTES = 128
@@ -148,6 +166,9 @@ class ElasticConfig:
     """Failed exchange attempts in a row before the outer step gives up with an error."""
     heartbeat_interval: float = 0.1
     """Seconds between heartbeats to the lighthouse."""
+    blocks: tuple[int, ...] = ()
+    """The outer-sync blocks this rank holds, in block order (`sizes.block_parts` over the fleet's
+    depths), when the fleet mixes depths; empty: one depth, the stage is one block (id: the stage)."""
     fleet_key: bytes = b""
     """What every replica of the fleet must agree on beyond the payload header (e.g. a digest of the
     config's subspace split and data sharding). It seeds the chain: a replica with another key never
@@ -169,6 +190,13 @@ class ElasticConfig:
                              "the address peers reach this host at")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if list(self.blocks) != sorted(set(self.blocks)) or any(b < 0 for b in self.blocks):
+            raise ValueError(f"blocks {self.blocks} must be distinct block ids in increasing order")
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The blocks this rank exchanges, in order (one depth: its stage)."""
+        return self.blocks or (self.stage,)
 
 
 @dataclass(frozen=True)
@@ -395,6 +423,88 @@ def _manager_server_bound_to(host: str, applied: list):
         _tfm.ManagerServer = real
 
 
+class _BlockGroups:
+    """The process group torchft's Manager reconfigures at each new quorum: one torchft gloo group
+    per outer-sync block this rank holds (rank = the replica's position in the quorum, world = the
+    quorum's size). Every participating replica has exactly one rank holding a block, so its group
+    is well defined whatever the replicas' depths.
+
+    One depth: one group, at the store address torchft gives this group rank, as torchft makes it.
+    Mixed depths: torchft picks a group rank's store by the group rank (the quorum's replica
+    `group_rank % n`, torchft manager.rs compute_quorum_results), and one block's holders have other
+    group ranks in replicas of other depths; so every block's group meets at the store torchft gives
+    group rank 0, the same for every replica (`rank_zero_store`), under a prefix of the block."""
+
+    def __init__(self, host: str, timeout: timedelta, blocks: tuple[int, ...], mixed: bool,
+                 rank_zero_store: Callable[[int, int, str], str]):
+        self.blocks, self.mixed, self._rank_zero_store = blocks, mixed, rank_zero_store
+        self.groups = [_BoundGloo(host, timeout) for _ in blocks]
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id=None,
+                  group_rank=None, group_world_size=None, global_ranks=None) -> None:
+        if not self.mixed:
+            self.groups[0].configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
+                                     group_world_size, global_ranks)
+            return
+        host = self._rank_zero_store(quorum_id, group_rank, store_addr.partition("/")[0])
+        # In block order on every rank: a rank waits in one block's rendezvous only for ranks that are
+        # done with every earlier block's.
+        for b, g in zip(self.blocks, self.groups):
+            g.configure(f"{host}/torchft/{quorum_id}/block{b}", replica_id, rank, world_size, quorum_id,
+                        group_rank, group_world_size, global_ranks)
+
+    def errored(self):
+        return next((e for e in (g.errored() for g in self.groups) if e is not None), None)
+
+    def shutdown(self) -> None:
+        for g in self.groups:
+            g.shutdown()
+
+
+class _SourceRankZero:
+    """torchft 0.2.0 heals a rank with the checkpoint metadata of its own group rank in the recovery
+    source (Manager._async_quorum: `primary_client._checkpoint_metadata(self._group_rank)`); a source
+    of another depth may have no such rank, or other layers on it. Every rank's metadata carries its
+    replica's whole block map (`AuthenticatedStateTransport.metadata`), so the healer asks the
+    source's rank 0, which every replica has, and fetches each block it holds from the source's rank
+    that holds it."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        return self._client._checkpoint_metadata(0, timeout=timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+def _install_source_rank_zero() -> None:
+    """Our one lasting override of torchft internals (idempotent; checked against torchft 0.2.0):
+    every ManagerClient torchft.manager builds answers `_checkpoint_metadata` with rank 0's."""
+    import importlib.metadata
+    import inspect
+    import re
+
+    real = _tfm.ManagerClient
+    if getattr(real, "_hetloco_source_rank_zero", False):
+        return
+    found = importlib.metadata.version("torchft")
+    source = inspect.getsource(Manager._async_quorum)
+    if (found != TORCHFT_CHECKED_AGAINST or not callable(getattr(Manager, "_manager_state_dict", None))
+            or not re.search(r"primary_client = ManagerClient\(", source)
+            or not re.search(r"primary_client\._checkpoint_metadata\(\s*self\._group_rank", source)):
+        raise ImportError(f"torchft {found}: Manager._async_quorum no longer asks ManagerClient(...)."
+                          "_checkpoint_metadata(self._group_rank) when it heals, or Manager._manager_state_dict is "
+                          f"gone; hetloco_ds heals replicas of mixed depths against torchft {TORCHFT_CHECKED_AGAINST}")
+
+    def client(*args, **kwargs):
+        return _SourceRankZero(real(*args, **kwargs))
+
+    client._hetloco_source_rank_zero = True
+    _tfm.ManagerClient = client
+
+
 class _QuietTorchft(logging.Filter):
     """torchft logs a failed heal with its traceback; a refusal is reported once, by us, in one line."""
 
@@ -422,20 +532,28 @@ class ElasticTransport(ReplicaTransport):
     outer-step counter. `load_state_dict(state)` installs a peer's: parameters and theta_prev
     (`SparseLoCoState.rebase`), error feedback zeroed in place. It must leave SparseLoCoState's
     pending flag alone (not `SparseLoCoState.load_state_dict`): a replica can be healed between
-    prepare and finish. Both hold tensors, numbers, strings, lists and dicts only.
+    prepare and finish. Both hold tensors, numbers, strings, lists and dicts only. In a fleet of
+    mixed depths (`cfg.blocks`), what is per block goes under "blocks": {block id: ...}; a joiner
+    gets each of its blocks from the donor's rank that holds it, the rest from the first of them.
 
-    Per outer boundary: `begin()`, then `SparseLoCoState.prepare`, `exchange(payload)`, `finish`.
+    Per outer boundary: `begin()`, then `SparseLoCoState.prepare`, `exchange(payload)` (or
+    `exchange_blocks`, a payload per block), `finish`.
     """
 
     def __init__(self, cfg: ElasticConfig, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]):
         self.cfg = cfg
+        self._blocks = cfg.block_ids
         self._user_load = load_state_dict
         self._stale = False
         self._refused: FleetRefused | None = None
-        self._chain = hashlib.sha256(b"hetloco-elastic-chain-v1" + cfg.fleet_key).digest()
+        seed = hashlib.sha256(b"hetloco-elastic-chain-v1" + cfg.fleet_key).digest()
+        self._chains = [seed] * len(self._blocks)
+        """Per block: a hash of every member set and payload of it this rank has applied."""
         self._participants: tuple[str, ...] = ()
         self._begun_at: float | None = None
         self._warned: set[tuple[str, str]] = set()
+        self._urls: dict[int, str] | None = None
+        self._store = None
         self.last_report: SyncReport | None = None
         timeout = timedelta(seconds=cfg.timeout)
         store_addr = cfg.store_addr or os.environ.get("MASTER_ADDR")
@@ -443,8 +561,12 @@ class ElasticTransport(ReplicaTransport):
         if not store_addr or not store_port:
             raise ValueError("elastic transport needs this replica's TCPStore: set store_addr/store_port or "
                              "MASTER_ADDR/MASTER_PORT")
-        self._pg = _BoundGloo(cfg.advertise or cfg.bind, timeout)
-        self._ckpt = AuthenticatedStateTransport(cfg.secret, cfg.bind, cfg.advertise, timeout, cfg.replica_id)
+        _install_source_rank_zero()
+        self._pg = _BlockGroups(cfg.advertise or cfg.bind, timeout, self._blocks, bool(cfg.blocks),
+                                self._rank_zero_store)
+        self._ckpt = AuthenticatedStateTransport(cfg.secret, cfg.bind, cfg.advertise, timeout, cfg.replica_id,
+                                                 blocks=self._blocks)
+        self._ckpt.replica_urls = self._replica_urls
         applied: list = []
         try:
             with _manager_server_bound_to(cfg.bind, applied):
@@ -464,12 +586,39 @@ class ElasticTransport(ReplicaTransport):
                                "torchft.manager.ManagerServer; it would listen on every interface. "
                                "hetloco_ds supports torchft 0.2.0")
         self._manager.register_state_dict_fn(_STATE_KEY, self._load_own, self._own_state)
-        self._store = None
         if cfg.stages > 1:
             self._store = TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False, timeout=timeout)
             # The ManagerServer's replica id carries a fresh uuid per start: keys of a previous
             # incarnation of this replica (same store) can never be mistaken for this one's.
             self._prefix = f"hetloco_elastic/{self._store.get(_tfm.REPLICA_ID_KEY).decode()}"
+            self._store.set(f"{self._prefix}/urls/{cfg.stage}", json.dumps({b: self._ckpt.url for b in self._blocks}))
+
+    # ------------------------------------------------------------------ what the quorum thread asks
+    def _replica_urls(self) -> dict[int, str]:
+        """Block -> state-transfer address of every rank of this replica (stage 0; the others' own):
+        the metadata torchft hands a healer (see `_SourceRankZero`)."""
+        if self._urls is None:
+            urls = {b: self._ckpt.url for b in self._blocks}
+            if self._store is not None and self.cfg.stage == 0:
+                keys = [f"{self._prefix}/urls/{s}" for s in range(self.cfg.stages)]
+                # Asked inside the quorum, which waits for every stage of the replica anyway.
+                self._store.wait(keys, timedelta(seconds=self.cfg.quorum_timeout))
+                for k in keys:
+                    urls.update({int(b): u for b, u in json.loads(self._store.get(k)).items()})
+            self._urls = urls
+        return self._urls
+
+    def _rank_zero_store(self, quorum_id: int, group_rank: int, mine: str) -> str:
+        """The store address torchft gave group rank 0 of this replica for quorum `quorum_id` (the
+        same in every replica): stage 0 publishes it, the others read it (`_BlockGroups`)."""
+        if self._store is None:
+            return mine
+        key = f"{self._prefix}/quorum/{quorum_id}/store"
+        if group_rank == 0:
+            self._store.set(key, mine)
+            return mine
+        self._store.wait([key], timedelta(seconds=self.cfg.timeout))
+        return self._store.get(key).decode()
 
     # ------------------------------------------------------------------ state torchft moves
     def _load_user(self, state: dict) -> None:
@@ -477,19 +626,25 @@ class ElasticTransport(ReplicaTransport):
         self._stale = True
 
     def _own_state(self) -> dict:
-        return {"chain": self._chain, "participants": list(self._participants)}
+        return {"blocks": dict(zip(self._blocks, self._chains)), "participants": list(self._participants)}
 
     def _load_own(self, state: dict) -> None:
-        self._chain = bytes(state["chain"])
+        self._chains = [bytes(state["blocks"][b]) for b in self._blocks]
         self._participants = tuple(state["participants"])
 
     def state_dict(self) -> dict:
         """For this replica's checkpoint: torchft's step counter and the chain (restore both to resume)."""
-        return {"torchft": self._manager.state_dict(), **self._own_state()}
+        return {"torchft": self._manager.state_dict(), "chain": b"".join(self._chains),
+                "participants": list(self._participants)}
 
     def load_state_dict(self, state: dict) -> None:
+        chain = bytes(state["chain"])
+        if len(chain) != 32 * len(self._blocks):
+            raise ValueError(f"the checkpointed transport state holds {len(chain) // 32} block histories, this rank "
+                             f"exchanges {len(self._blocks)} blocks")
         self._manager.load_state_dict(state["torchft"])
-        self._load_own(state)
+        self._chains = [chain[i: i + 32] for i in range(0, len(chain), 32)]
+        self._participants = tuple(state["participants"])
 
     @property
     def step(self) -> int:
@@ -506,7 +661,7 @@ class ElasticTransport(ReplicaTransport):
         if self._refused is not None:
             # Take part in this attempt without a payload, so the fleet is not left waiting for us.
             try:
-                self._attempt(torch.zeros(0, dtype=torch.uint8), 0, self._manager.current_step())
+                self._attempt([torch.zeros(0, dtype=torch.uint8)] * len(self._blocks), 0, self._manager.current_step())
             except Exception:  # noqa: BLE001 - the refusal is what we report
                 pass
             raise self._refused
@@ -524,11 +679,19 @@ class ElasticTransport(ReplicaTransport):
         replica's, marked excluded (`last_report.members` is empty), so that `finish` leaves the
         synced parameters as they are.
         """
+        return self.exchange_blocks([payload])[0]
+
+    def exchange_blocks(self, payloads: list[torch.Tensor]) -> list[Gathered]:
+        """`exchange` for every block this rank holds (`cfg.block_ids`, a payload each, in order), in
+        one attempt that commits all of them or none; every block's members are the step's members."""
         if self._begun_at is None:
             raise RuntimeError("exchange() before begin(): call begin() at the outer boundary, before prepare()")
-        if payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise ValueError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
-        own = payload.detach().to("cpu").contiguous()
+        if len(payloads) != len(self._blocks):
+            raise ValueError(f"{len(payloads)} payloads for the {len(self._blocks)} blocks {self._blocks} of this rank")
+        for payload in payloads:
+            if payload.dtype != torch.uint8 or payload.dim() != 1:
+                raise ValueError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
+        own = [payload.detach().to("cpu").contiguous() for payload in payloads]
         last: Exception | None = None
         for attempt in range(self.cfg.max_attempts):
             if attempt:
@@ -563,6 +726,10 @@ class ElasticTransport(ReplicaTransport):
         err = self._manager.errored()
         if err is not None and isinstance(err.original_exception, FleetRefused):
             self._refused = err.original_exception
+        if err is None:
+            # Until this step commits (should_commit disallows), any joiner may fetch this rank's blocks:
+            # torchft stages the state only on ranks it assigns to a joiner of their own group rank.
+            self._ckpt.allow(self._manager.current_step(), self._manager._manager_state_dict)
 
     def _warn_once(self, who: str, why: str) -> None:
         if (who, why) not in self._warned:
@@ -570,24 +737,26 @@ class ElasticTransport(ReplicaTransport):
             log.warning("%s stage %d: dropped %s: %s", self.cfg.replica_id, self.cfg.stage, who, why)
 
     def _all_gather(self, t: torch.Tensor, rank: int, n: int, pairwise: bool) -> list[torch.Tensor]:
-        """Every rank's `t`, in rank order. pairwise: every receive posted before any send (the
-        reasoning of exchange.all_gather_payloads, for payloads on slow links)."""
+        """Every rank's `t`, in rank order, in the group of the block whose rounds run now
+        (`self._group`). pairwise: every receive posted before any send (the reasoning of
+        exchange.all_gather_payloads, for payloads on slow links)."""
         if n == 1:
             return [t]
+        pg = self._group
         out = [t if i == rank else torch.empty_like(t) for i in range(n)]
         if pairwise:
             peers = [(rank + i) % n for i in range(1, n)]
-            works = [self._pg.recv([out[i]], i, 0) for i in peers]
-            works += [self._pg.send([t], i, 0) for i in peers]
+            works = [pg.recv([out[i]], i, 0) for i in peers]
+            works += [pg.send([t], i, 0) for i in peers]
         else:
             out = [torch.empty_like(t) for _ in range(n)]
-            works = [self._pg.allgather([out], [t], AllgatherOptions())]
+            works = [pg.allgather([out], [t], AllgatherOptions())]
         for w in works:
             if not w.wait():
                 raise RuntimeError("collective did not complete")
         return out
 
-    def _attempt(self, own: torch.Tensor, attempt: int, step: int):
+    def _attempt(self, own: list[torch.Tensor], attempt: int, step: int):
         try:
             return self._rounds(own, attempt, step)
         except Exception:
@@ -598,15 +767,42 @@ class ElasticTransport(ReplicaTransport):
                 pass
             raise
 
-    def _rounds(self, own: torch.Tensor, attempt: int, step: int):
-        m, secret = self._manager, self.cfg.secret
+    def _rounds(self, own: list[torch.Tensor], attempt: int, step: int):
+        m = self._manager
         rank, n = m.participating_rank(), m.num_participants()
         if rank is None:
             raise _Retry("not in the quorum")
         ok = m.errored() is None and self._refused is None
+        self._heard: tuple[str, ...] = ()
+        # Every block's rounds, in block order, even after one failed: the other holders of a later
+        # block wait for this rank there, and fail with it only if it takes part.
+        done, error = [], None
+        for i in range(len(self._blocks)):
+            self._group = self._pg.groups[i]
+            try:
+                done.append(self._block_rounds(i, own[i], rank, n, ok, step))
+            except Exception as err:  # noqa: BLE001 - raised once every block had its rounds
+                error = error or err
+        if error is not None:
+            raise error
+
+        # d. all blocks and all stages of this replica end the step with the same members
+        members = self._agree_across_stages(set.intersection(*[{nm for nm, _ in acc} for acc, _, _ in done]),
+                                            step, attempt)
+        names, payloads, macs = None, [], []
+        for accepted, frames, length in done:
+            chosen = [(nm, r) for nm, r in accepted if nm in members]
+            names = [nm for nm, _ in chosen]
+            payloads.append([frames[r][:length].clone() for _, r in chosen])
+            macs.append([frames[r][length:].numpy().tobytes() for _, r in chosen])
+        return names, payloads, macs, self._heard
+
+    def _block_rounds(self, i: int, own: torch.Tensor, rank: int, n: int, ok: bool, step: int):
+        """Block i's hello, payload and vote rounds; (accepted (name, position), frames, payload length)."""
+        m, secret, chain = self._manager, self.cfg.secret, self._chains[i]
         contributing = ok and not self._stale and own.numel() > 0
         fp = HEADER.unpack_from(own[: HEADER.size].numpy().tobytes())[4] if own.numel() >= HEADER.size else 0
-        hello = pack_hello(self.cfg.replica_id, step, contributing, ok, own.numel(), fp, self._chain)
+        hello = pack_hello(self.cfg.replica_id, step, contributing, ok, own.numel(), fp, chain)
         hello_mac = tag(secret, b"hello", hello)
 
         # a. hello round: who is here, and who authenticates
@@ -616,7 +812,8 @@ class ElasticTransport(ReplicaTransport):
             self._refused = FleetRefused(
                 f"refused by the fleet: {n - len(heard)} of the {n} replicas in the quorum do not authenticate "
                 "with this replica's fleet secret")
-        p = plan(heard, self._chain, lengths)
+        p = plan(heard, chain, lengths)
+        self._heard = tuple(sorted(h.name for h in heard.values()))
 
         # b. payload round: the same bytes reach every replica, so every replica accepts the same set
         mine = own if contributing and own.numel() == p.length else None
@@ -642,17 +839,11 @@ class ElasticTransport(ReplicaTransport):
             raise _Retry(f"this replica's quorum failed: {m.errored()}")
         if step < p.step:
             raise _Retry(f"this replica is at step {step}, the fleet at {p.step}; it heals at the next quorum")
-        if self._chain != p.chain:
+        if chain != p.chain:
             # Same step, other history. The others commit without this replica, which leaves it a step
             # behind them: torchft heals it from one of them at the next quorum that has them.
             raise _Retry("this replica's synced state differs from the fleet's; it heals at the next quorum")
-
-        # d. all stages of this replica end the step with the same members
-        members = self._agree_across_stages({nm for nm, _ in accepted}, step, attempt)
-        chosen = [(nm, r) for nm, r in accepted if nm in members]
-        payloads = [frames[r][: p.length].clone() for _, r in chosen]
-        macs = [frames[r][p.length:].numpy().tobytes() for _, r in chosen]
-        return [nm for nm, _ in chosen], payloads, macs, tuple(sorted(h.name for h in heard.values()))
+        return accepted, frames, p.length
 
     def _stage_key(self, step: int, attempt: int, stage: int) -> str:
         return f"{self._prefix}/{step}/{attempt}/{stage}"
@@ -680,13 +871,15 @@ class ElasticTransport(ReplicaTransport):
         if self._store is not None:
             self._store.delete_key(self._stage_key(step, attempt, self.cfg.stage))
 
-    def _commit(self, step: int, attempts: int, own: torch.Tensor, members: list[str], payloads: list[torch.Tensor],
-                macs: list[bytes], participants: tuple[str, ...]) -> Gathered:
-        h = hashlib.sha256(self._chain)
-        h.update(step.to_bytes(8, "little", signed=True))
-        for nm, mac in zip(members, macs):
-            h.update(nm.encode() + b"\0" + mac)
-        self._chain = h.digest()
+    def _commit(self, step: int, attempts: int, own: list[torch.Tensor], members: list[str],
+                payloads: list[list[torch.Tensor]], macs: list[list[bytes]], participants: tuple[str, ...]
+                ) -> list[Gathered]:
+        for i, block_macs in enumerate(macs):
+            h = hashlib.sha256(self._chains[i])
+            h.update(step.to_bytes(8, "little", signed=True))
+            for nm, mac in zip(members, block_macs):
+                h.update(nm.encode() + b"\0" + mac)
+            self._chains[i] = h.digest()
         prev = set(self._participants)
         self.last_report = SyncReport(
             step=step, members=tuple(members), participants=participants,
@@ -696,5 +889,5 @@ class ElasticTransport(ReplicaTransport):
         self._stale = False
         self._begun_at = None
         if not members:
-            return Gathered(payloads=[excluded_copy(own)], members=(self.cfg.replica_id,))
-        return Gathered(payloads=payloads, members=tuple(members))
+            return [Gathered(payloads=[excluded_copy(o)], members=(self.cfg.replica_id,)) for o in own]
+        return [Gathered(payloads=p, members=tuple(members)) for p in payloads]
