@@ -119,7 +119,7 @@ def blocking_send_probe(tmp: str, env: dict, log) -> list[dict]:
     out = []
     for nbytes, rate in ((67584, 4.65e6), (524288, 34.2e6)):  # one compressed / uncompressed message
         for late in (0.0, 0.1):
-            with netlab.ShapedNetwork(2, netlab.deepspeed_coords(1), stage_rate_bps=rate) as net:
+            with netlab.ShapedNetwork(2, netlab.replica_coords([2]), stage_rate_bps=rate) as net:
                 res = net.run(lambda r: [sys.executable, prog, str(nbytes), "8", str(late)], timeout=300, env=env)
             if any(r.returncode != 0 for r in res):
                 raise RuntimeError(f"send probe failed: {[r.stderr[-1000:] for r in res]}")
@@ -146,7 +146,7 @@ def one_run(tmp: str, stages: int, ratio: int, schedule: str, rates: list[float]
     os.makedirs(out)
     n = 3 if quick else 5
     visits = []
-    with netlab.ShapedNetwork(stages, netlab.deepspeed_coords(1), stage_rate_bps=sl.UNLIMITED) as net:
+    with netlab.ShapedNetwork(stages, netlab.replica_coords([stages]), stage_rate_bps=sl.UNLIMITED) as net:
         run = sl.EngineRun(net, sl.train_cmd(cfg, model_path, out), out, env)
         try:
             sl.wait_steps(run, 2, max_s=300)  # start-up and the first step

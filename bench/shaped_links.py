@@ -314,7 +314,7 @@ def part_a(tmp: str, model_path: str, env: dict, quick: bool, log: Callable[[str
             n = max(2 if quick else 3, min(4 if quick else 8, math.ceil((5 if quick else 12) / est)))
             return n, n * est * 3 + 30
 
-        with netlab.ShapedNetwork(2, netlab.deepspeed_coords(1), stage_rate_bps=UNLIMITED) as net:
+        with netlab.ShapedNetwork(2, netlab.replica_coords([2]), stage_rate_bps=UNLIMITED) as net:
             run = EngineRun(net, train_cmd(cfg, model_path, out), out, env)
             try:
                 wait_steps(run, 2)  # warm-up: tensor-meta exchange, first allocations
@@ -431,7 +431,7 @@ def part_b(tmp: str, model_path: str, env: dict, quick: bool, log: Callable[[str
     Path(prog).write_text(PROBE)
     n_params = model_shape().n_params()
     t_start = time.time()
-    with netlab.ShapedNetwork(2, netlab.deepspeed_coords(2), replica_rate_bps=UNLIMITED) as net:
+    with netlab.ShapedNetwork(2, netlab.replica_coords([1, 1]), replica_rate_bps=UNLIMITED) as net:
         run = EngineRun(net, train_cmd(cfg, model_path, out), out, env)
         try:
             wait_steps(run, 2 * (2 * H_B))  # start-up (DeepSpeed's model broadcast) + 2 outer steps

@@ -60,6 +60,7 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
+from . import sizes
 from .launch import signal_group as _signal_group
 
 PREFIX = "hl-"
@@ -82,12 +83,13 @@ Coords = tuple[int, int]  # (replica, stage)
 # ----------------------------------------------------------------------------- topology helpers
 
 
-def deepspeed_coords(replicas: int) -> Callable[[int], Coords]:
-    """rank -> (replica, stage) for DeepSpeed's PipeDataParallelTopology(num_pp=S, num_dp=M).
-
-    Its axes are ['pipe', 'data'] with data fastest: rank = stage * M + replica.
-    """
-    return lambda rank: (rank % replicas, rank // replicas)
+def replica_coords(replica_stages: Sequence[int]) -> list[Coords]:
+    """(replica, stage) of each rank of a static world whose replica m has `replica_stages[m]`
+    stages, in the engine's rank layout (`sizes.replica_ranks`: DeepSpeed's PipeDataParallelTopology,
+    rank = stage * M + replica, where the depths are equal)."""
+    ranks = sizes.replica_ranks(replica_stages)
+    where = {r: (m, s) for m, own in enumerate(ranks) for s, r in enumerate(own)}
+    return [where[r] for r in range(len(where))]
 
 
 def replica_major_coords(stages: int) -> Callable[[int], Coords]:
@@ -237,7 +239,7 @@ class ShapedNetwork:
     Args:
         world: number of ranks.
         rank_coords: rank -> (replica, stage), a callable or a sequence indexed by rank
-            (`deepspeed_coords(M)` matches DeepSpeed's PipeDataParallelTopology).
+            (`replica_coords([S] * M)`: the engine's layout, DeepSpeed's PipeDataParallelTopology).
         stage_rate_bps, replica_rate_bps: egress rate of each stage / replica link in bits/s;
             None leaves that class unshaped.
         other_rate_bps: rate for links of neither class (None = unshaped).
@@ -505,7 +507,7 @@ def run_shaped(cmd_for_rank: Callable[[int], Sequence[str]], world: int,
     replica links:
 
         res = run_shaped(lambda r: [sys.executable, "-m", "hetloco_ds.cli", "train", "cfg.json"],
-                         8, deepspeed_coords(2), 100e6, 1e9, timeout=600)
+                         8, replica_coords([4, 4]), 100e6, 1e9, timeout=600)
         assert all(x.returncode == 0 for x in res)
     """
     with ShapedNetwork(world, rank_coords, stage_rate_bps, replica_rate_bps, other_rate_bps,

@@ -81,7 +81,7 @@ def run(nproc: int, argv: list[str], specs: list[str], out: str, stages: int, en
     replicas = nproc // stages
     env = dict(os.environ if env is None else env, NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")  # NCCL via the shaped sockets
     start = time.time()
-    with netlab.ShapedNetwork(nproc, netlab.deepspeed_coords(replicas), rates.get("stage"),
+    with netlab.ShapedNetwork(nproc, netlab.replica_coords([stages] * replicas), rates.get("stage"),
                               rates.get("replica")) as net, tempfile.TemporaryDirectory(prefix="hl-rehearse-") as tmp:
         code = _run_ranks(net, [sys.executable, "-m", "hetloco_ds.cli", *argv], env, tmp)
     if code != 0:

@@ -48,12 +48,14 @@ dist.destroy_process_group()
 def test_link_class_follows_the_topology():
     """Stage links join adjacent stages of one replica, replica links one stage across replicas;
     a wrong class would shape the outer sync at the activation rate or vice versa."""
-    c = netlab.deepspeed_coords(2)  # rank = stage * M + replica
-    assert [c(r) for r in range(6)] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
-    assert netlab.link_class(c(0), c(2)) == "stage"
-    assert netlab.link_class(c(0), c(1)) == "replica"
-    assert netlab.link_class(c(0), c(3)) == "other"
-    assert netlab.link_class(c(0), c(4)) == "other"  # stages 0 and 2 are not adjacent
+    c = netlab.replica_coords([3, 3])  # rank = stage * M + replica
+    assert c == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert netlab.link_class(c[0], c[2]) == "stage"
+    assert netlab.link_class(c[0], c[1]) == "replica"
+    assert netlab.link_class(c[0], c[3]) == "other"
+    assert netlab.link_class(c[0], c[4]) == "other"  # stages 0 and 2 are not adjacent
+    mixed = netlab.replica_coords([1, 2])  # mixed depths: replica by replica
+    assert mixed == [(0, 0), (1, 0), (1, 1)] and netlab.link_class(mixed[1], mixed[2]) == "stage"
     r = netlab.replica_major_coords(4)
     assert r(5) == (1, 1)
 
@@ -189,7 +191,7 @@ def test_compressed_stage_link_beats_uncompressed_by_the_planned_factor(tmp_path
         out = tmp_path / f"r{ratio}"
         out.mkdir()
         cmd = sl.train_cmd(str(cfg), str(model_path), str(out), data=str(docs), nice=False)
-        with netlab.ShapedNetwork(2, netlab.deepspeed_coords(1), stage_rate_bps=sl.UNLIMITED) as net:
+        with netlab.ShapedNetwork(2, netlab.replica_coords([2]), stage_rate_bps=sl.UNLIMITED) as net:
             run = sl.EngineRun(net, cmd, str(out), env)
             try:
                 sl.wait_steps(run, 2, max_s=60)  # start-up and the first (tensor-meta) step

@@ -95,7 +95,7 @@ open(sys.argv[1] + os.environ["RANK"], "w").write(str(os.getpid()))
 time.sleep(600)
 '''
 pids, tmp = sys.argv[1], sys.argv[2]
-with netlab.ShapedNetwork(3, netlab.deepspeed_coords(3), None, None) as net:
+with netlab.ShapedNetwork(3, netlab.replica_coords([1, 1, 1]), None, None) as net:
     t0 = time.monotonic()
     code = rehearse._run_ranks(net, [sys.executable, "-c", script, pids], dict(os.environ), tmp)
     print(code, time.monotonic() - t0, launch.STOP_GRACE_S)
