@@ -32,8 +32,15 @@ def _map_tensors(fn, batch):
     return fn(batch) if torch.is_tensor(batch) else tuple(fn(t) for t in batch)
 
 
+def labelled_instruction_map() -> dict:
+    """DeepSpeed's instruction map dispatching by method name, each instruction a `pipe.<name>`
+    range in a profile: ours (the adapter below) and stock DeepSpeed's in the bench's comparison
+    (bench/stock_pipe.py) are labelled by this one rule."""
+    return {cmd: _by_name(fn.__name__) for cmd, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+
+
 class PipelineEngineAdapter(PipelineEngine):
-    _INSTRUCTION_MAP = {cmd: _by_name(fn.__name__) for cmd, fn in PipelineEngine._INSTRUCTION_MAP.items()}
+    _INSTRUCTION_MAP = labelled_instruction_map()
     INSTRUCTIONS: dict = {}
     """Instruction classes of a subclass's own schedules -> the method that executes them."""
 
