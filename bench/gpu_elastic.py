@@ -282,7 +282,8 @@ def main(argv=None) -> int:
         before = rows(run, victim)  # the restart's --overwrite clears them
         report["killed_after_step"] = max(r["step"] for r in before if r["kind"] == "step")
         report["killed_rank"] = depths[victim] - 1
-        stamp(f"replica {victim} killed (rank {depths[victim] - 1}; its other ranks stopped)")
+        stamp(f"replica {victim} killed" + (f" (rank {depths[victim] - 1}; its other ranks stopped)"
+                                            if depths[victim] > 1 else ""))
         wait(lambda: len([r for r in outer(survivor) if r["time"] > t_kill and r["members"] == [survivor]])
              >= args.alone, f"{args.alone} outer steps alone", [jobs[survivor]])
         stamp("alone")
