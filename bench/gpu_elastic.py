@@ -51,7 +51,7 @@ replica 0's numbers at the top level: `tokens_per_s_replica0`, `outer_step_s`, `
 
     OUT=... bash bench/gpu.sh --gpus 2 gpu_elastic.py                              # 2 x S = 1, 2 GPUs
     OUT=... bash bench/gpu.sh --gpus 3 gpu_elastic.py --replica-stages 1,2         # S = 1 and S = 2, 3 GPUs
-    python bench/gpu_elastic.py --cpu-smoke [--replica-stages 1,2]   # tiny model on this CPU, gloo, ~2-3 min
+    python bench/gpu_elastic.py --cpu-smoke [--replica-stages 1,2]   # tiny model on this CPU, gloo, 1.5-3.5 min
 """
 from __future__ import annotations
 

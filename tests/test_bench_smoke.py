@@ -237,7 +237,7 @@ def test_resident_link_times_every_condition(tmp_path):
 
 def test_gpu_elastic_summary_reads_the_phases_from_the_metrics_rows():
     """gpu_elastic.py's summary on hand-made metrics rows with known answers (its --cpu-smoke starts
-    three training processes, four with --replica-stages 1,2, and a lighthouse: minutes on 2 cores,
+    three training processes, five with --replica-stages 1,2, and a lighthouse: minutes on 2 cores,
     run by hand). Breaks if a phase takes the wrong rows (the fault's outer step, the heal, the
     rejoin), if the killed replica's rows from before its restart are lost, or if checksums compared
     at no common step counted as equal."""
