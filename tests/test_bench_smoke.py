@@ -237,32 +237,56 @@ def test_resident_link_times_every_condition(tmp_path):
 
 def test_gpu_elastic_summary_reads_the_phases_from_the_metrics_rows():
     """gpu_elastic.py's summary on hand-made metrics rows with known answers (its --cpu-smoke starts
-    three training processes and a lighthouse: a minute on 2 cores, run by hand). Breaks if a phase
-    takes the wrong rows: the fault's outer step, the heal, the rejoin."""
+    three training processes, five with --replica-stages 1,2, and a lighthouse: minutes on 2 cores,
+    run by hand). Breaks if a phase takes the wrong rows (the fault's outer step, the heal, the
+    rejoin), if the killed replica's rows from before its restart are lost, or if checksums compared
+    at no common step counted as equal."""
     ge = bench_module("gpu_elastic")
 
     def step(s, t, secs=1.0):
         return {"kind": "step", "step": s, "time": t, "tokens": 100, "seconds": secs}
 
-    def outer(s, t, members, secs, quorum, healed=False):
+    def outer(s, t, members, secs, quorum, healed=False, sums=None):
         return {"kind": "outer", "step": s, "time": t, "members": members, "seconds": secs, "quorum_seconds": quorum,
-                "payload_bytes": 64, "healed": healed, "params_checksum": [s]}
+                "payload_bytes": 64, "healed": healed, "params_checksum": [s],
+                "block_checksums": sums or [f"{s:x}", f"{s + 1:x}"]}
 
-    # H = 2; replica 1 killed at t = 6.5, restarted at t = 10.5, healed at step 12 (t = 12).
-    r0 = [step(s, float(s)) for s in range(1, 15)]
+    # H = 2, replica stages [1, 2]; replica 1 killed at t = 6.5, restarted at t = 10.5, healed at step 12
+    # (t = 12, not contributing), both members again from step 14.
+    args = ge.parse_args(["--cpu-smoke", "--replica-stages", "1,2"])
+    assert ge.roles(args.depths) == (0, 1) and ge.roles([2, 1]) == (1, 0) and ge.roles([1, 1]) == (0, 1)
+    assert ge.gpus(args.depths, 1) == ["1", "2"] and ge.gpus(args.depths, 1, "4,5,6,7") == ["5", "6"]
+    r0 = [step(s, float(s)) for s in range(1, 17)]
     r0 += [outer(2, 2.0, [0, 1], 0.9, 0.5), outer(4, 4.0, [0, 1], 0.1, 0.05), outer(6, 6.0, [0, 1], 0.3, 0.1),
-           outer(8, 8.0, [0], 3.2, 3.0), outer(10, 10.0, [0], 0.2, 0.1), outer(12, 12.0, [0, 1], 0.6, 0.4),
-           outer(14, 14.0, [0, 1], 0.2, 0.1)]
-    r1 = [step(s, float(s)) for s in range(1, 7)] + [step(s, 11.0 + s / 10) for s in (11, 12)]
-    r1 += [outer(12, 12.0, [0, 1], 0.6, 0.4, healed=True), outer(14, 14.0, [0, 1], 0.2, 0.1)]
-    s = ge.summarize(r0, r1, 6.5, 10.5, ge.parse_args(["--cpu-smoke"]))
-    assert s["fault_cost_s"]["first_outer_step_alone_quorum_s"] == 3.0
-    assert s["outer_step_s"]["two_members"] == {"median": 0.2, "n": 3, "quorum_median": 0.1}  # steps 4, 6, 14
-    assert s["outer_step_s"]["one_member"] == {"median": 0.2, "n": 1, "quorum_median": 0.1}  # step 10
-    assert s["recovery_s"]["healed_step"] == 12
-    assert s["recovery_s"]["restart_to_first_step"] == pytest.approx(11.0 + 1.1 - 10.5)
-    assert s["tokens_per_s_replica0"]["alone"]["steps"] == 3  # steps 9, 10, 11: between t 8 and t 12
-    assert s["checksums_equal_after_heal"]
+           outer(8, 8.0, [0], 3.2, 3.0), outer(10, 10.0, [0], 0.2, 0.1), outer(12, 12.0, [0], 0.6, 0.4),
+           outer(14, 14.0, [0, 1], 0.4, 0.3), outer(16, 16.0, [0, 1], 0.2, 0.1)]
+    before = [step(s, float(s), 2.0) for s in range(1, 7)]
+    before += [outer(2, 2.0, [0, 1], 0.9, 0.5), outer(4, 4.0, [0, 1], 0.1, 0.05), outer(6, 6.0, [0, 1], 0.3, 0.1)]
+    after = [step(s, 11.0 + s / 10) for s in (11, 12)] + [step(s, float(s), 0.5) for s in (13, 14, 15, 16)]
+    after += [outer(12, 12.0, [0], 0.6, 0.4, healed=True), outer(14, 14.0, [0, 1], 0.4, 0.3),
+              outer(16, 16.0, [0, 1], 0.2, 0.1)]
+    s = ge.summarize(r0, before, after, 0, 1, 6.5, 10.5, args)
+    survivor, killed = s["replicas"]["0"], s["replicas"]["1"]
+    assert (survivor["stages"], survivor["role"], killed["stages"], killed["role"]) == (1, "survivor", 2, "killed")
+    assert survivor["fault_cost_s"]["first_outer_step_alone_quorum_s"] == 3.0
+    assert survivor["outer_step_s"]["two_members"] == {"median": 0.2, "n": 3, "quorum_median": 0.1}  # 4, 6, 16
+    assert survivor["outer_step_s"]["one_member"] == {"median": 0.4, "n": 2, "quorum_median": 0.25}  # 10, 12
+    assert killed["outer_step_s"]["two_members"] == {"median": 0.2, "n": 3, "quorum_median": 0.1}  # 4, 6, 16
+    assert killed["recovery_s"]["healed_step"] == 12
+    assert killed["recovery_s"]["restart_to_first_step"] == pytest.approx(11.0 + 1.1 - 10.5)
+    assert killed["recovery_s"]["restart_to_two_members_again"] == pytest.approx(14.0 - 10.5)
+    assert survivor["tokens_per_s"]["alone"]["steps"] == 5  # steps 9 to 13: between t 8 and t 14
+    assert killed["tokens_per_s"]["together"] == {"steps": 4, "inner_tokens_per_s": 50.0, "tokens_per_s": 50.0}
+    assert killed["tokens_per_s"]["together_again"]["steps"] == 2  # steps 15, 16
+    c = s["checksums"]
+    assert c["field"] == "block_checksums" and c["equal_before_kill"] and c["steps_before_kill"] == [2, 4, 6]
+    assert c["equal_after_heal"] and c["steps_after_heal"] == [12, 14, 16]
+    assert c["at_last_step_compared"] == {"step": 16, "0": ["10", "11"], "1": ["10", "11"]}
+    after[-1]["block_checksums"] = ["10", "12"]
+    assert not ge.summarize(r0, before, after, 0, 1, 6.5, 10.5, args)["checksums"]["equal_after_heal"]
+    lost = [r for r in after if r["kind"] == "step" or r["step"] == 12]  # no common step after the heal but 12
+    assert ge.summarize(r0, before, lost, 0, 1, 6.5, 10.5, args)["checksums"]["steps_after_heal"] == [12]
+    assert ge._checksums([outer(2, 2.0, [0], 1, 1)], [], "block_checksums") == ([], False)
 
 
 def test_stock_pipe_reports_its_own_step_times_and_profiles_deepspeeds_instructions(tmp_path):
