@@ -111,6 +111,31 @@ def fork_job(log, world: int, argv: list, env: dict, fault: str | None = None) -
     return procs
 
 
+def launch_job(log, argv: list, env: dict, cwd, timeout: float = TIMEOUT_S):
+    """`python -m hetloco_ds.cli ARGV` (a `--nproc` or `--elastic` launcher) to its end, as
+    `subprocess.run` runs it (a CompletedProcess: exit code, stdout, stderr; TimeoutExpired past
+    `timeout`), but forked from the preloaded server, and its ranks forked from it
+    (elastic_ranks.launcher). The launcher's own work is all real: its checks, the ranks' environment,
+    supervising them, stopping the others when one fails, its lines and exit code; only the ranks'
+    interpreter start-up is skipped. A rank exec'd fresh by `--nproc` is test_launchers' and
+    test_packaging's. Output also goes to LOG.out/.err."""
+    import subprocess
+
+    import elastic_ranks
+
+    argv = [str(a) for a in argv]
+    for suffix in (".out", ".err"):
+        open(f"{log}{suffix}", "w").close()
+    proc = fork_context().Process(target=elastic_ranks.launcher, daemon=True, args=(argv, env, str(log), str(cwd)))
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise subprocess.TimeoutExpired(argv, timeout, open(f"{log}.out").read(), open(f"{log}.err").read())
+    return subprocess.CompletedProcess(argv, proc.exitcode, open(f"{log}.out").read(), open(f"{log}.err").read())
+
+
 def until_a_rank_ends(procs, timeout: float) -> list:
     """Wait until a rank exits non-zero (or all exit 0), then stop the others, as a launcher does;
     returns the exit codes in the order the ranks ended (those stopped here last, as None)."""

@@ -70,10 +70,11 @@ def test_elastic_fleet_without_faults_and_resumed_reproduces_the_static_run(job,
     static = fork_job(tmp_path / "static", 6, ["train", "--steps", 6, *inputs, "--out", tmp_path / "static"],
                       runs.env(job["cache"]))
     # The fleet stops after 4 steps (a checkpoint per replica) and the whole fleet is resumed to 6.
-    first = runs.cli("train", "--steps", 4, *inputs, "--nproc", 6, "--out", tmp_path / "fleet", "--elastic",
-                     cache=job["cache"])
+    first = runs.launched(tmp_path / "first", "train", "--steps", 4, *inputs, "--nproc", 6, "--out", tmp_path / "fleet",
+                          "--elastic", cache=job["cache"])
     assert first.returncode == 0, runs.explain(first)
-    fleet = runs.cli("train", "--steps", 6, "--out", tmp_path / "fleet", "--elastic", "--resume", cache=job["cache"])
+    fleet = runs.launched(tmp_path / "resumed", "train", "--steps", 6, "--out", tmp_path / "fleet", "--elastic",
+                          "--resume", cache=job["cache"])
     for p in static:
         p.join(240)
     assert [p.exitcode for p in static] == [0] * 6, job_stderr(tmp_path / "static", 6)[-3000:]

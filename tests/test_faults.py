@@ -74,7 +74,7 @@ def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_jobs, tmp
             break
         fault = _draw(rng, layout, kind, start or 0)
         argv = resume if start is not None else fresh + (["--overwrite"] if out.exists() else [])
-        proc = runs.cli(*argv, cache=cache, fault=fault)
+        proc = runs.launched(tmp_path / f"run{len(log)}", *argv, cache=cache, fault=fault)
         log.append(f"from step {start or 0}: {fault} -> exit {proc.returncode}")
         rank = fault.split(":")[0]
         assert proc.returncode == 128 + 9, f"{log}\n{runs.explain(proc)}"
