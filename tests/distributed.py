@@ -111,23 +111,29 @@ def fork_job(log, world: int, argv: list, env: dict, fault: str | None = None) -
     return procs
 
 
-def launch_job(log, argv: list, env: dict, cwd, timeout: float = TIMEOUT_S):
-    """`python -m hetloco_ds.cli ARGV` (a `--nproc` or `--elastic` launcher) to its end, as
-    `subprocess.run` runs it (a CompletedProcess: exit code, stdout, stderr; TimeoutExpired past
-    `timeout`), but forked from the preloaded server, and its ranks forked from it
-    (elastic_ranks.launcher). The launcher's own work is all real: its checks, the ranks' environment,
-    supervising them, stopping the others when one fails, its lines and exit code; only the ranks'
-    interpreter start-up is skipped. A rank exec'd fresh by `--nproc` is test_launchers' and
-    test_packaging's. Output also goes to LOG.out/.err."""
-    import subprocess
-
+def start_launcher(log, argv: list, env: dict, cwd):
+    """`python -m hetloco_ds.cli ARGV` (a `--nproc` or `--elastic` launcher) started as a process
+    forked from the preloaded server, its ranks forked in turn (elastic_ranks.launcher), instead
+    of an interpreter starting for each. The launcher's own work is all real: its checks, the
+    ranks' environment, supervising them, stopping the others when one fails, its lines and exit
+    code; only the interpreters' start-up is skipped. Ranks exec'd fresh by `--nproc` are
+    test_examples' and test_packaging's. Its output goes to LOG.out/.err."""
     import elastic_ranks
 
-    argv = [str(a) for a in argv]
     for suffix in (".out", ".err"):
         open(f"{log}{suffix}", "w").close()
-    proc = fork_context().Process(target=elastic_ranks.launcher, daemon=True, args=(argv, env, str(log), str(cwd)))
+    proc = fork_context().Process(target=elastic_ranks.launcher, daemon=True,
+                                  args=([str(a) for a in argv], env, str(log), str(cwd)))
     proc.start()
+    return proc
+
+
+def launch_job(log, argv: list, env: dict, cwd, timeout: float = TIMEOUT_S):
+    """`start_launcher` to its end, as `subprocess.run` runs a command: a CompletedProcess (exit
+    code, stdout, stderr), or TimeoutExpired past `timeout`."""
+    import subprocess
+
+    proc = start_launcher(log, argv, env, cwd)
     proc.join(timeout)
     if proc.exitcode is None:
         proc.kill()
