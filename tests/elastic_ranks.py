@@ -4,11 +4,12 @@ second instead of several on a 2-core machine.
 
 `run`: one rank with the environment a launcher gives it (RANK, WORLD_SIZE, MASTER_ADDR/PORT),
 running `hetloco_ds.cli.main(argv)`: the same code path as under torchrun. `launcher`: `python -m
-hetloco_ds.cli ARGV` itself (`--nproc`, `--elastic`), whose ranks are forked from it in turn
-(`fork_rank`, in place of `hetloco_ds.launch.start_rank`'s fresh interpreter) and then run the same
-`python -m hetloco_ds.cli` module code; everything else (supervising, stopping, the lines it prints,
-exit codes) is the launcher's own. Faults come from tests/fault_inject/sitecustomize.py, armed
-in-process (a forked child never imports sitecustomize itself).
+hetloco_ds.cli ARGV` itself (`--nproc`, `--elastic`), whose ranks are forked in turn (from its
+`Zygote`, in place of the fresh interpreter `hetloco_ds.launch.start_rank` starts) and then run the
+same `python -m hetloco_ds.cli` module code; everything else (checks, supervising, stopping, the
+lines it prints, exit codes) is the launcher's own. Faults come from
+tests/fault_inject/sitecustomize.py, armed in-process (a forked child never imports sitecustomize
+itself).
 """
 from __future__ import annotations
 
