@@ -147,8 +147,15 @@ def _start(nproc: int, argv: list[str], env: dict | None, threads: int,
         if rank != 0:
             rank_env["HETLOCO_QUIET"] = "1"
         pin = (lambda mine=cores[rank]: os.sched_setaffinity(0, mine)) if cores else None
-        procs.append(subprocess.Popen([*program, *argv], env=rank_env, preexec_fn=pin, start_new_session=True))
+        procs.append(start_rank([*program, *argv], rank_env, pin))
     return procs
+
+
+def start_rank(cmd: list[str], env: dict, pin) -> subprocess.Popen:
+    """One rank: `cmd` in a process of its own, in a new session (its own process group), with `env`;
+    `pin()` (or None) runs in the child before `cmd` starts. The one place a rank process is made:
+    tests/elastic_ranks.py replaces it in a forked launcher to fork ranks from already-imported modules."""
+    return subprocess.Popen(cmd, env=env, preexec_fn=pin, start_new_session=True)
 
 
 def supervise(procs: list[subprocess.Popen], send=signal_group) -> tuple[int | None, int]:

@@ -23,6 +23,7 @@ and NCCL have no uint16): int8 up to a vocabulary of 128, int16 up to 32768, els
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -154,6 +155,14 @@ class TensorWire:
 def tensor_wire(shape: Sequence[int], chunk_size: int = MAX_CHUNK, topk: int = 32,
                 quant_bits: int | None = None, value_bytes: int = 4,
                 chunk_rule: str = "tiles", topk_rule: str = "scaled") -> TensorWire:
+    return _tensor_wire(tuple(int(s) for s in shape), chunk_size, topk, quant_bits, value_bytes, chunk_rule, topk_rule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_wire(shape: tuple[int, ...], chunk_size: int, topk: int, quant_bits: int | None, value_bytes: int,
+                 chunk_rule: str, topk_rule: str) -> TensorWire:
+    """`tensor_wire`, once per distinct argument list: a model has a handful of shapes, and the planner
+    asks for every parameter of every stage at every point it predicts."""
     check_codec(chunk_size, topk, quant_bits, value_bytes, chunk_rule, topk_rule)
     chunks = chunking(shape, chunk_size, chunk_rule)
     k = topk_per_chunk(chunks.chunk_len, topk, chunk_size, topk_rule)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import subprocess
 import time
 import traceback
 
@@ -109,6 +110,66 @@ def fork_job(log, world: int, argv: list, env: dict, fault: str | None = None) -
         p.start()
         procs.append(p)
     return procs
+
+
+class Launcher(mp.context.ForkServerProcess):
+    """A launcher process of `start_launcher`: a multiprocessing process (exitcode, is_alive, join,
+    kill), also seen as `subprocess.Popen` sees its child (poll, wait, send_signal, communicate:
+    its stdout and stderr, from LOG.out/.err)."""
+
+    def __init__(self, log, argv: list[str], env: dict, cwd):
+        import elastic_ranks
+
+        super().__init__(target=elastic_ranks.launcher, daemon=True, args=(argv, env, str(log), str(cwd)))
+        self.log, self.argv = log, argv
+
+    @property
+    def returncode(self):
+        return self.exitcode
+
+    def poll(self):
+        return self.exitcode
+
+    def wait(self, timeout=None):
+        self.join(timeout)
+        if self.exitcode is None:
+            raise subprocess.TimeoutExpired(self.argv, timeout)
+        return self.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def communicate(self, timeout=None) -> tuple[str, str]:
+        self.wait(timeout)
+        return open(f"{self.log}.out").read(), open(f"{self.log}.err").read()
+
+
+def start_launcher(log, argv: list, env: dict, cwd) -> Launcher:
+    """`python -m hetloco_ds.cli ARGV` (a `--nproc` or `--elastic` launcher) started as a process
+    forked from the preloaded server, its ranks forked in turn (elastic_ranks.launcher), instead
+    of an interpreter starting for each. The launcher's own work is all real: its checks, the
+    ranks' environment, supervising them, stopping the others when one fails or when it is
+    signalled, its lines and exit code; only the interpreters' start-up is skipped. Ranks exec'd
+    fresh by `--nproc` are test_examples' and test_packaging's. Its output goes to LOG.out/.err."""
+    fork_context()  # the server's preload list
+    for suffix in (".out", ".err"):
+        open(f"{log}{suffix}", "w").close()
+    proc = Launcher(log, [str(a) for a in argv], env, cwd)
+    proc.start()
+    return proc
+
+
+def launch_job(log, argv: list, env: dict, cwd, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`start_launcher` to its end, as `subprocess.run` runs a command: a CompletedProcess (exit
+    code, stdout, stderr), or TimeoutExpired past `timeout` (the launcher killed)."""
+    proc = start_launcher(log, argv, env, cwd)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.join()
+        raise
+    return subprocess.CompletedProcess(proc.argv, proc.exitcode, out, err)
 
 
 def until_a_rank_ends(procs, timeout: float) -> list:

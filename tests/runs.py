@@ -75,6 +75,14 @@ def cli(*args, cache, fault: str | None = None, timeout: float = 240) -> subproc
     return run([sys.executable, "-m", "hetloco_ds.cli", *args], cache, fault, timeout)
 
 
+def launched(log, *args, cache, fault: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """As `cli(*args)`, the launcher and its ranks forked from the preloaded server instead of each
+    starting an interpreter (tests/distributed.launch_job); their output also in LOG.out/.err."""
+    from distributed import launch_job
+
+    return launch_job(log, list(args), env(cache, fault), REPO, timeout)
+
+
 def train_args(inputs: dict, out, *extra) -> list:
     return ["train", "--steps", STEPS, "--model", inputs["hf"], "--data", inputs["data"], "--config",
             inputs["config"], "--out", out, *extra]

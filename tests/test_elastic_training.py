@@ -2,9 +2,10 @@
 on CPU, gloo) meeting through a torchft lighthouse, killed and stopped with real signals.
 
 The model, data and tokenizer are tests/test_cli.py's tiny ones (hidden 32, 4 layers, a 96-token
-tokenizer, 16-token blocks), SparseLoCo H = 2. The no-fault test runs the user's command `--nproc 6 --elastic` as a
-subprocess; the static reference and the fault tests start every rank as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT) but forked from a server that has imported
-the libraries once (tests/elastic_ranks.py), with a lighthouse in this process. A rank that dies
+tokenizer, 16-token blocks), SparseLoCo H = 2. The no-fault test runs the user's command `--nproc 6 --elastic`, its
+launcher and ranks forked from a server that has imported the libraries once (tests/distributed.launch_job); the static
+reference and the fault tests start every rank as torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT), forked from that
+server too (tests/elastic_ranks.py), with a lighthouse in this process. A rank that dies
 takes its replica's other rank down, as a launcher does. Faults: tests/fault_inject's AdamW-step
 kill and stop; a fleet is held at an outer boundary while a late replica starts (`holdsync`).
 """
@@ -17,8 +18,6 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
-import sys
 import time
 
 import pytest
@@ -28,7 +27,7 @@ os.environ.setdefault("RUST_LOG", "warn")  # torchft's extension reads it once, 
 pytest.importorskip("torchft", reason="elastic mode needs the optional extra: pip install 'hetloco_ds[elastic]'")
 
 import runs  # noqa: E402
-from distributed import fork_job, job_stderr  # noqa: E402
+from distributed import fork_job, job_stderr, start_launcher  # noqa: E402
 from test_cli import save_tiny_hf_with_tokenizer, write_config, write_text_folder  # noqa: E402
 
 SECRET = "fleet-secret-for-tests-0123456789"
@@ -70,10 +69,11 @@ def test_elastic_fleet_without_faults_and_resumed_reproduces_the_static_run(job,
     static = fork_job(tmp_path / "static", 6, ["train", "--steps", 6, *inputs, "--out", tmp_path / "static"],
                       runs.env(job["cache"]))
     # The fleet stops after 4 steps (a checkpoint per replica) and the whole fleet is resumed to 6.
-    first = runs.cli("train", "--steps", 4, *inputs, "--nproc", 6, "--out", tmp_path / "fleet", "--elastic",
-                     cache=job["cache"])
+    first = runs.launched(tmp_path / "first", "train", "--steps", 4, *inputs, "--nproc", 6, "--out", tmp_path / "fleet",
+                          "--elastic", cache=job["cache"])
     assert first.returncode == 0, runs.explain(first)
-    fleet = runs.cli("train", "--steps", 6, "--out", tmp_path / "fleet", "--elastic", "--resume", cache=job["cache"])
+    fleet = runs.launched(tmp_path / "resumed", "train", "--steps", 6, "--out", tmp_path / "fleet", "--elastic",
+                          "--resume", cache=job["cache"])
     for p in static:
         p.join(240)
     assert [p.exitcode for p in static] == [0] * 6, job_stderr(tmp_path / "static", 6)[-3000:]
@@ -106,32 +106,6 @@ def test_elastic_fleet_without_faults_and_resumed_reproduces_the_static_run(job,
 
 
 # ---------------------------------------------------------------------- faults: a fleet of forked ranks
-class _Launched:
-    """A launcher process, seen as the rank processes of a forked job are."""
-
-    def __init__(self, proc):
-        self.proc, self.pid = proc, proc.pid
-
-    @property
-    def exitcode(self):
-        return self.proc.poll()
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def join(self, timeout=None) -> None:
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def kill(self) -> None:  # the launcher and its ranks (its own process group)
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 class Fleet:
     """A lighthouse in this process; replicas of 2 ranks forked from a preloaded server."""
 
@@ -153,8 +127,8 @@ class Fleet:
 
     def start(self, name, replica, cfg, steps, fault=None, resume=False, out=None, secret="file", launcher=False):
         """Replica `replica` as job `name` (both ranks); `secret`: "file", "none" or another secret (env).
-        `launcher`: the user's multi-host command instead, `hetloco-ds train --lighthouse ... --nproc 2` in a
-        fresh process that starts its ranks itself (slower to start)."""
+        `launcher`: the user's multi-host command instead, `hetloco-ds train --lighthouse ... --nproc 2`, a
+        launcher that starts its ranks itself (tests/distributed.start_launcher)."""
         out = out or self.out
         argv = ["train", "--out", str(out), "--lighthouse", self.addr, "--replica-id", str(replica), "--steps", str(steps)]
         argv += ["--resume"] if resume else ["--model", str(self.job["hf"]), "--data", str(self.job["data"]),
@@ -166,13 +140,10 @@ class Fleet:
         elif secret != "none":
             env["HETLOCO_FLEET_SECRET"] = secret
         env["HETLOCO_FLEET_GATE"] = str(self.gate)
-        if launcher:
-            with open(self.tmp / f"{name}.rank0.err", "w") as err:
-                open(self.tmp / f"{name}.rank1.err", "w").close()
-                proc = subprocess.Popen([sys.executable, "-m", "hetloco_ds.cli", *argv, "--nproc", str(STAGES)],
-                                        env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=str(runs.REPO),
-                                        start_new_session=True)
-            self.replicas[name] = [_Launched(proc)] * STAGES
+        if launcher:  # its stderr (and its ranks') in NAME.rank0.err
+            open(self.tmp / f"{name}.rank1.err", "w").close()
+            proc = start_launcher(self.tmp / f"{name}.rank0", [*argv, "--nproc", str(STAGES)], env, runs.REPO)
+            self.replicas[name] = [proc] * STAGES
         else:
             self.replicas[name] = fork_job(self.tmp / name, STAGES, argv, env, fault)
         return name

@@ -74,7 +74,7 @@ def test_random_kills_then_resume_reproduce_the_uninterrupted_run(tiny_jobs, tmp
             break
         fault = _draw(rng, layout, kind, start or 0)
         argv = resume if start is not None else fresh + (["--overwrite"] if out.exists() else [])
-        proc = runs.cli(*argv, cache=cache, fault=fault)
+        proc = runs.launched(tmp_path / f"run{len(log)}", *argv, cache=cache, fault=fault)
         log.append(f"from step {start or 0}: {fault} -> exit {proc.returncode}")
         rank = fault.split(":")[0]
         assert proc.returncode == 128 + 9, f"{log}\n{runs.explain(proc)}"
@@ -154,9 +154,9 @@ def test_a_stopped_rank_ends_the_job_with_a_line_naming_it(tiny_jobs, tmp_path):
     inputs = tiny_jobs.inputs("pipe")
     cfg = runs_config(inputs, tmp_path, {"hetloco.train.watchdog_timeout": 4})
     t0 = time.monotonic()
-    proc = runs.cli("train", "--steps", runs.STEPS, "--model", inputs["hf"], "--data", inputs["data"], "--config", cfg,
-                    "--out", tmp_path / "out", "--nproc", WORLD, cache=inputs["cache"], fault="1:step:3:stop",
-                    timeout=180)
+    proc = runs.launched(tmp_path / "launcher", "train", "--steps", runs.STEPS, "--model", inputs["hf"], "--data",
+                         inputs["data"], "--config", cfg, "--out", tmp_path / "out", "--nproc", WORLD, cache=inputs["cache"],
+                         fault="1:step:3:stop", timeout=180)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 4, runs.explain(proc)
     lines = runs.error_lines(proc.stderr)

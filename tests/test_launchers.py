@@ -1,4 +1,5 @@
-"""Every way of starting ranks starts the same job: our `--nproc` (tests/test_faults.py's runs),
+"""Every way of starting ranks starts the same job: our `--nproc` (tests/test_faults.py's runs, its
+ranks forked; each rank its own fresh interpreter in tests/test_examples.py and tests/test_packaging.py),
 the `deepspeed` launcher (`--num_gpus` here; with a hostfile, as on each node of a multi-node
 job, in tests/test_examples.py), and `torchrun`.
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import runs
+from distributed import launch_job
 from hetloco_ds import netlab
 
 OK, WHY = netlab.available()
@@ -66,7 +67,9 @@ def test_rehearsal_without_tc_fails_with_one_line_before_any_rank_starts(tmp_pat
             os.symlink(found, bin_dir / tool)
     env = dict(os.environ, PATH=str(bin_dir))
     out = tmp_path / "out"
-    proc = _train([*_files(tmp_path), "--nproc", "4", "--out", str(out), "--link", "stage=1G"], env, timeout=120)
+    # The launcher forked from the preloaded server (its checks are what runs; no rank may start).
+    proc = launch_job(tmp_path / "no_tc", ["train", *_files(tmp_path), "--nproc", "4", "--out", str(out), "--link",
+                                           "stage=1G"], env, REPO, timeout=120)
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1, proc.stderr
@@ -75,7 +78,8 @@ def test_rehearsal_without_tc_fails_with_one_line_before_any_rank_starts(tmp_pat
     else:
         assert "root" in lines[0], lines[0]
     assert not out.exists()
-    bad = _train([*_files(tmp_path), "--out", str(out), "--link", "stage=fast"], dict(os.environ), timeout=120)
+    bad = launch_job(tmp_path / "bad", ["train", *_files(tmp_path), "--out", str(out), "--link", "stage=fast"],
+                     dict(os.environ), REPO, timeout=120)
     assert bad.returncode == 2 and "stage=fast" not in bad.stdout and "fast" in bad.stderr
     assert len([l for l in bad.stderr.splitlines() if l.strip()]) == 1, bad.stderr
     assert not out.exists()

@@ -1,8 +1,9 @@
 """Nothing lost when two launches meet in one --out, or when the `--nproc` launcher is told to stop.
 
-Real launchers (`python -m hetloco_ds.cli train --nproc 2`) on test_cli.py's tiny job; the
-faults are real: a second launch held by tests/fault_inject between its checks and taking
---out, and real signals to the launcher's pid.
+Real launchers (`python -m hetloco_ds.cli train --nproc 2`, on test_cli.py's tiny job forked with
+their ranks from an already-imported server: tests/distributed.start_launcher); the faults are
+real: a second launch held by tests/fault_inject between its checks and taking --out, and real
+signals to the launcher's pid.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import runs
+from distributed import start_launcher
 from test_cli import save_tiny_hf_with_tokenizer, write_config, write_text_folder
 
 WAIT_S = 180.0
@@ -32,11 +34,11 @@ def job(tmp_path_factory):
             "cache": root / "cache"}
 
 
-def _launch(job, out, steps: int, fault: str | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "hetloco_ds.cli", "train", "--nproc", "2", "--steps", str(steps), "--model", job["hf"],
-           "--data", job["data"], "--config", job["config"], "--out", out]
-    return subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=runs.env(job["cache"], fault), cwd=str(runs.REPO))
+def _launch(job, out, steps: int, fault: str | None = None):
+    """`hetloco-ds train --nproc 2 ...` started, forked (distributed.start_launcher): a Popen-like handle."""
+    argv = ["train", "--nproc", "2", "--steps", steps, "--model", job["hf"], "--data", job["data"], "--config",
+            job["config"], "--out", out]
+    return start_launcher(f"{out}.launcher", argv, runs.env(job["cache"], fault), runs.REPO)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen) -> None:
@@ -63,8 +65,8 @@ def test_a_launch_checked_before_another_run_took_out_is_refused_after_it(job, t
     late = _launch(job, out, 2, fault=f"launcher:own:1:{hold}")
     try:
         _wait_for(hold / "checked", late)
-        first = runs.cli("train", "--nproc", 2, "--steps", 0, "--model", job["hf"], "--data", job["data"],
-                         "--config", job["config"], "--out", out, cache=job["cache"])
+        first = runs.launched(tmp_path / "first", "train", "--nproc", 2, "--steps", 0, "--model", job["hf"], "--data",
+                              job["data"], "--config", job["config"], "--out", out, cache=job["cache"])
         assert first.returncode == 0, runs.explain(first)
         before = _files(out)
         assert {"run_config.json", "metrics.jsonl", "checkpoints/latest"} <= set(before)

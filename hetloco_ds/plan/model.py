@@ -50,6 +50,7 @@ One inner step (one optimizer step of one replica, n_mb micro-batches of b x L t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -401,6 +402,14 @@ def simulate_schedule(schedule: str, stages: int, n_mb: int, fwd: Sequence[float
     activation / gradient transfer on any stage link; `hold_down`, `hold_up`: how long after its
     transfer starts a blocking send still holds its sender (the transfer of every tensor of the
     message but the last)."""
+    return _simulate_schedule(schedule, stages, n_mb, tuple(fwd), tuple(bwd), t_down, t_up, hold_down, hold_up)
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulate_schedule(schedule: str, stages: int, n_mb: int, fwd: tuple[float, ...], bwd: tuple[float, ...],
+                       t_down: float, t_up: float, hold_down: float, hold_up: float) -> float:
+    """`simulate_schedule`, once per distinct argument list: a sweep over link rates asks for the same
+    link-free schedule at every point (`predict`'s bubble)."""
     S = stages
     ops = [link_ops(schedule, S, s, n_mb) for s in range(S)]
     pos, clock = [0] * S, [0.0] * S
