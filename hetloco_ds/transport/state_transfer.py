@@ -31,6 +31,7 @@ torchft assigned to a joiner of its own group rank.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import io
 import json
@@ -122,11 +123,12 @@ class AuthenticatedStateTransport(CheckpointTransport[dict]):
         self.allow(step, lambda: state_dict, replace=True)
 
     def allow(self, step: int, state_dict: Callable[[], dict], replace: bool = False) -> None:
-        """Serve `state_dict()` (called when a request comes) to requests for `step` until
-        `disallow_checkpoint`; a state already staged for `step` stays unless `replace`."""
+        """Serve `state_dict()` (called at the first request, once: each of a joiner's ranks asks for
+        its own blocks of the same state) to requests for `step` until `disallow_checkpoint`; a
+        state already staged for `step` stays unless `replace`."""
         with self._cond:
             if replace or self._staged is None or self._staged[0] != int(step):
-                self._staged = (int(step), state_dict)
+                self._staged = (int(step), functools.cache(state_dict))
             self._cond.notify_all()
 
     def disallow_checkpoint(self) -> None:
