@@ -8,10 +8,10 @@ DeepSpeed settings we depend on, and hands typed objects inward.
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import difflib
 import json
 import os
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
