@@ -86,6 +86,30 @@ def test_size_sweep_summary_of_the_committed_runs(tmp_path):
     assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(diffs) / 2) < 1e-12
 
 
+def test_size_sweep_gap_is_provisional_while_the_adamw_bracket_is_open(tmp_path):
+    """60M has AdamW at 2e-3 and 1e-3 but not yet 4e-3: its gap is to the better of the two run,
+    marked provisional; 20M's (whole bracket) is not. Recomputed from the committed run JSONs."""
+    import json
+    import shutil
+
+    ss = bench_module("size_sweep")
+    for size in ("20M", "60M"):
+        shutil.copytree(Path(ss.RESULTS) / size, tmp_path / size)
+    assert ss.main(["summarize", "--results", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    seed0 = {}
+    for f in sorted((tmp_path / "60M").glob("paper_tables_*.json")):
+        for r in json.loads(f.read_text())["rows"]:
+            seed0[r["variant"]["name"].split("@")[0]] = r["val_loss"]
+    adamw = {lr: seed0[f"adamw:lr={lr:g}"] for lr in (0.002, 0.001)}
+    best = min(adamw, key=adamw.get)
+    gap = next(g for g in doc["gaps"] if g["model"] == "60M" and g["mode"] == "sparseloco")
+    assert gap["adamw_bracket_complete"] is False and gap["adamw_lr"] == best and gap["seeds"] == [0]
+    assert abs(gap["gap_nats"] - (seed0["sparseloco:lr=0.002"] - adamw[best])) < 1e-12
+    assert all(g["adamw_bracket_complete"] for g in doc["gaps"] if g["model"] == "20M")
+    assert not any(r["tuned"] for r in doc["rows"] if r["model"] == "60M" and r["mode"] == "adamw")
+
+
 def test_size_sweep_second_seed_waits_for_the_whole_adamw_bracket(tmp_path):
     import json
     import shutil
