@@ -151,11 +151,32 @@ def _start(nproc: int, argv: list[str], env: dict | None, threads: int,
     return procs
 
 
+def die_with_parent() -> None:
+    """In a child before it runs its program: SIGKILL it when the process that started it dies
+    (Linux's PR_SET_PDEATHSIG; elsewhere nothing). A rank has a session of its own, so a launcher
+    killed outright (SIGKILL, the OOM killer, a scheduler killing the launcher's process group)
+    reaches no rank through signals; without this its ranks would go on holding their GPUs."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() == 1:  # the parent died before the prctl: no signal would ever come
+            os._exit(128 + int(signal.SIGKILL))
+
+
 def start_rank(cmd: list[str], env: dict, pin) -> subprocess.Popen:
-    """One rank: `cmd` in a process of its own, in a new session (its own process group), with `env`;
-    `pin()` (or None) runs in the child before `cmd` starts. The one place a rank process is made:
-    tests/elastic_ranks.py replaces it in a forked launcher to fork ranks from already-imported modules."""
-    return subprocess.Popen(cmd, env=env, preexec_fn=pin, start_new_session=True)
+    """One rank: `cmd` in a process of its own, in a new session (its own process group), with `env`,
+    killed when the launcher dies (`die_with_parent`); `pin()` (or None) runs in the child before
+    `cmd` starts. The one place a rank process is made: tests/elastic_ranks.py replaces it in a
+    forked launcher to fork ranks from already-imported modules."""
+    def prepare() -> None:
+        die_with_parent()
+        if pin is not None:
+            pin()
+
+    return subprocess.Popen(cmd, env=env, preexec_fn=prepare, start_new_session=True)
 
 
 def supervise(procs: list[subprocess.Popen], send=signal_group) -> tuple[int | None, int]:

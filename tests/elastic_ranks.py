@@ -146,11 +146,12 @@ def _serve(conn) -> None:
         middle = os.fork()
         if middle == 0:
             os.close(r)
+            middle_pid = os.getpid()
             rank = os.fork()
             if rank == 0:
                 os.close(w)
                 conn.close()
-                _rank(argv, env)
+                _rank(argv, env, middle_pid)
             os.write(w, str(rank).encode())
             os._exit(0)
         os.close(w)
@@ -160,10 +161,15 @@ def _serve(conn) -> None:
         conn.send(pid)
 
 
-def _rank(argv: list[str], env: dict) -> None:
+def _rank(argv: list[str], env: dict, middle_pid: int) -> None:
     code = 1
     try:
         os.setsid()
+        while os.getppid() == middle_pid:  # until the launcher (the subreaper) is this rank's parent
+            time.sleep(0.001)
+        from hetloco_ds import launch
+
+        launch.die_with_parent()  # as `launch.start_rank` makes every rank
         _enter(env, env.get("HETLOCO_FAULT"), int(env.get("OMP_NUM_THREADS") or 1))
         code = _as_main(argv)
     except BaseException:  # noqa: BLE001

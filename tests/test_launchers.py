@@ -110,3 +110,55 @@ def test_free_port_is_outside_the_ephemeral_range_so_no_connection_can_take_it_b
     for p in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+WRITE_PID_AND_WAIT = ("import os, sys, time; open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').write(str(os.getpid())); "
+                      "time.sleep(120)")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is dead: its parent simply has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("bind", [False, True])
+def test_a_launcher_killed_outright_takes_its_ranks_with_it(bind, tmp_path):
+    """A launcher SIGKILLed (by a scheduler, the OOM killer, a harness killing its process group)
+    cannot stop its ranks, which run in sessions of their own: each rank must die with it, within
+    seconds, not train on holding its GPU (on a 4-GPU machine an 8B job's ranks went on for minutes
+    and took half of every later run's GPU time). Breaks without `launch.die_with_parent`."""
+    import signal
+    import subprocess
+    import time
+
+    if bind and len(launch.usable_cores()) < 2:
+        pytest.skip("needs 2 usable cores")
+    code = ("import sys; from hetloco_ds import launch; "
+            f"sys.exit(launch.spawn(2, [sys.argv[1]], bind_cores={bind}, program=[sys.executable, '-c', {WRITE_PID_AND_WAIT!r}]))")
+    launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / str(r)).exists() and (tmp_path / str(r)).read_text() for r in range(2)):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+        pids = [int((tmp_path / str(r)).read_text()) for r in range(2)]
+        assert all(_alive(p) for p in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+    finally:
+        launcher.kill()
+        for r in range(2):
+            f = tmp_path / str(r)
+            if f.exists() and f.read_text():
+                try:
+                    os.kill(int(f.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
