@@ -264,6 +264,8 @@ class _Pending:
     blocked_s: float
     started: float
     """time.time() when the save began (for the manifest's seconds to commit)."""
+    first: bool
+    """This process's first save: its staging allocated the host buffers."""
 
 
 class _Writer:
@@ -278,6 +280,21 @@ class _Writer:
                                                    use_async_staging=False, use_non_blocking_copy=False))
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetloco-ckpt")
         self.pending: _Pending | None = None
+        self.saves = 0
+        self.commits: list[dict] = []
+        """What each commit cost (`committed`), on every rank, until taken."""
+
+
+def committed(engine) -> list[dict]:
+    """The commits since the last call, oldest first, the same on every rank: tag, step, bytes on
+    disk, whether it was this process's first save (DCP's stager then allocates its host buffers,
+    pinned on a GPU, which later saves reuse) and the manifest's seconds (training blocked, written,
+    save to commit)."""
+    writer = getattr(engine, "_checkpoint_writer", None)
+    if writer is None:
+        return []
+    out, writer.commits = writer.commits, []
+    return out
 
 
 def _writer(engine) -> _Writer:
@@ -328,8 +345,9 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     staged = writer.stager.stage(files)  # the device-to-host copy: all that training waits for
     blocked = time.perf_counter() - t0
     layout = {"stage": engine.stage_id, "data": engine.module.replica_id}
+    writer.saves += 1
     writer.pending = _Pending(ckpt_dir, tag, step, keep, layout, writer.thread.submit(_write_files, partial, staged),
-                              blocked, started)
+                              blocked, started, writer.saves == 1)
     if wait:
         settle(engine, block=True)
     return tag
@@ -367,25 +385,33 @@ def settle(engine, block: bool = False) -> str | None:
         raise CheckpointError(f"rank {first_rank}: {message}; checkpoint {tag} was not committed",
                               report=rank == first_rank)
 
-    result = [None]
+    result: list = [None, None]
     if rank == 0:
         try:
-            _commit(pending, outcomes, engine.num_stages)
+            seconds = _commit(pending, outcomes, engine.num_stages)
+            result[1] = {"tag": tag, "step": pending.step, "first_save": pending.first,
+                         "bytes": sum(f["bytes"] for f in _files(outcomes).values()), "seconds": seconds}
         except (OSError, RuntimeError) as err:
             result[0] = describe_os_error(err, os.path.join(pending.ckpt_dir, tag))
     dist.broadcast_object_list(result, src=0)
     if result[0] is not None:
         raise CheckpointError(f"rank 0: {result[0]}; checkpoint {tag} was not committed", report=rank == 0)
+    writer.commits.append(result[1])
     return tag
 
 
-def _commit(pending: _Pending, outcomes: list[dict], stages: int) -> None:
-    """Rank 0, after every rank confirmed: manifest, one rename, then `latest`."""
-    ckpt_dir, tag = pending.ckpt_dir, pending.tag
-    partial, final = os.path.join(ckpt_dir, _partial(tag)), os.path.join(ckpt_dir, tag)
+def _files(outcomes: list[dict]) -> dict[str, dict]:
     files: dict[str, dict] = {}
     for o in outcomes:
         files.update({name: {"bytes": size, "crc32": crc} for name, (size, crc) in o["files"].items()})
+    return files
+
+
+def _commit(pending: _Pending, outcomes: list[dict], stages: int) -> dict:
+    """Rank 0, after every rank confirmed: manifest, one rename, then `latest`; the manifest's seconds."""
+    ckpt_dir, tag = pending.ckpt_dir, pending.tag
+    partial, final = os.path.join(ckpt_dir, _partial(tag)), os.path.join(ckpt_dir, tag)
+    files = _files(outcomes)
     for name, entry in files.items():  # what each rank reported is what the directory holds
         found = os.path.getsize(os.path.join(partial, name))
         if found != entry["bytes"]:
@@ -411,6 +437,7 @@ def _commit(pending: _Pending, outcomes: list[dict], stages: int) -> None:
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
     _rotate(ckpt_dir, pending.step, pending.keep)
+    return manifest["seconds"]
 
 
 def _rotate(ckpt_dir: str, committed: int, keep: int) -> None:

@@ -582,10 +582,24 @@ class _Loop:
         with self.watchdog.busy(f"checkpoint at step {step}"):
             self.last_good = checkpoint.save(self.engine, self.plan.ckpt_dir, step, self.batches.position,
                                              keep=self.cfg.keep_checkpoints, wait=wait)
+        self.log_commits()
+
+    def settle(self, block: bool = False) -> None:
+        if block:
+            with self.watchdog.busy("committing the last checkpoint"):
+                checkpoint.settle(self.engine, block=True)
+        else:
+            checkpoint.settle(self.engine)
+        self.log_commits()
+
+    def log_commits(self) -> None:
+        """A metrics row per committed checkpoint (what it cost training and the disk), written once."""
+        for c in checkpoint.committed(self.engine):
+            if self.engine.module.replica_id == 0:
+                self.writer.write({"kind": "checkpoint", **c, "time": time.time()})
 
     def diverged(self) -> "Diverged":
-        with self.watchdog.busy("committing the last checkpoint"):
-            checkpoint.settle(self.engine, block=True)  # the last good one, written in the background
+        self.settle(block=True)  # the last good one, written in the background
         return Diverged(_diverged_line(self.bad_steps, self.plan.ckpt_dir, self.last_good))
 
     def run(self) -> None:
@@ -612,7 +626,7 @@ class _Loop:
                 self.validate(rec.step)
                 self.next_eval = (rec.step // every + 1) * every
             if at_boundary:  # a background write that every rank has finished is committed here
-                checkpoint.settle(engine)
+                self.settle()
             if self.ckpt_every and at_boundary and rec.step % self.ckpt_every == 0 and rec.step < steps:
                 self.save(rec.step)
         if self.bad_steps:  # the run ended inside a non-finite streak: keep the last good checkpoint
@@ -621,8 +635,7 @@ class _Loop:
             self.validate(engine.local_steps)
         if engine.local_steps != self.resumed_at:  # a resume with nothing left to train already has it
             self.save(engine.local_steps, wait=True)
-        with self.watchdog.busy("committing the last checkpoint"):
-            checkpoint.settle(engine, block=True)
+        self.settle(block=True)
         self.progress.close()
         self.writer.close()
 

@@ -91,6 +91,22 @@ def test_a_checkpoint_at_an_outer_boundary_holds_no_tensor_twice(reference):
         assert 12 * layer_numel <= by[1] <= 12 * layer_numel + HEADERS, by
 
 
+def test_each_commit_is_one_metrics_row_with_what_it_cost(reference):
+    """Every committed checkpoint (steps 3, 6 and 9) is one `checkpoint` row of metrics.jsonl,
+    written once although 2 replicas' last stages write metrics: its bytes are its manifest's
+    files', its seconds the manifest's, and only the first save is marked as the one that
+    allocated the staging buffers. Breaks if a commit goes unlogged, is logged twice, or the row
+    disagrees with what is on disk."""
+    ckpt_dir = reference["out"] / "checkpoints"
+    rows = [r for r in runs.rows(reference["out"]) if r["kind"] == "checkpoint"]
+    assert [(r["tag"], r["step"], r["first_save"]) for r in rows] == [
+        ("global_step3", 3, True), ("global_step6", 6, False), ("global_step9", 9, False)]
+    for r in rows:
+        manifest = json.loads((ckpt_dir / r["tag"] / checkpoint.MANIFEST).read_text())
+        assert r["bytes"] == sum(f["bytes"] for f in manifest["files"].values())
+        assert r["seconds"] == manifest["seconds"]
+
+
 def test_a_kill_during_a_background_write_keeps_latest_and_the_resume_is_bitwise(reference, tmp_path):
     """Rank 3 (replica 1, stage 1) is SIGKILLed halfway through writing its file of the step-6
     checkpoint, in the background thread, while the main thread trains on: `latest` still names
