@@ -8,10 +8,13 @@ Parts (each appends its rows to OUT/scale.json and can be run alone):
   speed     the same three, REPEATS times, interleaved; and 178M S = 2 on 2 GPUs, stock vs ours
   memory    1B on one GPU: stock vs ours (outer state on the GPU and on the host)
   8b        a Llama-3-8B shape in 4 stages, M = 1: tokens/s, MFU, peak memory, checkpoint bytes
-            and the seconds training blocked for it
+            and the seconds training blocked for it; the outer state on the GPU vs on the host
+  ckpt      1B on one GPU, a checkpoint every outer step: first and later saves' seconds blocked
   outer_place  1B and 178M on one GPU: the outer state on the GPU vs on the host, repeats interleaved
   mixed     178M on 4 GPUs, replicas of depths (1, 1, 2) against (2, 2) (hetloco.replica_stages):
             per replica tokens/s, bytes per link class, outer-step seconds (issue 29)
+Before each run every GPU must be free of processes (up to 60 s; what was there is in the row's
+`gpu_apps_before`). --only NAME,... makes only the runs whose names start so (a part split over calls).
 
     OUT=DIR bash bench/gpu.sh --gpus 4 --timeout 570 scale.py --parts speed --out DIR   # GPU machine
     python bench/scale.py --cpu-smoke --parts speed --out DIR                         # this CPU
@@ -74,8 +77,29 @@ def profiles(directory: str) -> dict:
     return out
 
 
+def gpu_apps() -> list[str]:
+    """Processes on this machine's GPUs (nvidia-smi), [] where there is none or no nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id,used_memory", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def gpus_free(wait: float = 60.0) -> list[str]:
+    """Wait up to `wait` seconds for every GPU to be free of processes; what is still there after.
+    A run beside another run's leftover ranks measures neither (it happened: an earlier run's ranks
+    outlived their launcher's kill and halved the next runs' speed)."""
+    deadline = time.time() + wait
+    while (apps := gpu_apps()) and time.time() < deadline:
+        time.sleep(2.0)
+    return apps
+
+
 def run_cmd(argv: list[str], log: str, timeout: float, env: dict | None = None, done=None) -> tuple[int, float]:
-    """Run `argv` in its own session; `done()` true ends it early (its whole process group), rc 0."""
+    """Run `argv` in its own session; `done()` true ends it early (its whole process group; our
+    launcher's ranks die with it), rc 0."""
     start = time.time()
     with open(log, "w") as f:
         f.write(" ".join(argv) + "\n")
@@ -97,19 +121,30 @@ def run_cmd(argv: list[str], log: str, timeout: float, env: dict | None = None, 
     return rc, time.time() - start
 
 
-def step_rows(metrics_path: str) -> int:
+def step_rows(metrics_path: str, kind: str = "step") -> int:
     try:
         with open(metrics_path) as f:
-            return sum('"kind": "step"' in line for line in f)
+            return sum(f'"kind": "{kind}"' in line for line in f)
     except OSError:
         return 0
 
 
+# --only: names of the runs to make (prefixes); the others of the parts asked for are skipped, so a
+# part too long for one device call is split over two.
+ONLY: list[str] = []
+
+
+def wanted(name: str) -> bool:
+    return not ONLY or any(name.startswith(p) for p in ONLY)
+
+
 def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int, timeout: float,
-         env: dict | None = None, stop_after: int | None = None, until_committed: bool = False) -> dict:
+         env: dict | None = None, stop_after: int | None = None, commits: int = 0) -> dict | None:
     """`hetloco-ds train --nproc N` on `config`; the steady rates, profiles and checkpoint sizes.
     `stop_after`: end the run once that many step rows are written (a speed run skips the final
-    checkpoint and export); `until_committed`: and once a checkpoint has been committed."""
+    checkpoint and export); `commits`: and once that many checkpoints have been committed."""
+    if not wanted(name):
+        return None
     run_dir = os.path.join(work, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(work, exist_ok=True)
@@ -120,11 +155,12 @@ def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int,
             "--steps", str(steps), "--nproc", str(nproc), "--out", run_dir]
     metrics = os.path.join(run_dir, "metrics.jsonl")
     latest = os.path.join(run_dir, "checkpoints", "latest")
-    done = (lambda: step_rows(metrics) >= stop_after and (not until_committed or os.path.exists(latest))) \
+    done = (lambda: step_rows(metrics) >= stop_after and step_rows(metrics, "checkpoint") >= commits) \
         if stop_after else None
+    busy = gpus_free()
     rc, wall = run_cmd(argv, os.path.join(work, f"{name}.log"), timeout, env, done)
     row = {"system": "ours", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc, "model": model,
-           "steps": steps, "config": config, "stopped_after_step_rows": stop_after}
+           "steps": steps, "config": config, "stopped_after_step_rows": stop_after, "gpu_apps_before": busy}
     if os.path.exists(metrics):
         row.update(steady_rates(metrics, config["hetloco"]["sparseloco"]["inner_steps"],
                                 profiled=config["hetloco"]["train"].get("profile_step", 0)))
@@ -136,7 +172,8 @@ def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int,
 def checkpoint_facts(metrics_path: str, run_dir: str) -> dict:
     """The newest committed checkpoint: bytes on disk, bytes per parameter (its manifest's ranks'
     layouts) and its manifest's seconds (training blocked, the longest background write, save to
-    commit)."""
+    commit); `commits`: every commit's metrics row, each with the median seconds of the steps
+    trained while it was written (its save's end to its commit) beside those of the others."""
     ckpt = os.path.join(run_dir, "checkpoints")
     latest = os.path.join(ckpt, "latest")
     if not os.path.exists(latest):
@@ -145,12 +182,25 @@ def checkpoint_facts(metrics_path: str, run_dir: str) -> dict:
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(ckpt, tag)) for f in fs)
     with open(os.path.join(ckpt, tag, "manifest.json")) as f:
         manifest = json.load(f)
+    rows = [json.loads(line) for line in open(metrics_path)]
+    steps = [r for r in rows if r.get("kind") == "step"]
+    commits = []
+    for c in (r for r in rows if r.get("kind") == "checkpoint"):
+        start = c["time"] - c["seconds"]["to_commit"] + c["seconds"]["blocked"]
+        during = [r["seconds"] for r in steps if start < r["time"] <= c["time"]]
+        commits.append({**c, "steps_while_written": len(during),
+                        "median_step_seconds_while_written": statistics.median(during) if during else None})
+    others = [r["seconds"] for r in steps[5:] if not any(
+        c["time"] - c["seconds"]["to_commit"] < r["time"] <= c["time"] + 1 for c in commits)]
     return {"tag": tag, "bytes": size, "step": manifest.get("step"), "seconds": manifest.get("seconds"),
-            "files": len(manifest.get("files", {}))}
+            "files": len(manifest.get("files", {})), "commits": commits,
+            "median_step_seconds_otherwise": statistics.median(others) if others else None}
 
 
 def stock(name: str, work: str, nproc: int, stages: int, model: str, mb: int, gas: int, seq: int, steps: int,
-          timeout: float, vocab: int = 8192, profile_step: int = 0, bf16: bool = True) -> dict:
+          timeout: float, vocab: int = 8192, profile_step: int = 0, bf16: bool = True) -> dict | None:
+    if not wanted(name):
+        return None
     out = os.path.join(work, f"{name}.json")
     prof = os.path.join(work, f"{name}_profile")
     shutil.rmtree(prof, ignore_errors=True)
@@ -161,8 +211,10 @@ def stock(name: str, work: str, nproc: int, stages: int, model: str, mb: int, ga
         argv.append("--bf16")
     if profile_step:
         argv += ["--profile-step", str(profile_step), "--profile-dir", prof]
+    busy = gpus_free()
     rc, wall = run_cmd(argv, os.path.join(work, f"{name}.log"), timeout)
-    row = {"system": "stock_deepspeed", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc}
+    row = {"system": "stock_deepspeed", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc,
+           "gpu_apps_before": busy}
     if os.path.exists(out):
         with open(out) as f:
             row.update(json.load(f))
@@ -180,7 +232,9 @@ class Results:
             with open(path) as f:
                 self.data = json.load(f)
 
-    def add(self, part: str, row: dict) -> None:
+    def add(self, part: str, row: dict | None) -> None:
+        if row is None:  # a run --only left out
+            return
         row = {"part": part, **row}
         self.data["rows"].append(row)
         brief = {k: row.get(k) for k in ("part", "name", "rc", "global_tokens_per_s", "median_step_seconds",
@@ -264,21 +318,39 @@ def part_s178(res: Results, work: str, a) -> None:
 
 def part_8b(res: Results, work: str, a) -> None:
     """A Llama-3-8B shape in S = 4 stages on 4 GPUs, M = 1: stock DeepSpeed's pipeline, ours under
-    the defaults (a checkpoint every H steps; the run ends once one is committed, so its seconds
-    blocked and to commit are the manifest's) and ours with the outer state on the host. Sequences
-    of 1024 tokens: at 2048 `plan` puts the defaults' stage 0 at 74 GiB, past its margin on an H100."""
+    the defaults with a checkpoint at every outer step (`checkpoint_interval` counts outer steps),
+    the run ending once the first is committed: the seconds training blocked for it, its background
+    write, and the steps' seconds while it was written; and ours with the outer state on the GPU and
+    on the host, without checkpoints (whose writes share the host), a pair. Sequences of 1024
+    tokens: at 2048 `plan` puts the defaults' stage 0 at 74 GiB, past its margin on an H100."""
     s = a.shapes
     cfg = deep_update(s["config"], {
         "pipeline": {"stages": 4}, "train_micro_batch_size_per_gpu": s["mb8"], "gradient_accumulation_steps": s["gas8"],
         "hetloco": {"sparseloco": {"inner_steps": s["h8"]}, "subspace": {"compressed_replicas": "none"},
-                    "train": {"seq_len": s["seq8"], "checkpoint_interval": s["h8"], "keep_checkpoints": 1}}})
+                    "train": {"seq_len": s["seq8"], "checkpoint_interval": 1, "keep_checkpoints": 1}}})
     steps = 4 * s["h8"]
     res.add("8b", stock("stock_8b_s4", work, 4, 4, s["model8"], s["mb8"], s["gas8"], s["seq8"], s["stock_steps"],
                         a.timeout, vocab=s["vocab"]))
-    res.add("8b", ours("ours_8b_s4_default", work, 4, cfg, s["model8"], steps, a.timeout, stop_after=2 * s["h8"] + 4,
-                       until_committed=True))
-    cpu = deep_update(cfg, {"hetloco": {"sparseloco": {"outer_state_device": "cpu"}, "train": {"checkpoint_interval": 0}}})
-    res.add("8b", ours("ours_8b_s4_outer_cpu", work, 4, cpu, s["model8"], steps, a.timeout, stop_after=2 * s["h8"] + 4))
+    # Steps enough for the training to go on while the first checkpoint is written (the next save
+    # would wait for it); the run stops at its commit.
+    res.add("8b", ours("ours_8b_s4_default", work, 4, cfg, s["model8"], 50 * s["h8"], a.timeout,
+                       stop_after=2 * s["h8"] + 4, commits=1))
+    for place in ("gpu", "cpu"):
+        c = deep_update(cfg, {"hetloco": {"sparseloco": {"outer_state_device": place}, "train": {"checkpoint_interval": 0}}})
+        res.add("8b", ours(f"ours_8b_s4_outer_{place}", work, 4, c, s["model8"], steps, a.timeout,
+                           stop_after=2 * s["h8"] + 4))
+
+
+def part_ckpt(res: Results, work: str, a) -> None:
+    """1B on one GPU, a checkpoint at every outer step (H = 20), three commits: what a save blocks
+    training for the first time (DCP's stager allocates its pinned buffers) and after (it reuses
+    them), each write's seconds, and the steps' seconds while one is written."""
+    s = a.shapes
+    one = deep_update(s["config"], {"pipeline": {"stages": 1}, "hetloco": {
+        "subspace": {"compressed_replicas": "none"}, "train": {"checkpoint_interval": 1, "keep_checkpoints": 1}}})
+    inner = one["hetloco"]["sparseloco"]["inner_steps"]
+    res.add("ckpt", ours("ours_1b_s1_ckpt", work, 1, one, s["ours_model"], 10 * inner, a.timeout,
+                         stop_after=3 * inner + 2, commits=3))
 
 
 def replica_rates(metrics_path: str, inner_steps: int, skip: int = 5) -> dict:
@@ -320,6 +392,8 @@ def part_mixed(res: Results, work: str, a) -> None:
         for name, replicas, cfg in variants:
             row = ours(f"{name}_r{r}", work, s["nproc"], cfg, s["model178"], steps, a.timeout,
                        stop_after=replicas * steps)
+            if row is None:
+                continue
             metrics = os.path.join(work, f"{name}_r{r}", "metrics.jsonl")
             if os.path.exists(metrics):
                 row["replicas"] = replica_rates(metrics, inner)
@@ -327,7 +401,7 @@ def part_mixed(res: Results, work: str, a) -> None:
 
 
 PARTS = {"profile": part_profile, "speed": part_speed, "memory": part_memory, "s178": part_s178, "8b": part_8b,
-         "mixed": part_mixed, "outer_place": part_outer_place}
+         "mixed": part_mixed, "outer_place": part_outer_place, "ckpt": part_ckpt}
 
 
 def shapes(cpu: bool) -> dict:
@@ -381,6 +455,7 @@ def main(argv=None) -> int:
     ap.add_argument("--first-repeat", type=int, default=0, help="number of the first repeat (runs split over calls)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds for one run")
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated prefixes of the run names to make (default: all)")
     ap.add_argument("--summarize", nargs="+", metavar="JSON", help="write OUT/summary.json from committed scale JSONs")
     a = ap.parse_args(argv)
     if a.summarize:
@@ -389,6 +464,7 @@ def main(argv=None) -> int:
             json.dump(summarize(a.summarize), f, indent=1)
         return 0
     a.shapes = shapes(a.cpu_smoke)
+    ONLY[:] = [p for p in a.only.split(",") if p]
     if a.cpu_smoke:
         a.repeats = 1
     import torch

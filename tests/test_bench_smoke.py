@@ -329,6 +329,29 @@ def test_scale_steady_rule_leaves_out_warmup_outer_and_profiled_steps(tmp_path):
     assert scale.step_rows(str(path)) == 12
 
 
+def test_scale_checkpoint_facts_time_the_steps_trained_while_each_checkpoint_was_written(tmp_path):
+    """scale.py's checkpoint columns: every commit row, the steps whose rows ended between its
+    save's end (commit time - to_commit + blocked) and its commit, their median seconds, and the
+    median of the other steps (the first 5 left out); the newest checkpoint's bytes on disk.
+    Breaks if a window is off by its blocked seconds or steps inside a write count as otherwise."""
+    scale = bench_module("scale")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "global_step8").mkdir(parents=True)
+    (run / "checkpoints" / "global_step8" / "manifest.json").write_text(json.dumps({"step": 8, "files": {"a": {}}}))
+    (run / "checkpoints" / "global_step8" / "a.pt").write_bytes(b"x" * 1000)
+    (run / "checkpoints" / "latest").write_text("global_step8")
+    rows = [{"kind": "step", "step": s, "seconds": 2.0 if 5 <= s <= 6 else 1.0, "time": 100.0 + s} for s in range(1, 13)]
+    # saved at t = 104 (blocked 0.5 s), committed at 106.5: steps ending at 105 and 106 trained while written
+    rows.append({"kind": "checkpoint", "tag": "global_step4", "step": 4, "first_save": True, "bytes": 1000,
+                 "seconds": {"blocked": 0.5, "written": 2.0, "to_commit": 2.5}, "time": 106.5})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = scale.checkpoint_facts(str(run / "metrics.jsonl"), str(run))
+    assert got["bytes"] == 1000 + len(json.dumps({"step": 8, "files": {"a": {}}})) and got["step"] == 8
+    (c,) = got["commits"]
+    assert c["steps_while_written"] == 2 and c["median_step_seconds_while_written"] == 2.0 and c["first_save"]
+    assert got["median_step_seconds_otherwise"] == 1.0  # steps 8-12 (7 ends within a second of the commit)
+
+
 def test_scale_replica_rates_split_the_rows_by_replica(tmp_path):
     """Mixed depths (scale.py --parts mixed): each replica's own steady tokens/s, bytes sent by link
     class summed over its rows, and its outer steps; breaks if replicas' rows mix or bytes are dropped."""
