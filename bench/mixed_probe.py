@@ -10,7 +10,6 @@ earlier run's ranks were still on GPUs 1-3 (results/left_over_ranks_h200x4/).
 """
 import json
 import os
-import subprocess
 import sys
 import threading
 

@@ -154,7 +154,6 @@ def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int,
     argv = [sys.executable, "-m", "hetloco_ds.cli", "train", "--config", cfg_path, "--model-config", model,
             "--steps", str(steps), "--nproc", str(nproc), "--out", run_dir]
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    latest = os.path.join(run_dir, "checkpoints", "latest")
     done = (lambda: step_rows(metrics) >= stop_after and step_rows(metrics, "checkpoint") >= commits) \
         if stop_after else None
     busy = gpus_free()
