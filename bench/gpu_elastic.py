@@ -140,7 +140,7 @@ class Job:
     (its own process group, so a signal reaches what the rank started)."""
 
     def __init__(self, m: int, depth: int, argv: list[str], env: dict, devices: list[str] | None, log: str):
-        from hetloco_ds.launch import free_port
+        from hetloco_ds.launch import die_with_parent, free_port
 
         self.m, self.log = m, log
         self.started = time.time()
@@ -153,7 +153,8 @@ class Job:
             for r in range(depth):
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "hetloco_ds.cli", *argv],
                                                    env=dict(job, RANK=str(r), LOCAL_RANK=str(r)), stdout=f,
-                                                   stderr=subprocess.STDOUT, start_new_session=True))
+                                                   stderr=subprocess.STDOUT, start_new_session=True,
+                                                   preexec_fn=die_with_parent))  # not outliving this bench
 
     def failed(self) -> int | None:
         """The first nonzero exit code of a rank, if any."""

@@ -155,7 +155,8 @@ def die_with_parent() -> None:
     """In a child before it runs its program: SIGKILL it when the process that started it dies
     (Linux's PR_SET_PDEATHSIG; elsewhere nothing). A rank has a session of its own, so a launcher
     killed outright (SIGKILL, the OOM killer, a scheduler killing the launcher's process group)
-    reaches no rank through signals; without this its ranks would go on holding their GPUs."""
+    reaches no rank through signals; without this its ranks would go on holding their GPUs. Linux
+    signals the death of the *thread* that started the child: start ranks from the main thread."""
     if sys.platform.startswith("linux"):
         import ctypes
 
