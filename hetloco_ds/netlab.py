@@ -61,6 +61,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from . import sizes
+from .launch import die_with_parent
 from .launch import signal_group as _signal_group
 
 PREFIX = "hl-"
@@ -409,9 +410,10 @@ class ShapedNetwork:
         return env
 
     def popen(self, rank: int, cmd: Sequence[str], env: Mapping[str, str], **kw) -> subprocess.Popen:
-        """Start `cmd` inside rank's namespace (its own process group, killed by `down`)."""
+        """Start `cmd` inside rank's namespace (its own process group, killed by `down`, and by the
+        kernel when this process dies: `launch.die_with_parent`, which `ip netns exec` keeps)."""
         p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[rank], *cmd], env=dict(env),
-                             start_new_session=True, **kw)
+                             start_new_session=True, preexec_fn=die_with_parent, **kw)
         self._procs.append(p)
         return p
 
