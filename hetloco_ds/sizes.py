@@ -273,15 +273,30 @@ def logit_bytes(vocab: int, act_bytes: int = 2) -> int:
     return vocab * (act_bytes + 12)
 
 
+def deferred_cast_grad_bytes(cast_params: int, micro_batches: int, bf16: bool = True) -> int:
+    """Bytes of weight gradients a bf16 backward holds until its end: the bf16 gradient (2 bytes) of
+    every weight whose cast autocast caches for the step (`HetlocoEngine._weight_casts`; `cast_params`
+    of them). The cast's backward node was made in the step's first micro-batch, so in every later
+    micro-batch's backward it has a lower sequence number than all of that micro-batch's nodes and
+    autograd runs it last: each gradient waits there while the activations are freed. None with one
+    micro-batch a step or without bf16."""
+    return 2 * cast_params if bf16 and micro_batches > 1 else 0
+
+
 def stage_activation_bytes(tokens: int, layers: int, in_flight: int, d: int, ffn: int, kv_dim: int,
-                           vocab: int | None = None, act_bytes: int = 2) -> int:
+                           vocab: int | None = None, act_bytes: int = 2, deferred_grad_bytes: int = 0) -> int:
     """Device bytes a stage's activations hold at their peak: `in_flight` micro-batches of `tokens`
     tokens (`pipe.order.depth` for its schedule) through its `layers` decoder layers
     (`layer_activation_bytes`), plus one layer's worth as the backward's working set (the gradients
     of the layer being differentiated); on the last stage (`vocab` given) the final RMSNorm's
-    saved tensors per micro-batch in flight and one micro-batch's loss (`logit_bytes`)."""
+    saved tensors per micro-batch in flight and one micro-batch's loss (`logit_bytes`). While one
+    micro-batch's backward frees its activations layer by layer, `deferred_grad_bytes`
+    (`deferred_cast_grad_bytes`) accumulate in their place: the backward peaks at the larger of the
+    two, which at few tokens a micro-batch is the gradients (an 8B stage of 8 layers: 3.3 GiB against
+    1.7 GiB of activations at 1024 tokens)."""
     per_layer = layer_activation_bytes(d, ffn, kv_dim, act_bytes)
-    total = (in_flight * layers + 1) * tokens * per_layer
+    one = layers * tokens * per_layer
+    total = (in_flight - 1) * one + max(one, deferred_grad_bytes) + tokens * per_layer
     if vocab is not None:
         total += in_flight * tokens * (4 + 2 * act_bytes) * d + tokens * logit_bytes(vocab, act_bytes)
     return total

@@ -495,13 +495,19 @@ def test_stage_memory_is_sizes_state_plus_the_schedules_activations_by_hand():
     8 x 8 + 2 x (6 x 8 + 2 x 8 + 4 x 16) = 320 B a token; the last stage adds its final norm,
     (4 + 4) x 8 B a token per micro-batch in flight, and one micro-batch's loss, 32 x 14 B a token.
     Overlapped, stage 0 holds 3 (S - 1) + 1 = 4 micro-batches, blocking S = 2; the last stage 1.
+    The backward defers the bf16 gradients of the cast weights (2 B each: a layer's 640, the head's
+    256; not the embedding): stage 1's 1792 B outweigh its micro-batch's 1280 B of activations and
+    take their place, stage 0's 1280 B tie; with one micro-batch a step nothing is deferred.
     Outer state on the host: 8 B a parameter less. Breaks if plan restates a size rule or ignores
-    the schedule's depth."""
+    the schedule's depth or the deferred gradients."""
     assert sizes.layer_activation_bytes(8, 16, 8) == 320
     p0, p1 = (sum(math.prod(s) for _, s in ts) for ts in plan.stage_tensors(TINY, 2))
     kw = dict(micro_batch=1, n_mb=8)
+    last = 4 * 8 * 8 + 4 * 32 * 14
     over = plan.stage_memory_bytes(TINY, 2, **kw)
-    assert over == [26 * p0 + (4 * 1 + 1) * 4 * 320, 26 * p1 + (1 * 1 + 1) * 4 * 320 + 4 * 8 * 8 + 4 * 32 * 14]
+    assert over == [26 * p0 + 3 * 1280 + max(1280, 2 * 640) + 1280, 26 * p1 + max(1280, 2 * (640 + 256)) + 1280 + last]
+    one = plan.stage_memory_bytes(TINY, 2, micro_batch=1, n_mb=1)
+    assert one[1] == 26 * p1 + 1280 + 1280 + last and one[1] < over[1]
     block = plan.stage_memory_bytes(TINY, 2, schedule="blocking", **kw)
     assert block == [26 * p0 + (2 + 1) * 4 * 320, over[1]]
     cpu = plan.stage_memory_bytes(TINY, 2, outer_state_device="cpu", **kw)
@@ -553,14 +559,10 @@ def test_layer_activation_rule_matches_the_tensors_a_decoder_layer_saves():
 
 
 SCALE = REPO / "bench" / "results" / "scale_h100x4"
-MEMORY_TOLERANCE = (-0.06, 0.10)
+MEMORY_TOLERANCE = (-0.05, 0.10)
 """Predicted peak / measured peak - 1 allowed. Tight below: a plan that under-predicts proposes a
 run that runs out of memory. Looser above: over-predicting only costs a smaller model than would fit,
-and the planners add MEMORY_HEADROOM for what allocated bytes leave out. The lower bound was -5%
-until the 8B run (8b_outer_place.json): its last stage held 1.75 GiB more than predicted under both
-outer-state placements (46.66 vs 44.90, 33.41 vs 31.68 GiB: -3.8% and -5.2%), a term the rules do
-not have yet (docs/memory.md: the 2 GiB at 1B that reading the code did not find); MEMORY_HEADROOM
-(0.9) still covers it."""
+and the planners add MEMORY_HEADROOM for what allocated bytes leave out."""
 
 
 def _measured_stage_peaks():

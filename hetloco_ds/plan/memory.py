@@ -30,7 +30,9 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
                        sparseloco: bool = True, outer_state_device: str = "gpu") -> list[int]:
     """Peak device bytes of each stage of one replica in `stages` stages: `sizes.stage_state_bytes`
     of its parameters plus `sizes.stage_activation_bytes` of its layers, with `pipe.order.depth`
-    micro-batches of micro_batch x seq_len tokens in flight (of `n_mb` a step) under `schedule`.
+    micro-batches of micro_batch x seq_len tokens in flight (of `n_mb` a step) under `schedule` and
+    the bf16 gradients of its cast weights (every matrix but the token embedding's, which is looked
+    up, not cast) that the backward defers (`sizes.deferred_cast_grad_bytes`).
     Left out: a compressed replica's basis U and T_perp buffer (d x k and V x d fp32 on its stages)."""
     L = model.seq_len if seq_len is None else seq_len
     tokens = micro_batch * L
@@ -39,8 +41,10 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
     out = []
     for s, (tensors, nl) in enumerate(zip(stage_tensors(model, stages), layers)):
         params = sum(math.prod(shape) for _, shape in tensors)
+        cast = sum(math.prod(shape) for name, shape in tensors if len(shape) == 2 and not name.startswith("embed_tokens"))
         act = sizes.stage_activation_bytes(tokens, nl, depth(schedule, stages, s, n_mb), model.d, model.ffn,
-                                           model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes)
+                                           model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes,
+                                           sizes.deferred_cast_grad_bytes(cast, n_mb, bf16))
         out.append(sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device) + act)
     return out
 
