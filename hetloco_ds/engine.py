@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from deepspeed import comm as dist
 
-from . import optim, sizes
+from . import casts, optim, sizes
 from .algorithm import StageAlgorithm
 from .config import RunConfig
 from .meter import ByteMeter, nbytes
@@ -348,15 +348,21 @@ class HetlocoEngine(PipelineEngineAdapter):
         return self.last_record
 
     def _weight_casts(self):
-        """Around one optimizer step under bf16: an outer, disabled autocast region. Autocast caches
-        the bf16 cast of each fp32 weight until the outermost region exits, so the module's
-        per-forward region (`pipe.module`) reuses one cast for every micro-batch of the step instead
-        of casting every weight again each time (DeepSpeed's bf16 keeps bf16 weights and casts
-        none). The weights change only at the step's end, after the last forward; the cache is
-        dropped when the step returns. The cast values are the same, so are the bits."""
+        """Around one optimizer step under bf16: each weight cast to bf16 once for every micro-batch
+        of the step instead of again each time (DeepSpeed's bf16 keeps bf16 weights and casts
+        none). The linear layers' weights through `casts.step_casts`, whose gradients leave each
+        micro-batch's backward as they are made; anything else autocast casts (the tied head's
+        table) through autocast's own cache, kept by an outer, disabled autocast region until the
+        step returns. Compiled layers keep autocast's cache alone (a cache that changes every step
+        inside a compiled region would recompile it). The weights change only at the step's end;
+        the casts are dropped when it returns. The cast values are the same, so are the bits."""
         if self.module.autocast_dtype is None or not self.cast_weights_once:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, enabled=False)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device_type=self.device.type, enabled=False))
+        if not self.hetloco.train.compile:
+            stack.enter_context(casts.step_casts(self.module.modules(), self.module.autocast_dtype))
+        return stack
 
     def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()

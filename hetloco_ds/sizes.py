@@ -274,12 +274,12 @@ def logit_bytes(vocab: int, act_bytes: int = 2) -> int:
 
 
 def deferred_cast_grad_bytes(cast_params: int, micro_batches: int, bf16: bool = True) -> int:
-    """Bytes of weight gradients a bf16 backward holds until its end: the bf16 gradient (2 bytes) of
-    every weight whose cast autocast caches for the step (`HetlocoEngine._weight_casts`; `cast_params`
-    of them). The cast's backward node was made in the step's first micro-batch, so in every later
-    micro-batch's backward it has a lower sequence number than all of that micro-batch's nodes and
-    autograd runs it last: each gradient waits there while the activations are freed. None with one
-    micro-batch a step or without bf16."""
+    """Bytes of weight gradients a bf16 backward holds until its end when autocast's own cache casts
+    the weights once a step (compiled layers; every run before `casts.step_casts`): the bf16
+    gradient (2 bytes) of each of `cast_params` weights. The cast's backward node was made in the
+    step's first micro-batch, so in every later micro-batch's backward it has a lower sequence
+    number than all of that micro-batch's nodes and autograd runs it last: each gradient waits there
+    while the activations are freed. None with one micro-batch a step or without bf16."""
     return 2 * cast_params if bf16 and micro_batches > 1 else 0
 
 
@@ -293,7 +293,7 @@ def stage_activation_bytes(tokens: int, layers: int, in_flight: int, d: int, ffn
     micro-batch's backward frees its activations layer by layer, `deferred_grad_bytes`
     (`deferred_cast_grad_bytes`) accumulate in their place: the backward peaks at the larger of the
     two, which at few tokens a micro-batch is the gradients (an 8B stage of 8 layers: 3.3 GiB against
-    1.7 GiB of activations at 1024 tokens)."""
+    1.7 GiB of activations at 1024 tokens, measured before `casts.step_casts` took them out)."""
     per_layer = layer_activation_bytes(d, ffn, kv_dim, act_bytes)
     one = layers * tokens * per_layer
     total = (in_flight - 1) * one + max(one, deferred_grad_bytes) + tokens * per_layer

@@ -495,22 +495,24 @@ def test_stage_memory_is_sizes_state_plus_the_schedules_activations_by_hand():
     8 x 8 + 2 x (6 x 8 + 2 x 8 + 4 x 16) = 320 B a token; the last stage adds its final norm,
     (4 + 4) x 8 B a token per micro-batch in flight, and one micro-batch's loss, 32 x 14 B a token.
     Overlapped, stage 0 holds 3 (S - 1) + 1 = 4 micro-batches, blocking S = 2; the last stage 1.
-    The backward defers the bf16 gradients of the cast weights (2 B each: a layer's 640, the head's
-    256; not the embedding): stage 1's 1792 B outweigh its micro-batch's 1280 B of activations and
-    take their place, stage 0's 1280 B tie; with one micro-batch a step nothing is deferred.
+    Under autocast's own cache the backward defers the bf16 gradients of the cast weights (2 B each:
+    a layer's 640, the head's 256; not the embedding): stage 1's 1792 B outweigh its micro-batch's
+    1280 B of activations and take their place, stage 0's 1280 B tie; with one micro-batch a step,
+    or the step casts of `casts.step_casts`, nothing is deferred.
     Outer state on the host: 8 B a parameter less. Breaks if plan restates a size rule or ignores
     the schedule's depth or the deferred gradients."""
     assert sizes.layer_activation_bytes(8, 16, 8) == 320
     p0, p1 = (sum(math.prod(s) for _, s in ts) for ts in plan.stage_tensors(TINY, 2))
     kw = dict(micro_batch=1, n_mb=8)
     last = 4 * 8 * 8 + 4 * 32 * 14
-    over = plan.stage_memory_bytes(TINY, 2, **kw)
+    over = plan.stage_memory_bytes(TINY, 2, autocast_cache=True, **kw)
     assert over == [26 * p0 + 3 * 1280 + max(1280, 2 * 640) + 1280, 26 * p1 + max(1280, 2 * (640 + 256)) + 1280 + last]
-    one = plan.stage_memory_bytes(TINY, 2, micro_batch=1, n_mb=1)
+    one = plan.stage_memory_bytes(TINY, 2, micro_batch=1, n_mb=1, autocast_cache=True)
     assert one[1] == 26 * p1 + 1280 + 1280 + last and one[1] < over[1]
-    block = plan.stage_memory_bytes(TINY, 2, schedule="blocking", **kw)
+    assert plan.stage_memory_bytes(TINY, 2, **kw) == [over[0], one[1]]  # step casts: nothing deferred
+    block = plan.stage_memory_bytes(TINY, 2, schedule="blocking", autocast_cache=True, **kw)
     assert block == [26 * p0 + (2 + 1) * 4 * 320, over[1]]
-    cpu = plan.stage_memory_bytes(TINY, 2, outer_state_device="cpu", **kw)
+    cpu = plan.stage_memory_bytes(TINY, 2, outer_state_device="cpu", autocast_cache=True, **kw)
     assert cpu == [over[0] - 8 * p0, over[1] - 8 * p1]
     assert plan.min_stages(TINY, max(over), **kw) <= 2 and plan.min_stages(TINY, 1.0, **kw) is None
 
@@ -607,7 +609,8 @@ def test_plan_memory_matches_the_peaks_measured_on_h100s():
             ModelShape.preset(row["model"], vocab=DEFAULT_VOCAB_SIZE), cfg["pipeline"]["stages"],
             micro_batch=cfg["train_micro_batch_size_per_gpu"], n_mb=cfg["gradient_accumulation_steps"],
             seq_len=h["train"]["seq_len"], schedule="overlapped" if schedule == "auto" else schedule,
-            bf16=cfg["bf16"]["enabled"], outer_state_device=h["sparseloco"].get("outer_state_device", "gpu"))
+            bf16=cfg["bf16"]["enabled"], outer_state_device=h["sparseloco"].get("outer_state_device", "gpu"),
+            autocast_cache=True)  # every committed run predates casts.step_casts
         for s, gib in peaks.items():
             ratio = predicted[s] / 2**30 / gib
             assert 1 + lo <= ratio <= 1 + hi, (name, row["name"], s, predicted[s] / 2**30, gib)

@@ -405,3 +405,62 @@ def test_bf16_weights_cast_once_per_step_with_the_same_bits(hf_untied):
         assert [row[:2] for row in r[True]] == [row[:2] for row in r[False]]
         once, each = [row[2] for row in r[True]], [row[2] for row in r[False]]
         assert min(once) > 0 and each == [3 * n for n in once], (once, each)
+
+
+def _grad_order_body(rank, hf_dir, steps):
+    """For the step-cached casts (`casts.step_casts`) and for autocast's cache alone (the casts
+    before it): per micro-batch of a step, how many weight matrices' gradients reach their fp32
+    parameter after the backward has reached the stage's first decoder layer. Events: a full
+    backward hook on the stage's last and first decoder layers (a micro-batch's backward starts at
+    the one, reaches the other) and a post-accumulate hook on every matrix."""
+    import contextlib
+
+    from hetloco_ds import casts
+    from hetloco_ds.model import DecoderLayer
+
+    out = {}
+    for mode in ("step_casts", "autocast_cache"):
+        cfg = _config("blocking", compressed=())
+        cfg["bf16"] = {"enabled": True}
+        engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
+        if mode == "autocast_cache":
+            casts.step_casts = lambda *a, **k: contextlib.nullcontext()
+        events: list = []
+        layers = [m for m in module.modules() if isinstance(m, DecoderLayer)]
+        layers[-1].register_full_backward_hook(lambda *_: events.append("start"))
+        layers[0].register_full_backward_hook(lambda *_: events.append("first"))
+        matrices = [p for p in module.parameters() if p.dim() == 2 and p.requires_grad]
+        for p in matrices:
+            p.register_post_accumulate_grad_hook(lambda p: events.append("grad"))
+        for step in range(1, steps + 1):
+            events.clear()
+            engine.train_step(iter(_batches(engine.replica, step)))
+            tails: list = []
+            counting = False
+            for e in events:
+                if e in ("first", "start"):
+                    counting = e == "first"
+                    tails += [0] if counting else []
+                elif counting:
+                    tails[-1] += 1
+            out.setdefault(mode, []).append(tails)
+        out["matrices"], out["per_layer"] = len(matrices), sum(p.dim() == 2 for p in layers[0].parameters())
+    return out
+
+
+def test_each_micro_batchs_weight_gradients_leave_its_backward_as_they_are_made(hf_untied):
+    """Under bf16 with each weight cast once per step: autocast's own cache makes the cast's
+    backward node in the step's first micro-batch, so in every later one autograd runs it last and
+    every weight's bf16 gradient waits for the end of the backward (on an 8B stage of 8 layers, 3.3
+    GiB that outweighed the activations). With `casts.step_casts`, once a micro-batch's backward
+    reaches the stage's first decoder layer only that layer's matrices (and the embedding, which is
+    looked up, not cast) are still to arrive, in every micro-batch; autocast's cache alone (the
+    control) leaves every matrix of the stage to the end from the second micro-batch on. Breaks if
+    the per-micro-batch nodes are lost (or this check goes blind: the control must show the pile-up)."""
+    for r in run_ranks(_grad_order_body, 2, hf_untied, 2):
+        n, per_layer = r["matrices"], r["per_layer"]
+        assert per_layer + 1 < n
+        for tails in r["step_casts"]:
+            assert len(tails) == 3 and all(t <= per_layer + 1 for t in tails), (tails, per_layer, n)
+        for tails in r["autocast_cache"]:
+            assert len(tails) == 3 and tails[1:] == [n, n], (tails, n)

@@ -27,12 +27,13 @@ context, the allocator's cached blocks, communication buffers)."""
 
 def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, n_mb: int = 32,
                        seq_len: int | None = None, schedule: str = "overlapped", bf16: bool = True,
-                       sparseloco: bool = True, outer_state_device: str = "gpu") -> list[int]:
+                       sparseloco: bool = True, outer_state_device: str = "gpu", autocast_cache: bool = False) -> list[int]:
     """Peak device bytes of each stage of one replica in `stages` stages: `sizes.stage_state_bytes`
     of its parameters plus `sizes.stage_activation_bytes` of its layers, with `pipe.order.depth`
-    micro-batches of micro_batch x seq_len tokens in flight (of `n_mb` a step) under `schedule` and
-    the bf16 gradients of its cast weights (every matrix but the token embedding's, which is looked
-    up, not cast) that the backward defers (`sizes.deferred_cast_grad_bytes`).
+    micro-batches of micro_batch x seq_len tokens in flight (of `n_mb` a step) under `schedule`.
+    `autocast_cache`: the weights' casts come from autocast's own cache (`train.compile`'s layers,
+    and every run before `casts.step_casts`), so the backward defers the bf16 gradients of every
+    cast matrix (all but the token embedding, which is looked up: `sizes.deferred_cast_grad_bytes`).
     Left out: a compressed replica's basis U and T_perp buffer (d x k and V x d fp32 on its stages)."""
     L = model.seq_len if seq_len is None else seq_len
     tokens = micro_batch * L
@@ -44,7 +45,7 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
         cast = sum(math.prod(shape) for name, shape in tensors if len(shape) == 2 and not name.startswith("embed_tokens"))
         act = sizes.stage_activation_bytes(tokens, nl, depth(schedule, stages, s, n_mb), model.d, model.ffn,
                                            model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes,
-                                           sizes.deferred_cast_grad_bytes(cast, n_mb, bf16))
+                                           sizes.deferred_cast_grad_bytes(cast, n_mb, bf16) if autocast_cache else 0)
         out.append(sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device) + act)
     return out
 
