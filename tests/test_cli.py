@@ -159,8 +159,8 @@ def test_steps_zero_exports_the_input_checkpoint_bitwise(run_inputs, tmp_path):
     assert tok.eos_token == EOS
 
     rows = read_metrics(out)
-    assert [r["kind"] for r in rows] == ["validation"]
-    assert rows[0]["step"] == 0
+    assert [r["kind"] for r in rows] == ["validation", "checkpoint"]
+    assert rows[0]["step"] == 0 and (rows[1]["tag"], rows[1]["step"], rows[1]["first_save"]) == ("global_step0", 0, True)
     expected = transformers_validation_loss(hf_dir, data_dir, cfg, cache)
     assert rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
 
