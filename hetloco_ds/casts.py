@@ -10,7 +10,9 @@ Llama-3-8B layers, which then peaked 1.6 GiB above its activations' height). Her
 use of the cached cast goes through a node of its own (`_StepCast`), made in that micro-batch's
 forward, so autograd runs it right after the layer's backward, as it does a per-micro-batch cast.
 The values are the same bits: the same fp32 -> bf16 rounding once per step, the same bf16 -> fp32
-conversion of each gradient, the same fp32 accumulation.
+conversion of each gradient, the same fp32 accumulation. The engine uses it only where the piled-up
+gradients would be the stage's peak (`sizes.step_casts_pay`): elsewhere it changes no peak and its
+autograd Function per weight and micro-batch costs host time.
 """
 from __future__ import annotations
 

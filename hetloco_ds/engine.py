@@ -80,6 +80,9 @@ class HetlocoEngine(PipelineEngineAdapter):
         """bf16: each weight's autocast cast made once per optimizer step, not once per micro-batch
         (`_weight_casts`); False gives the per-micro-batch casts (the same bits, more work)."""
         super().__init__(*args, **kwargs)
+        self.step_casts = self._step_casts_pay(run)
+        """Cast-once through `casts.step_casts` (each micro-batch's gradients leave as made) rather
+        than autocast's cache alone: where `sizes.step_casts_pay` says it lowers this stage's peak."""
         self.replica, self.num_replicas = replica or self.module.replica
         self.dp_group = self.grid.get_data_parallel_group()
         self.replica_stages = self.hetloco.replica_stages if replica is None else None
@@ -350,19 +353,29 @@ class HetlocoEngine(PipelineEngineAdapter):
     def _weight_casts(self):
         """Around one optimizer step under bf16: each weight cast to bf16 once for every micro-batch
         of the step instead of again each time (DeepSpeed's bf16 keeps bf16 weights and casts
-        none). The linear layers' weights through `casts.step_casts`, whose gradients leave each
-        micro-batch's backward as they are made; anything else autocast casts (the tied head's
-        table) through autocast's own cache, kept by an outer, disabled autocast region until the
-        step returns. Compiled layers keep autocast's cache alone (a cache that changes every step
-        inside a compiled region would recompile it). The weights change only at the step's end;
+        none): through autocast's own cache, kept by an outer, disabled autocast region until the
+        step returns, and where `step_casts` (the linear layers' weights) through `casts.step_casts`,
+        whose gradients leave each micro-batch's backward as they are made. Never for compiled
+        layers (a cache that changes every step inside a compiled region would recompile it). The weights change only at the step's end;
         the casts are dropped when it returns. The cast values are the same, so are the bits."""
         if self.module.autocast_dtype is None or not self.cast_weights_once:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.autocast(device_type=self.device.type, enabled=False))
-        if not self.hetloco.train.compile:
+        if self.step_casts:
             stack.enter_context(casts.step_casts(self.module.modules(), self.module.autocast_dtype))
         return stack
+
+    def _step_casts_pay(self, run: RunConfig) -> bool:
+        if not run.bf16 or self.hetloco.train.compile:
+            return False
+        cfg = self.module.llama_config
+        linears = [m for m in self.module.modules() if type(m) is torch.nn.Linear]
+        kv_dim = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+        layers = sizes.decoder_layers_per_stage(cfg.num_hidden_layers, self.num_stages)[self.stage_id]
+        return sizes.step_casts_pay(sum(m.weight.numel() for m in linears), self.micro_batches, layers,
+                                    self.micro_batch_size * self.seq_len, cfg.hidden_size, cfg.intermediate_size,
+                                    kv_dim)
 
     def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()

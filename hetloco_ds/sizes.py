@@ -283,6 +283,18 @@ def deferred_cast_grad_bytes(cast_params: int, micro_batches: int, bf16: bool = 
     return 2 * cast_params if bf16 and micro_batches > 1 else 0
 
 
+def step_casts_pay(cast_params: int, micro_batches: int, layers: int, tokens: int, d: int, ffn: int, kv_dim: int,
+                   bf16: bool = True) -> bool:
+    """Whether a stage's backward would peak higher with autocast's cache than with per-micro-batch
+    cast nodes (`casts.step_casts`): its deferred gradients (`deferred_cast_grad_bytes`) outweigh one
+    micro-batch's activations through its `layers` decoder layers (`tokens` a micro-batch), which
+    they would take the place of. Where they do not, the peak is the activations' either way and
+    the per-micro-batch nodes would only cost host time (an autograd Function a weight per
+    micro-batch)."""
+    return deferred_cast_grad_bytes(cast_params, micro_batches, bf16) > \
+        layers * tokens * layer_activation_bytes(d, ffn, kv_dim, 2 if bf16 else 4)
+
+
 def stage_activation_bytes(tokens: int, layers: int, in_flight: int, d: int, ffn: int, kv_dim: int,
                            vocab: int | None = None, act_bytes: int = 2, deferred_grad_bytes: int = 0) -> int:
     """Device bytes a stage's activations hold at their peak: `in_flight` micro-batches of `tokens`

@@ -413,9 +413,6 @@ def _grad_order_body(rank, hf_dir, steps):
     parameter after the backward has reached the stage's first decoder layer. Events: a full
     backward hook on the stage's last and first decoder layers (a micro-batch's backward starts at
     the one, reaches the other) and a post-accumulate hook on every matrix."""
-    import contextlib
-
-    from hetloco_ds import casts
     from hetloco_ds.model import DecoderLayer
 
     out = {}
@@ -423,8 +420,8 @@ def _grad_order_body(rank, hf_dir, steps):
         cfg = _config("blocking", compressed=())
         cfg["bf16"] = {"enabled": True}
         engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
-        if mode == "autocast_cache":
-            casts.step_casts = lambda *a, **k: contextlib.nullcontext()
+        out.setdefault("chose", []).append(engine.step_casts)
+        engine.step_casts = mode == "step_casts"  # whichever the size rule chose for this tiny stage
         events: list = []
         layers = [m for m in module.modules() if isinstance(m, DecoderLayer)]
         layers[-1].register_full_backward_hook(lambda *_: events.append("start"))
@@ -459,8 +456,33 @@ def test_each_micro_batchs_weight_gradients_leave_its_backward_as_they_are_made(
     the per-micro-batch nodes are lost (or this check goes blind: the control must show the pile-up)."""
     for r in run_ranks(_grad_order_body, 2, hf_untied, 2):
         n, per_layer = r["matrices"], r["per_layer"]
+        assert r["chose"][0] == r["chose"][1] in (True, False)
         assert per_layer + 1 < n
         for tails in r["step_casts"]:
             assert len(tails) == 3 and all(t <= per_layer + 1 for t in tails), (tails, per_layer, n)
         for tails in r["autocast_cache"]:
             assert len(tails) == 3 and tails[1:] == [n, n], (tails, n)
+
+
+def test_step_casts_are_used_where_the_deferred_gradients_would_be_the_peak():
+    """`sizes.step_casts_pay`, which the engine asks once: on a Llama-3-8B stage of 8 layers at
+    1024 tokens a micro-batch (16 a step) the deferred bf16 gradients (3.3 GiB, 3.5 with the head)
+    outweigh one micro-batch's activations (1.7 GiB): yes, on the first stage and the last. At 1B's
+    4096 tokens (16 layers on one GPU, or 8 a stage) and 178M's 16384 the activations outweigh them:
+    no, the per-micro-batch nodes would cost host time for nothing. Never without bf16 or with one
+    micro-batch a step. Breaks if the rule turns them on where they cannot lower the peak, or off
+    where they do."""
+    from hetloco_ds import sizes
+
+    def case(d, ffn, kv, layers, tokens, head=0, micro_batches=16, bf16=True):
+        layer = 2 * d * d + 2 * d * kv + 3 * d * ffn
+        return sizes.step_casts_pay(layers * layer + head, micro_batches, layers, tokens, d, ffn, kv, bf16)
+
+    assert case(4096, 14336, 1024, 8, 1024) and case(4096, 14336, 1024, 8, 1024, head=8192 * 4096)
+    assert not case(2048, 8192, 2048, 16, 4096, head=8192 * 2048) and not case(2048, 8192, 2048, 8, 4096)
+    assert not case(1024, 2688, 1024, 5, 16384)
+    assert not case(4096, 14336, 1024, 8, 1024, bf16=False) and not case(4096, 14336, 1024, 8, 1024, micro_batches=1)
+    # the boundary: the gradients must outweigh the activations, not tie with them
+    per_token = sizes.layer_activation_bytes(8, 16, 8)
+    assert not sizes.step_casts_pay(per_token * 4 // 2, 2, 1, 4, 8, 16, 8)
+    assert sizes.step_casts_pay(per_token * 4 // 2 + 1, 2, 1, 4, 8, 16, 8)
