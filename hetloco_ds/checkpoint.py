@@ -266,6 +266,8 @@ class _Pending:
     """time.time() when the save began (for the manifest's seconds to commit)."""
     first: bool
     """This process's first save: its staging allocated the host buffers."""
+    staging_s: float
+    """Of `blocked_s`, the stager's copy to host memory (with the first save's buffer allocation)."""
 
 
 class _Writer:
@@ -342,12 +344,14 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     files = {STATE_FILE.format(rank=rank): state}
     if writes_shared:
         files.update({layer_checkpoint_name(i): m.state_dict() for i, m in engine.module.checkpoint_layers().items()})
+    t_stage = time.perf_counter()
     staged = writer.stager.stage(files)  # the device-to-host copy: all that training waits for
     blocked = time.perf_counter() - t0
+    staging = time.perf_counter() - t_stage
     layout = {"stage": engine.stage_id, "data": engine.module.replica_id}
     writer.saves += 1
     writer.pending = _Pending(ckpt_dir, tag, step, keep, layout, writer.thread.submit(_write_files, partial, staged),
-                              blocked, started, writer.saves == 1)
+                              blocked, started, writer.saves == 1, staging)
     if wait:
         settle(engine, block=True)
     return tag
@@ -371,7 +375,7 @@ def settle(engine, block: bool = False) -> str | None:
         outcome = pending.future.result()
     except Exception as err:  # noqa: BLE001 - the writer thread's own failure, reported like a write's
         outcome = {"files": {}, "error": f"writing {pending.tag} failed: {_first_line(err)}", "write_s": 0.0}
-    outcome.update(blocked_s=pending.blocked_s, layout=pending.layout)
+    outcome.update(blocked_s=pending.blocked_s, staging_s=pending.staging_s, layout=pending.layout)
     tag, rank, world = pending.tag, dist.get_rank(), dist.get_world_size()
     partial = os.path.join(pending.ckpt_dir, _partial(tag))
     # Every rank reaches this gather whatever happened above: all confirm, or nobody commits.
@@ -417,11 +421,13 @@ def _commit(pending: _Pending, outcomes: list[dict], stages: int) -> dict:
         if found != entry["bytes"]:
             raise RuntimeError(f"{name} has {found} bytes after its rank wrote {entry['bytes']}")
     # blocked: the longest a rank's training waited (state collected, copied to host memory);
+    # staging: the longest copy to host memory alone (DCP's stager; the first save allocates);
     # written: the longest background write; to_commit: from the save's start to this commit
     # (it waits for the first outer boundary at which every rank's write had ended).
     manifest = {"format": FORMAT, "tag": tag, "step": pending.step, "world_size": len(outcomes), "stages": stages,
                 "ranks": [o["layout"] for o in outcomes], "files": dict(sorted(files.items())),
                 "seconds": {"blocked": max(o["blocked_s"] for o in outcomes),
+                            "staging": max(o["staging_s"] for o in outcomes),
                             "written": max(o["write_s"] for o in outcomes),
                             "to_commit": time.time() - pending.started}}
     write_durably(os.path.join(partial, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
