@@ -192,6 +192,15 @@ def until_a_rank_ends(procs, timeout: float) -> list:
     return [c for _, c in ended] + [None] * (len(procs) - len(ended))
 
 
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie is dead: its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def job_stderr(log, world: int) -> str:
     return "".join(open(f"{log}.rank{r}.err").read() for r in range(world))
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import runs
+from distributed import running
 from hetloco_ds import launch
 from hetloco_ds.launch import free_port
 
@@ -116,15 +117,6 @@ WRITE_PID_AND_WAIT = ("import os, sys, time; open(os.path.join(sys.argv[1], os.e
                       "time.sleep(120)")
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie is dead: its parent simply has not reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("bind", [False, True])
 def test_a_launcher_killed_outright_takes_its_ranks_with_it(bind, tmp_path):
     """A launcher SIGKILLed (by a scheduler, the OOM killer, a harness killing its process group)
@@ -146,13 +138,13 @@ def test_a_launcher_killed_outright_takes_its_ranks_with_it(bind, tmp_path):
             assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.05)
         pids = [int((tmp_path / str(r)).read_text()) for r in range(2)]
-        assert all(_alive(p) for p in pids)
+        assert all(running(p) for p in pids)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+        assert not any(running(p) for p in pids), [p for p in pids if running(p)]
     finally:
         launcher.kill()
         for r in range(2):

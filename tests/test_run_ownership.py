@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import runs
-from distributed import start_launcher
+from distributed import running, start_launcher
 from test_cli import save_tiny_hf_with_tokenizer, write_config, write_text_folder
 
 WAIT_S = 180.0
@@ -104,14 +104,6 @@ sys.exit(launch.spawn(2, [sys.argv[1]], program=[sys.executable, "-c", sys.argv[
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @contextlib.contextmanager
 def _cleaned_up(proc: subprocess.Popen, pids: list[int]):
     """Whatever the test finds, nothing it started outlives it."""
@@ -122,7 +114,7 @@ def _cleaned_up(proc: subprocess.Popen, pids: list[int]):
             proc.kill()
             proc.communicate()
         for pid in pids:
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -131,7 +123,7 @@ def _stop(proc: subprocess.Popen, sig: int, pids: list[int]) -> str:
     why in one line and exited 128 + sig. Returns its stderr."""
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert [p for p in pids if _running(p)] == [], "a process of a rank outlived the launcher"
+    assert [p for p in pids if running(p)] == [], "a process of a rank outlived the launcher"
     assert proc.returncode == 128 + sig, err
     assert runs.error_lines(err) == [f"hetloco-ds train: error: stopped by {signal.Signals(sig).name}; its 2 ranks "
                                      "were stopped first"], err
