@@ -38,14 +38,19 @@ class _StepCast(torch.autograd.Function):
         return grad.to(ctx.dtype), None
 
 
+def cast_linears(modules: Iterable[nn.Module]) -> list[nn.Linear]:
+    """The layers `step_casts` serves: plain `nn.Linear`s (a subclass may compute otherwise)."""
+    return [m for m in modules if type(m) is nn.Linear]
+
+
 @contextlib.contextmanager
 def step_casts(modules: Iterable[nn.Module], dtype: torch.dtype) -> Iterator[dict]:
-    """For one optimizer step: every `nn.Linear` among `modules` computes, under autocast to `dtype`
+    """For one optimizer step: every layer of `cast_linears(modules)` computes, under autocast to `dtype`
     with gradients on, with its weight cast to `dtype` once (on first use) and reached through
     `_StepCast`; anything else (no autocast, no gradient: validation) as `nn.Linear` does. The casts
     are dropped when the step ends (the weights change at its end). Yields the cache (weight -> cast)."""
     cache: dict[torch.Tensor, torch.Tensor] = {}
-    linears = [m for m in modules if type(m) is nn.Linear]
+    linears = cast_linears(modules)
 
     def forward(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         w = lin.weight

@@ -356,8 +356,9 @@ class HetlocoEngine(PipelineEngineAdapter):
         none): through autocast's own cache, kept by an outer, disabled autocast region until the
         step returns, and where `step_casts` (the linear layers' weights) through `casts.step_casts`,
         whose gradients leave each micro-batch's backward as they are made. Never for compiled
-        layers (a cache that changes every step inside a compiled region would recompile it). The weights change only at the step's end;
-        the casts are dropped when it returns. The cast values are the same, so are the bits."""
+        layers (a cache that changes every step inside a compiled region would recompile it). The
+        weights change only at the step's end; the casts are dropped when it returns. The cast values
+        are the same, so are the bits."""
         if self.module.autocast_dtype is None or not self.cast_weights_once:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
@@ -370,7 +371,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         if not run.bf16 or self.hetloco.train.compile:
             return False
         cfg = self.module.llama_config
-        linears = [m for m in self.module.modules() if type(m) is torch.nn.Linear]
+        linears = casts.cast_linears(self.module.modules())
         kv_dim = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
         layers = sizes.decoder_layers_per_stage(cfg.num_hidden_layers, self.num_stages)[self.stage_id]
         return sizes.step_casts_pay(sum(m.weight.numel() for m in linears), self.micro_batches, layers,
