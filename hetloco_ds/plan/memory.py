@@ -27,7 +27,8 @@ context, the allocator's cached blocks, communication buffers)."""
 
 def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, n_mb: int = 32,
                        seq_len: int | None = None, schedule: str = "overlapped", bf16: bool = True,
-                       sparseloco: bool = True, outer_state_device: str = "gpu", autocast_cache: bool = False) -> list[int]:
+                       sparseloco: bool = True, outer_state_device: str = "gpu",
+                       autocast_cache: bool = False) -> list[int]:
     """Peak device bytes of each stage of one replica in `stages` stages: `sizes.stage_state_bytes`
     of its parameters plus `sizes.stage_activation_bytes` of its layers, with `pipe.order.depth`
     micro-batches of micro_batch x seq_len tokens in flight (of `n_mb` a step) under `schedule`.
@@ -42,10 +43,12 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
     out = []
     for s, (tensors, nl) in enumerate(zip(stage_tensors(model, stages), layers)):
         params = sum(math.prod(shape) for _, shape in tensors)
-        cast = sum(math.prod(shape) for name, shape in tensors if len(shape) == 2 and not name.startswith("embed_tokens"))
+        deferred = 0
+        if autocast_cache:
+            cast = sum(math.prod(shape) for name, shape in tensors if len(shape) == 2 and not name.startswith("embed_tokens"))
+            deferred = sizes.deferred_cast_grad_bytes(cast, n_mb, bf16)
         act = sizes.stage_activation_bytes(tokens, nl, depth(schedule, stages, s, n_mb), model.d, model.ffn,
-                                           model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes,
-                                           sizes.deferred_cast_grad_bytes(cast, n_mb, bf16) if autocast_cache else 0)
+                                           model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes, deferred)
         out.append(sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device) + act)
     return out
 
