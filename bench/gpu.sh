@@ -7,7 +7,8 @@
 # From the repository root of a checkout on the GPU machine; $OUT is where results go (the bench
 # scripts write their JSON there unless given --out). In order:
 #   1. packages: if .whl/ holds wheels (DeepSpeed and whatever else the machine's image lacks, e.g.
-#      torchft for gpu_elastic.py), they are installed into /tmp/site, leaving the image's own
+#      torchft for gpu_elastic.py), they are installed into /tmp/site (once per machine and set of
+#      wheels: /tmp/site/.installed; concurrent calls wait on /tmp/site.lock), leaving the image's own
 #      packages alone, plus .whl/opt/*.whl when the image's typing_extensions is older than pydantic
 #      2.13 needs; PYTHONPATH is /tmp/site and this checkout. Without .whl/, what is installed is used.
 #   2. environment: DS_ACCELERATOR=cuda (DeepSpeed told, not left to guess); NVLink multicast off
@@ -55,16 +56,27 @@ if [ "$CPU" = 1 ]; then
 else
   export DS_ACCELERATOR=cuda PYTHONPATH=.
   if compgen -G ".whl/*.whl" > /dev/null; then
-    stamp "installing .whl/ into /tmp/site"
-    timeout -k 5 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || { stamp "wheel install failed"; exit 1; }
-    if ! PYTHONPATH=/tmp/site python3 -c "import sys, importlib.metadata as m
+    # Once per machine and set of wheels: several gpu.sh started together (one bench per GPU) take
+    # turns on the lock, and the later ones find the stamp.
+    WANT=$(ls -l .whl/*.whl .whl/opt/*.whl 2> /dev/null | awk '{print $5, $NF}' | md5sum | cut -d' ' -f1)
+    mkdir -p /tmp/site
+    exec 9> /tmp/site.lock
+    flock -w 300 9 || { stamp "waited 300 s for another gpu.sh's install"; exit 1; }
+    if [ "$(cat /tmp/site/.installed 2> /dev/null)" != "$WANT" ]; then
+      stamp "installing .whl/ into /tmp/site"
+      rm -f /tmp/site/.installed
+      timeout -k 5 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || { stamp "wheel install failed"; exit 1; }
+      if ! PYTHONPATH=/tmp/site python3 -c "import sys, importlib.metadata as m
 sys.exit(tuple(int(x) for x in m.version('typing_extensions').split('.')[:3]) < (4, 14, 1))" \
-        && compgen -G ".whl/opt/*.whl" > /dev/null; then
-      stamp "typing_extensions too old for pydantic: installing .whl/opt/"
-      timeout -k 5 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/opt/*.whl || { stamp ".whl/opt install failed"; exit 1; }
+          && compgen -G ".whl/opt/*.whl" > /dev/null; then
+        stamp "typing_extensions too old for pydantic: installing .whl/opt/"
+        timeout -k 5 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+          --target /tmp/site .whl/opt/*.whl || { stamp ".whl/opt install failed"; exit 1; }
+      fi
+      echo "$WANT" > /tmp/site/.installed
     fi
+    exec 9>&-
     export PYTHONPATH=/tmp/site:.
   fi
   { timeout 20 nvidia-smi; timeout 20 nvidia-smi topo -m; } > "$OUT/env.txt" 2>&1

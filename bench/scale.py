@@ -13,8 +13,9 @@ Parts (each appends its rows to OUT/scale.json and can be run alone):
   outer_place  1B and 178M on one GPU: the outer state on the GPU vs on the host, repeats interleaved
   mixed     178M on 4 GPUs, replicas of depths (1, 1, 2) against (2, 2) (hetloco.replica_stages):
             per replica tokens/s, bytes per link class, outer-step seconds (issue 29)
-Before each run every GPU must be free of processes (up to 60 s; what was there is in the row's
-`gpu_apps_before`). --only NAME,... makes only the runs whose names start so (a part split over calls).
+Before each run its GPUs (CUDA_VISIBLE_DEVICES', else all) must be free of processes (up to 60 s;
+what was there is in the row's `gpu_apps_before`; what ran on the machine's other GPUs meanwhile,
+one bench per GPU, in `gpu_apps_beside`). --only NAME,... makes only the runs whose names start so (a part split over calls).
 
     OUT=DIR bash bench/gpu.sh --gpus 4 --timeout 570 scale.py --parts speed --out DIR   # GPU machine
     python bench/scale.py --cpu-smoke --parts speed --out DIR                         # this CPU
@@ -77,14 +78,26 @@ def profiles(directory: str) -> dict:
     return out
 
 
-def gpu_apps() -> list[str]:
-    """Processes on this machine's GPUs (nvidia-smi), [] where there is none or no nvidia-smi."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id,used_memory", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.strip() for line in out.splitlines() if line.strip()]
+def gpu_apps(mine: bool = True) -> list[str]:
+    """Processes on this machine's GPUs (nvidia-smi), [] where there is none or no nvidia-smi; with
+    `mine`, only on the GPUs CUDA_VISIBLE_DEVICES gives this bench (one bench per GPU may run beside
+    others), else only on the others."""
+    def query(what: str) -> list[list[str]]:
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-{what}", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+
+    apps = query("compute-apps=pid,gpu_bus_id,used_memory")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ours_ = {bus for index, bus in query("gpu=index,pci.bus_id") if index in visible.split(",")}
+        apps = [a for a in apps if len(a) > 1 and (a[1] in ours_) == mine]
+    elif not mine:
+        apps = []
+    return [", ".join(a) for a in apps]
 
 
 def gpus_free(wait: float = 60.0) -> list[str]:
@@ -159,7 +172,8 @@ def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int,
     busy = gpus_free()
     rc, wall = run_cmd(argv, os.path.join(work, f"{name}.log"), timeout, env, done)
     row = {"system": "ours", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc, "model": model,
-           "steps": steps, "config": config, "stopped_after_step_rows": stop_after, "gpu_apps_before": busy}
+           "steps": steps, "config": config, "stopped_after_step_rows": stop_after, "gpu_apps_before": busy,
+           "gpu_apps_beside": gpu_apps(mine=False)}
     if os.path.exists(metrics):
         row.update(steady_rates(metrics, config["hetloco"]["sparseloco"]["inner_steps"],
                                 profiled=config["hetloco"]["train"].get("profile_step", 0)))
@@ -213,7 +227,7 @@ def stock(name: str, work: str, nproc: int, stages: int, model: str, mb: int, ga
     busy = gpus_free()
     rc, wall = run_cmd(argv, os.path.join(work, f"{name}.log"), timeout)
     row = {"system": "stock_deepspeed", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc,
-           "gpu_apps_before": busy}
+           "gpu_apps_before": busy, "gpu_apps_beside": gpu_apps(mine=False)}
     if os.path.exists(out):
         with open(out) as f:
             row.update(json.load(f))
