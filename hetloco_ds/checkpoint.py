@@ -268,23 +268,34 @@ class _Pending:
     """This process's first save: its staging allocated the host buffers."""
     staging_s: float
     """Of `blocked_s`, the stager's copy to host memory (with the first save's buffer allocation)."""
+    waited_s: float = 0.0
+    """Before `blocked_s`: training waiting for the previous save's write to end (saves closer
+    together than a write takes)."""
 
 
 class _Writer:
-    """Per engine: DCP's stager (the device-to-host copy, into buffers kept between saves, pinned
-    on a GPU) and one background thread that writes the staged copy."""
+    """Per engine: the device-to-host copy (DCP's StateDictStager, into host buffers kept between
+    saves, pinned on a GPU) and one background thread that writes the staged copy.
+
+    The StateDictStager is used directly rather than through DefaultStager: torch 2.11's
+    DefaultStager closes it after every copy, which frees the buffers (every save pays the first
+    save's allocation again) and empties its type table, so that the next save fails on its first
+    dict (KeyError: <class 'type'>; the second save of an 8B run on torch 2.11 did)."""
 
     def __init__(self, device):
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
-        pinned = torch.device(device).type == "cuda"
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=False))
+        self._stager = StateDictStager(pin_memory=torch.device(device).type == "cuda", share_memory=False)
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetloco-ckpt")
         self.pending: _Pending | None = None
         self.saves = 0
         self.commits: list[dict] = []
         """What each commit cost (`committed`), on every rank, until taken."""
+
+    def stage(self, files: dict) -> dict:
+        """`files` copied to host memory, tensors into the buffers of the previous save's same
+        tensors; returns when the copy is complete (synchronous copies)."""
+        return self._stager.stage(files, non_blocking=False)
 
 
 def committed(engine) -> list[dict]:
@@ -322,7 +333,9 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     committed global_step checkpoints older than the newest `keep` once this one is."""
     tag = tag_for(step) if tag is None else tag
     check_tag(tag)
+    t_wait = time.perf_counter()
     settle(engine, block=True)
+    waited = time.perf_counter() - t_wait
     partial = os.path.join(ckpt_dir, _partial(tag))
     rank = dist.get_rank()
     if rank == 0:
@@ -345,13 +358,13 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     if writes_shared:
         files.update({layer_checkpoint_name(i): m.state_dict() for i, m in engine.module.checkpoint_layers().items()})
     t_stage = time.perf_counter()
-    staged = writer.stager.stage(files)  # the device-to-host copy: all that training waits for
+    staged = writer.stage(files)  # the device-to-host copy: all that training waits for
     blocked = time.perf_counter() - t0
     staging = time.perf_counter() - t_stage
     layout = {"stage": engine.stage_id, "data": engine.module.replica_id}
     writer.saves += 1
     writer.pending = _Pending(ckpt_dir, tag, step, keep, layout, writer.thread.submit(_write_files, partial, staged),
-                              blocked, started, writer.saves == 1, staging)
+                              blocked, started, writer.saves == 1, staging, waited)
     if wait:
         settle(engine, block=True)
     return tag
@@ -375,7 +388,8 @@ def settle(engine, block: bool = False) -> str | None:
         outcome = pending.future.result()
     except Exception as err:  # noqa: BLE001 - the writer thread's own failure, reported like a write's
         outcome = {"files": {}, "error": f"writing {pending.tag} failed: {_first_line(err)}", "write_s": 0.0}
-    outcome.update(blocked_s=pending.blocked_s, staging_s=pending.staging_s, layout=pending.layout)
+    outcome.update(blocked_s=pending.blocked_s, staging_s=pending.staging_s, waited_s=pending.waited_s,
+                   layout=pending.layout)
     tag, rank, world = pending.tag, dist.get_rank(), dist.get_world_size()
     partial = os.path.join(pending.ckpt_dir, _partial(tag))
     # Every rank reaches this gather whatever happened above: all confirm, or nobody commits.
@@ -422,12 +436,13 @@ def _commit(pending: _Pending, outcomes: list[dict], stages: int) -> dict:
             raise RuntimeError(f"{name} has {found} bytes after its rank wrote {entry['bytes']}")
     # blocked: the longest a rank's training waited (state collected, copied to host memory);
     # staging: the longest copy to host memory alone (DCP's stager; the first save allocates);
-    # written: the longest background write; to_commit: from the save's start to this commit
+    # waited_for_previous: before that, the longest wait for the previous save's write; written: the longest background write; to_commit: from the save's start to this commit
     # (it waits for the first outer boundary at which every rank's write had ended).
     manifest = {"format": FORMAT, "tag": tag, "step": pending.step, "world_size": len(outcomes), "stages": stages,
                 "ranks": [o["layout"] for o in outcomes], "files": dict(sorted(files.items())),
                 "seconds": {"blocked": max(o["blocked_s"] for o in outcomes),
                             "staging": max(o["staging_s"] for o in outcomes),
+                            "waited_for_previous": max(o["waited_s"] for o in outcomes),
                             "written": max(o["write_s"] for o in outcomes),
                             "to_commit": time.time() - pending.started}}
     write_durably(os.path.join(partial, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))

@@ -76,3 +76,80 @@ position and put back there. Breaks if a flag is ignored again, or the data rest
         assert r["all"] == (True, True, 2)
         assert r["refused"] == ("load_checkpoint: load_module_strict=False and custom_load_fn are not supported "
                                 "(a hetloco checkpoint always holds every layer of every stage)")
+
+
+def _two_saves_body(rank, hf_dir, cfg_path, ckpt_dir):
+    import torch
+    from torch.distributed.checkpoint import _state_dict_stager, staging
+
+    from distributed import build_from_hf
+
+    from hetloco_ds import checkpoint
+
+    # torch 2.11's DefaultStager closes its StateDictStager after every copy (its buffers freed, its
+    # type table emptied); a checkpoint path through it fails at the second save.
+    stage_once = staging.DefaultStager._stage
+
+    def stage_and_close(self, state_dict, **kwargs):
+        try:
+            return stage_once(self, state_dict, **kwargs)
+        finally:
+            self._state_dict_stager.close()
+
+    staging.DefaultStager._stage = stage_and_close
+    copies = []  # per save: {source storage pointer: host copy's pointer}
+    stage = _state_dict_stager.StateDictStager.stage
+
+    def recording(self, state_dict, non_blocking=False):
+        out = stage(self, state_dict, non_blocking=non_blocking)
+        pairs, found = {}, []
+
+        def walk(a, b):
+            if isinstance(a, torch.Tensor):
+                found.append((a, b))
+            elif isinstance(a, dict):
+                for k in a:
+                    walk(a[k], b[k])
+            elif isinstance(a, (list, tuple)):
+                for x, y in zip(a, b):
+                    walk(x, y)
+
+        walk(state_dict, out)
+        for a, b in found:
+            if a.numel() > 1:
+                pairs[a.untyped_storage().data_ptr()] = b.untyped_storage().data_ptr()
+        copies.append(pairs)
+        return out
+
+    _state_dict_stager.StateDictStager.stage = recording
+    from hetloco_ds.data import ReplicaBatches
+
+    engine, _, _ = build_from_hf(hf_dir, json.loads(open(cfg_path).read()), seq_len=16)
+    blocks = torch.randint(96, (64, 16), generator=torch.Generator().manual_seed(0))
+    engine.set_dataloader(ReplicaBatches(blocks, engine.replica, engine.num_replicas, engine.micro_batch_size))
+    for tag in ("first", "second"):
+        for _ in range(2):  # an outer step each
+            engine.train_batch()
+        checkpoint.save(engine, ckpt_dir, engine.local_steps, 0, tag=tag)
+    first, second = copies
+    reused = [p for p in second if p in first]
+    return {"tensors": (len(first), len(second)), "reused": len(reused),
+            "same_buffers": sum(first[p] == second[p] for p in reused)}
+
+
+def test_a_second_save_reuses_the_first_saves_host_buffers_whatever_torchs_stager_does(tmp_path):
+    """Two saves in one process, with DefaultStager behaving as torch 2.11's (it closes its
+    StateDictStager after each copy): both commit, and every tensor of the second save that the
+    first also copied lands in the same host buffer (a GPU save then pays the pinned allocation
+    once per process). Breaks if the saves go through DefaultStager again: the second fails
+    (KeyError: <class 'type'>), as it did in an 8B run on torch 2.11."""
+    from test_cli import save_tiny_hf_with_tokenizer, write_config
+
+    hf = save_tiny_hf_with_tokenizer(tmp_path / "hf")
+    cfg = write_config(tmp_path / "cfg.json", {"pipeline.stages": 1, "hetloco.sparseloco.inner_steps": 2})
+    results = run_ranks(_two_saves_body, 2, str(hf), str(cfg), str(tmp_path / "ckpt"), timeout=240)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "second"
+    for r in results:
+        n_first, n_second = r["tensors"]
+        assert n_first >= 10 and n_second == n_first
+        assert r["reused"] == n_first and r["same_buffers"] == n_first

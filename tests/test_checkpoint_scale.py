@@ -64,7 +64,8 @@ def test_a_checkpoint_at_an_outer_boundary_holds_no_tensor_twice(reference):
         assert checkpoint.verify(str(ckpt_dir), tag, 4) is None
         manifest = json.loads((ckpt_dir / tag / checkpoint.MANIFEST).read_text())
         seconds = manifest["seconds"]
-        assert set(seconds) == {"blocked", "staging", "written", "to_commit"}
+        assert set(seconds) == {"blocked", "staging", "waited_for_previous", "written", "to_commit"}
+        assert 0 <= seconds["waited_for_previous"] < seconds["to_commit"]
         assert 0 < seconds["blocked"] < seconds["to_commit"] and 0 < seconds["written"] < seconds["to_commit"]
         assert 0 < seconds["staging"] <= seconds["blocked"]
         seen: dict = {}

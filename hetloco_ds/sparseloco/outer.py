@@ -516,8 +516,8 @@ class SparseLoCoState:
                 for g in self._groups:
                     if self.on_host:
                         self._copies.store(fresh[id(g)], g.error)
-                    else:
-                        g.error = fresh[id(g)]
+                    else:  # into the same storage: a checkpoint's host copy of it is then reused
+                        g.error.copy_(fresh[id(g)])
         # else: error buffers stay as they were, the body stays zero, the flag says excluded.
         self._pending = True
         return payload
