@@ -20,6 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .sizes import CHUNKINGS, MAX_CHUNK, QUANT_BITS, TOPK_RULES
 from .sparseloco.presets import PRESETS as OUTER_PRESETS
 
+OUTER_STATE_DEVICE = "cpu"
+"""Where the outer state waits by default (`sparseloco.outer_state_device`): on the host it keeps
+8 B/parameter off the device, at 1B and 8B what puts a GPU's peak at or below stock DeepSpeed's;
+in speed it measured ahead at 1B and within run-to-run noise at 178M and at the 8B shape
+(bench/README.md, "outer state on the host")."""
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the bad value and where it came from."""
@@ -65,7 +71,7 @@ class SparseLoCoConfig(_Section):
     aggregating (a no-op among honest replicas; bounds what one outlier moves); none: no clip."""
     outer_momentum: float = Field(0.0, ge=0, lt=1)
     """Nesterov momentum of the outer SGD; 0 is the paper's plain SGD (DiLoCo: 0.9 with outer_lr 0.7)."""
-    outer_state_device: Literal["gpu", "cpu"] = "gpu"
+    outer_state_device: Literal["gpu", "cpu"] = OUTER_STATE_DEVICE
     """Where theta at the last sync and the error-feedback buffers (and the outer momentum) live between outer
     steps. gpu: on the stage's device. cpu: in host memory (pinned on a GPU machine), 8 B/parameter (12 with
     outer momentum) off the device, brought over in slices during the outer step on a side stream that

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..config import OUTER_STATE_DEVICE
 from ..presets import DEFAULT_VOCAB
 from ..sizes import QUANT_BITS
 from .fleet import FleetPlan, plan_fleet
@@ -185,7 +186,7 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
     ap.add_argument("--largest", action="store_true", help="print the largest preset one replica trains on 1, 2, 4, "
                     "8 GPUs of 24, 40, 80, 141 GB, with the outer state on the GPU and on the host (--vocab, --seq-len, "
                     "--micro-batch, --n-mb, --schedule apply to every preset)")
-    ap.add_argument("--outer-state-device", choices=("gpu", "cpu"), default="gpu",
+    ap.add_argument("--outer-state-device", choices=("gpu", "cpu"), default=OUTER_STATE_DEVICE,
                     help="fleet: where the outer state waits between outer steps (hetloco.sparseloco.outer_state_device)")
     ap.add_argument("--target", type=float, default=0.9, help="fleet: target compute utilisation")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the result as JSON ('-' = stdout)")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .. import sizes
+from ..config import OUTER_STATE_DEVICE
 from .memory import MEMORY_HEADROOM, min_stages, stage_memory_bytes
 from .model import ModelShape, Settings, check_positive, fmt_rate, parse_rate, predict, resolve_model, stage_tensors
 from .outer_step import OuterStep, exchange_times, predict_outer_step
@@ -162,7 +163,7 @@ def plan_fleet(
     *,
     stages: int | None = None,
     ratios: Sequence[int] = DEFAULT_RATIOS,
-    outer_state_device: str = "gpu",
+    outer_state_device: str = OUTER_STATE_DEVICE,
     memory_headroom: float = MEMORY_HEADROOM,
     tolerance: float = 0.005,
     **overrides: Any,
@@ -260,7 +261,7 @@ def _place(plans: list[GroupPlan], step: OuterStep, contiguous: bool) -> str:
 
 
 def fleet_config(m: ModelShape, base: Settings, plans: list[GroupPlan], replica_stages: list[int],
-                 stages: int | None, outer_state_device: str = "gpu") -> dict[str, Any]:
+                 stages: int | None, outer_state_device: str = OUTER_STATE_DEVICE) -> dict[str, Any]:
     """The DeepSpeed JSON keys that run the planned fleet as the plan modelled it: the topology
     (pipeline.stages when every replica has the one S `stages`, else hetloco.replica_stages), the compressed replicas and
     their ratios (the most common one as `ratio`, the others in `replica_ratios`), H, the batch,
@@ -283,7 +284,7 @@ def fleet_config(m: ModelShape, base: Settings, plans: list[GroupPlan], replica_
     hetloco["sparseloco"] = {"inner_steps": base.H, "topk": base.topk, "chunk_size": base.chunk}
     if base.quant_bits is not None:
         hetloco["sparseloco"]["quant_bits"] = base.quant_bits
-    if outer_state_device != "gpu":
+    if outer_state_device != OUTER_STATE_DEVICE:
         hetloco["sparseloco"]["outer_state_device"] = outer_state_device
     hetloco["train"] = {"seq_len": base.seq_len or m.seq_len}
     if not base.overlap:
