@@ -28,6 +28,7 @@ from . import casts, optim, sizes
 from .algorithm import StageAlgorithm
 from .config import RunConfig
 from .meter import ByteMeter, nbytes
+from .model import head_dim
 from .patches import PipelineEngineAdapter
 from .pipe import order, schedule as pipe_schedule
 from .pipe.links import StageLinks, gemm_sm_carveout, open_links
@@ -372,7 +373,7 @@ class HetlocoEngine(PipelineEngineAdapter):
             return False
         cfg = self.module.llama_config
         linears = casts.cast_linears(self.module.modules())
-        kv_dim = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+        kv_dim = cfg.num_key_value_heads * head_dim(cfg)
         layers = sizes.decoder_layers_per_stage(cfg.num_hidden_layers, self.num_stages)[self.stage_id]
         return sizes.step_casts_pay(sum(m.weight.numel() for m in linears), self.micro_batches, layers,
                                     self.micro_batch_size * self.seq_len, cfg.hidden_size, cfg.intermediate_size,

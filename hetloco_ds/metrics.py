@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from .checkpoint import replace_text
 from .engine import StepRecord
+from .model import head_dim
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU from NVIDIA's datasheets, matched as a
 # substring of torch.cuda.get_device_name(); the first match wins, so variants come first.
@@ -73,8 +74,7 @@ def training_flops_per_token(config, seq_len: int) -> float:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     n = sum(p.numel() for p in model.parameters())  # parameters() yields a tied table once
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 6.0 * n + 12.0 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+    return 6.0 * n + 12.0 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * seq_len
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -37,6 +37,12 @@ def stage_config(config: LlamaConfig) -> LlamaConfig:
     return config
 
 
+def head_dim(config: LlamaConfig) -> int:
+    """A head's width: the config's own `head_dim` where it names one (transformers honours it),
+    else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def residual_dtype(t: torch.Tensor) -> torch.dtype:
     """dtype of the residual stream: the autocast dtype under autocast (as DeepSpeed's bf16
     mode runs it, halving every elementwise pass), the tensor's own dtype otherwise (fp32

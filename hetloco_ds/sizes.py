@@ -256,6 +256,21 @@ def stage_state_bytes(params: int, bf16: bool = True, sparseloco: bool = True, o
     return params * per
 
 
+def host_state_bytes(params: int, on_gpu: bool, outer_on_host: bool, bf16: bool = True, sparseloco: bool = True,
+                     outer_momentum: bool = False) -> int:
+    """Host bytes `params` trainable parameters of a rank take: a checkpoint's host copy, kept between
+    saves (weights 4, AdamW moments 8, error feedback 4: an upper bound, a replica other than 0
+    stores no weights); on a GPU with the outer state on the host (`sparseloco.outer_state_device`
+    "cpu", pinned), theta at the last sync 4 + error feedback 4 (+ outer momentum 4); on the CPU the
+    whole training state as well (`stage_state_bytes`, its outer state wherever it is placed)."""
+    per_param = 16
+    if not on_gpu:
+        return params * per_param + stage_state_bytes(params, bf16, sparseloco, "gpu", outer_momentum)
+    if sparseloco and outer_on_host:
+        per_param += 8 + (4 if outer_momentum else 0)
+    return params * per_param
+
+
 def layer_activation_bytes(d: int, ffn: int, kv_dim: int, act_bytes: int = 2) -> int:
     """Bytes one decoder layer (`model.DecoderLayer`: transformers' LlamaDecoderLayer, SDPA, our
     RMSNorm) saves for its backward, per token, under autocast at `act_bytes` (2: bf16): each of the

@@ -30,7 +30,7 @@ import uuid
 
 import torch
 
-from . import checkpoint, rundir
+from . import checkpoint, rundir, sizes
 from .config import (ConfigError, RunConfig, check_run, check_topology, default_config_path, elastic_replica,
                      parse_config)
 from .elastic import replica as fleet
@@ -258,6 +258,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         hf_dir = args.model
     M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers, elastic=args.fleet is not None,
                   tied=bool(llama_config.tie_word_embeddings), replica=args.fleet.replica if args.fleet else None)
+    _check_host_memory(run, llama_config, world, M)
     positions = getattr(llama_config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
         model = (meta.path if record is not None else f"--model {args.model}" if args.model
@@ -283,6 +284,45 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         except checkpoint.CheckpointError as err:
             raise ConfigError(f"--resume: {err}") from None
     return RunPlan(args, run, raw, llama_config, tokenizer, corpus, world, M, hf_dir, resume, secret)
+
+
+def mem_available() -> int | None:
+    """Bytes of host memory the kernel says are available (MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_host_memory(run: RunConfig, llama_config, world: int, replicas: int) -> None:
+    """Refuse, before any rank starts, a run whose ranks on this host would hold more host memory
+    (`sizes.host_state_bytes`: checkpoint copies, the outer state on the host, the CPU's training
+    state) than the host has available: otherwise the kernel kills a rank mid-run."""
+    available = mem_available()
+    if available is None:
+        return
+    import transformers
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in transformers.LlamaForCausalLM(llama_config).parameters())
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    sl = run.hetloco.sparseloco
+    on_gpu = torch.cuda.is_available()
+    outer_on_host = sl.outer_state_device == "cpu"
+    need = sizes.host_state_bytes(params * replicas * here // world, on_gpu, outer_on_host, run.bf16, sl.enabled,
+                                  sl.outer_momentum > 0)
+    if need > available:
+        hint = ('; hetloco.sparseloco.outer_state_device "gpu" keeps the outer state (8 B a parameter) on the GPUs'
+                if on_gpu and outer_on_host and sl.enabled else "")
+        raise ConfigError(f"{run.source}: the {here} rank(s) on this host need about {need / 1e9:.1f} GB of host "
+                          f"memory ({params / 1e9:.2f}B parameters, {replicas} replica(s): checkpoint copies"
+                          f"{', the outer state' if on_gpu and outer_on_host and sl.enabled else ''}"
+                          f"{', the training state' if not on_gpu else ''}) and {available / 1e9:.1f} GB is "
+                          f"available{hint}")
 
 
 def _check_resumed_fleet(args: TrainArgs, record: dict, out: str) -> None:

@@ -133,3 +133,19 @@ def test_peak_lookup_by_device_name(name, tflops):
     family (an H100 PCIe is not an SXM, an L40S is not an L4); unknown GPUs get no MFU."""
     assert peak_flops_for(name) == (None if tflops is None else tflops * 1e12)
     assert len({key for key, _ in PEAK_BF16_FLOPS}) == len(PEAK_BF16_FLOPS)
+
+
+def test_a_heads_width_is_the_configs_own_where_it_names_one():
+    """`model.head_dim`, which MFU's attention term and the engine's step-cast check both read: a
+    config's own head_dim (transformers sizes q, k and v by it) over hidden / heads. Breaks if
+    either goes back to hidden / heads alone."""
+    from conftest import tiny_llama_config
+
+    from hetloco_ds.model import head_dim
+
+    config = tiny_llama_config(tied=False)
+    assert head_dim(config) == 32 // 4
+    config.head_dim = 16
+    assert head_dim(config) == 16
+    assert training_flops_per_token(config, 16) - training_flops_per_token(tiny_llama_config(tied=False), 16) \
+        >= 12 * 4 * 4 * (16 - 8) * 16
