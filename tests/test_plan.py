@@ -533,6 +533,25 @@ def test_fleet_with_the_outer_state_on_the_host_needs_fewer_stages_and_says_so()
     assert HetlocoConfig.model_validate(cpu.config["hetloco"]).sparseloco.outer_state_device == "cpu"
 
 
+def test_a_group_is_cut_deeper_than_its_memory_needs_only_where_that_puts_idle_devices_to_work_faster():
+    """With the outer state on the host, mixed_fleet.json's eight 16 GB laptops hold a 1B replica in
+    S = 3, which leaves two idle (2 replicas); S = 4 puts all eight to work and the fleet trains
+    more tokens a second, so the planner takes it and says so; the config runs what it planned. The
+    other groups' devices are all used at their least S, which they keep. Breaks if the planner
+    leaves devices idle where a deeper cut is faster, or cuts a group deeper for nothing."""
+    fp = plan.plan_fleet(str(MIXED_FLEET), "1B", 0.9, n_mb=64, outer_state_device="cpu")
+    g = {x.name: x for x in fp.groups}
+    assert (g["laptops"].stages_needed, g["laptops"].stages, g["laptops"].replicas) == (3, 4, 2)
+    assert all(g[n].stages == g[n].stages_needed for n in ("gpu-host", "desktops"))
+    assert fp.config["hetloco"]["replica_stages"] == [1] * 8 + [2] * 3 + [4] * 2
+    gpu = plan.plan_fleet(str(MIXED_FLEET), "1B", 0.9, n_mb=64, outer_state_device="gpu")
+    assert fp.tokens_per_second == pytest.approx(gpu.tokens_per_second, rel=0.01)
+    fewest = [n for n in fp.notes if n.startswith("laptops: S = 4, deeper than its memory needs (3)")]
+    assert len(fewest) == 1
+    slower = float(fewest[0].split("against ")[1].split(" at the fewest")[0].replace(",", ""))
+    assert slower < fp.tokens_per_second
+
+
 def test_layer_activation_rule_matches_the_tensors_a_decoder_layer_saves():
     """sizes.layer_activation_bytes against what our DecoderLayer (transformers' LlamaDecoderLayer)
     actually saves for backward under bf16 autocast on this CPU, per token (the difference of two
