@@ -301,8 +301,7 @@ class _Writer:
 def committed(engine) -> list[dict]:
     """The commits since the last call, oldest first, the same on every rank: tag, step, bytes on
     disk, whether it was this process's first save (DCP's stager then allocates its host buffers,
-    pinned on a GPU, which later saves reuse) and the manifest's seconds (training blocked, written,
-    save to commit)."""
+    pinned on a GPU, which later saves reuse) and the manifest's seconds (`_commit`)."""
     writer = getattr(engine, "_checkpoint_writer", None)
     if writer is None:
         return []
@@ -436,7 +435,8 @@ def _commit(pending: _Pending, outcomes: list[dict], stages: int) -> dict:
             raise RuntimeError(f"{name} has {found} bytes after its rank wrote {entry['bytes']}")
     # blocked: the longest a rank's training waited (state collected, copied to host memory);
     # staging: the longest copy to host memory alone (DCP's stager; the first save allocates);
-    # waited_for_previous: before that, the longest wait for the previous save's write; written: the longest background write; to_commit: from the save's start to this commit
+    # waited_for_previous: before that, the longest wait for the previous save's write; written:
+    # the longest background write; to_commit: from the save's start to this commit
     # (it waits for the first outer boundary at which every rank's write had ended).
     manifest = {"format": FORMAT, "tag": tag, "step": pending.step, "world_size": len(outcomes), "stages": stages,
                 "ranks": [o["layout"] for o in outcomes], "files": dict(sorted(files.items())),

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from .checkpoint import replace_text
 from .engine import StepRecord
-from .model import head_dim
+from .model import head_dim, parameter_count
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU from NVIDIA's datasheets, matched as a
 # substring of torch.cuda.get_device_name(); the first match wins, so variants come first.
@@ -69,12 +69,7 @@ def peak_flops(device: torch.device) -> float | None:
 
 def training_flops_per_token(config, seq_len: int) -> float:
     """6N + 12 * layers * heads * head_dim * seq_len (see the module docstring)."""
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    n = sum(p.numel() for p in model.parameters())  # parameters() yields a tied table once
-    return 6.0 * n + 12.0 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * seq_len
+    return 6.0 * parameter_count(config) + 12.0 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * seq_len
 
 
 def peak_memory_bytes(device: torch.device) -> int:

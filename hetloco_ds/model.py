@@ -37,6 +37,15 @@ def stage_config(config: LlamaConfig) -> LlamaConfig:
     return config
 
 
+def parameter_count(config: LlamaConfig) -> int:
+    """Every parameter of the whole model `config` describes, a tied table once (built on meta)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied table once
+
+
 def head_dim(config: LlamaConfig) -> int:
     """A head's width: the config's own `head_dim` where it names one (transformers honours it),
     else hidden / heads."""

@@ -35,6 +35,7 @@ from .config import (ConfigError, RunConfig, check_run, check_topology, default_
                      parse_config)
 from .elastic import replica as fleet
 from .elastic.replica import EXIT_REFUSED, FleetArgs
+from .model import parameter_count
 from .presets import model_config_for
 from .watchdog import EXIT_STALLED, Watchdog
 
@@ -305,24 +306,21 @@ def _check_host_memory(run: RunConfig, llama_config, world: int, replicas: int) 
     available = mem_available()
     if available is None:
         return
-    import transformers
-
-    with torch.device("meta"):
-        params = sum(p.numel() for p in transformers.LlamaForCausalLM(llama_config).parameters())
+    params = parameter_count(llama_config)
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     sl = run.hetloco.sparseloco
     on_gpu = torch.cuda.is_available()
-    outer_on_host = sl.outer_state_device == "cpu"
+    outer_on_host = on_gpu and sl.enabled and sl.outer_state_device == "cpu"
     need = sizes.host_state_bytes(params * replicas * here // world, on_gpu, outer_on_host, run.bf16, sl.enabled,
                                   sl.outer_momentum > 0)
     if need > available:
-        hint = ('; hetloco.sparseloco.outer_state_device "gpu" keeps the outer state (8 B a parameter) on the GPUs'
-                if on_gpu and outer_on_host and sl.enabled else "")
+        held = "checkpoint copies" + (", the outer state" if outer_on_host else "") + \
+            (", the training state" if not on_gpu else "")
+        hint = '; hetloco.sparseloco.outer_state_device "gpu" keeps the outer state (8 B a parameter) on the GPUs' \
+            if outer_on_host else ""
         raise ConfigError(f"{run.source}: the {here} rank(s) on this host need about {need / 1e9:.1f} GB of host "
-                          f"memory ({params / 1e9:.2f}B parameters, {replicas} replica(s): checkpoint copies"
-                          f"{', the outer state' if on_gpu and outer_on_host and sl.enabled else ''}"
-                          f"{', the training state' if not on_gpu else ''}) and {available / 1e9:.1f} GB is "
-                          f"available{hint}")
+                          f"memory ({params / 1e9:.2f}B parameters, {replicas} replica(s): {held}) and "
+                          f"{available / 1e9:.1f} GB is available{hint}")
 
 
 def _check_resumed_fleet(args: TrainArgs, record: dict, out: str) -> None:
