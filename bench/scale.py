@@ -56,15 +56,17 @@ def deep_update(base: dict, over: dict) -> dict:
 def steady_rates(metrics_path: str, inner_steps: int, skip: int = 5, profiled: int = 0) -> dict:
     """Median global tokens/s over the step rows, leaving out the first `skip` steps, the steps
     at and right after each outer step (ANCHORS.md's rule) and the profiled step; peak memory the
-    writers saw."""
+    writers saw, and each stage's (the most over the replicas; rows since metrics carry it)."""
     rows = [json.loads(line) for line in open(metrics_path)]
     steps = [r for r in rows if r.get("kind") == "step"]
     keep = [r for r in steps if r["step"] > skip and r["step"] % inner_steps not in (0, 1) and r["step"] != profiled]
     rates = [r["global_tokens_per_s"] for r in keep if "global_tokens_per_s" in r]
     outer = [r["seconds"] for r in rows if r.get("kind") == "outer"]
+    by_stage = [r["peak_memory_bytes_by_stage"] for r in steps if r.get("peak_memory_bytes_by_stage")]
     return {"global_tokens_per_s": statistics.median(rates) if rates else None, "steady_steps": len(rates),
             "mfu": statistics.median([r["mfu"] for r in keep if "mfu" in r]) if any("mfu" in r for r in keep) else None,
             "peak_memory_gib_writers": max((r.get("peak_memory_bytes", 0) for r in steps), default=0) / 2**30,
+            "peak_memory_gib_by_stage": [max(s) / 2**30 for s in zip(*by_stage)] if by_stage else None,
             "outer_step_seconds": outer, "final_loss": steps[-1]["loss"] if steps else None}
 
 
@@ -172,14 +174,27 @@ def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int,
     busy = gpus_free()
     rc, wall = run_cmd(argv, os.path.join(work, f"{name}.log"), timeout, env, done)
     row = {"system": "ours", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc, "model": model,
-           "steps": steps, "config": config, "stopped_after_step_rows": stop_after, "gpu_apps_before": busy,
-           "gpu_apps_beside": gpu_apps(mine=False)}
+           "steps": steps, "config": config, "resolved": resolved(cfg_path), "stopped_after_step_rows": stop_after,
+           "gpu_apps_before": busy, "gpu_apps_beside": gpu_apps(mine=False)}
     if os.path.exists(metrics):
         row.update(steady_rates(metrics, config["hetloco"]["sparseloco"]["inner_steps"],
                                 profiled=config["hetloco"]["train"].get("profile_step", 0)))
         row["checkpoints"] = checkpoint_facts(metrics, run_dir)
     row["profile"] = profiles(os.path.join(run_dir, "profile"))
     return row
+
+
+def resolved(config_path: str) -> dict:
+    """What the run's "auto" schedule and link transport (on GPUs of one host, as every run here is)
+    and its outer-state placement came to under this checkout's rules: the defaults change between
+    commits, and a committed row must say what it measured."""
+    from hetloco_ds.config import load_config
+    from hetloco_ds.pipe.order import links_plan
+
+    run = load_config(config_path)
+    schedule, transport = links_plan(run.hetloco.pipeline.schedule, run.hetloco.pipeline.link_transport, "cuda")
+    return {"schedule": schedule, "link_transport": transport,
+            "outer_state_device": run.hetloco.sparseloco.outer_state_device}
 
 
 def checkpoint_facts(metrics_path: str, run_dir: str) -> dict:
@@ -430,6 +445,16 @@ def shapes(cpu: bool) -> dict:
                 model8="8B", mb8=1, gas8=16, seq8=1024, h8=10, ckpt8=10)
 
 
+def gpu_peak_gib(row: dict) -> float | None:
+    """A run's peak allocated on its fullest GPU: stock's every rank; ours' every stage (metrics
+    rows since they carry it, else a profiled step's ranks), else only the writers' (the last stage)."""
+    for key in ("peak_allocated_gib_by_rank", "peak_memory_gib_by_stage"):
+        if row.get(key):
+            return max(row[key])
+    ranks = [p["peak_allocated_gib"] for p in (row.get("profile") or {}).values() if "peak_allocated_gib" in p]
+    return max(ranks + [row.get("peak_memory_gib_writers") or 0]) if ranks else row.get("peak_memory_gib_writers")
+
+
 def summarize(files: list[str]) -> dict:
     """Medians over the repeats of every committed scale JSON given (repeats may span calls; each
     call ran its own stock baseline), the ratios to stock, and the memory rows."""
@@ -446,10 +471,9 @@ def summarize(files: list[str]) -> dict:
     out = {"cards": sorted(cards), "files": [os.path.basename(f) for f in files], "systems": {}}
     for (part, system), rs in sorted(by.items()):
         rates = [r["global_tokens_per_s"] for r in rs if r.get("global_tokens_per_s")]
-        peak = [max(r["peak_allocated_gib_by_rank"]) if r.get("peak_allocated_gib_by_rank") else r.get("peak_memory_gib_writers")
-                for r in rs]
+        peak = [gpu_peak_gib(r) for r in rs]
         out["systems"][f"{part}/{system}"] = {"global_tokens_per_s": rates, "median": statistics.median(rates),
-                                              "peak_allocated_gib": peak,
+                                              "peak_allocated_gib": peak, "peak_allocated_gib_fullest_gpu": max((p for p in peak if p is not None), default=None),
                                               "outer_step_seconds": [r.get("outer_step_seconds") for r in rs]}
     for part, stock_name in (("speed", "stock_1b_s2"), ("s178", "stock_178m_s2"), ("memory", "stock_1b_s1")):
         base = out["systems"].get(f"{part}/{stock_name}")

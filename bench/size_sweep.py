@@ -192,7 +192,9 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
             "val_loss_mean": r["val_loss_mean"], "seeds": r["seeds"], "per_seed": r["val_loss_per_seed"],
             "outer_steps": r["outer_steps"], "tokens_per_param": r["tokens_per_param"],
             "tokens_per_replica_step": r["tokens_per_replica_step"], "epochs": r["epochs"],
-            "degradation_pct": r["delta_pct_mean"], "card": meta["card"], "seconds_per_seed": r["seconds_per_seed"],
+            "degradation_pct": r["delta_pct_mean"], "seconds_per_seed": r["seconds_per_seed"],
+            "card": " + ".join(dict.fromkeys(c or meta["card"] for c in r["card_per_seed"])),
+            "card_per_seed": [c or meta["card"] for c in r["card_per_seed"]],
         })
     return out
 
@@ -272,11 +274,13 @@ def summarize(args) -> int:
         if loaded is None:
             continue
         summary, meta = loaded
-        rows += summary_rows(model, summary, meta)
-        cards.add(meta["card"])
+        size_rows = summary_rows(model, summary, meta)
+        rows += size_rows
+        size_cards = sorted({c for r in size_rows for c in r["card_per_seed"]})
+        cards.update(size_cards)
         settings[model] = {k: meta.get(k) for k in ("n_params", "steps", "replicas", "stages", "inner_steps",
                                                      "micro_batch", "grad_accum", "seq_len", "corpus_train_tokens",
-                                                     "data", "compile", "card")}
+                                                     "data", "compile")} | {"cards": size_cards}
     if not rows:
         raise SystemExit(f"size_sweep: no results under {args.results}")
     gap_rows = gaps(rows)

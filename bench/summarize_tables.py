@@ -73,7 +73,7 @@ def load_rows(paths: list[str]) -> tuple[list[dict], dict, list[dict]]:
             if key in seen:
                 raise SystemExit(f"{key} is in both {seen[key]} and {path}")
             seen[key] = path
-            rows.append({**r, "file": os.path.basename(path)})
+            rows.append({**r, "file": os.path.basename(path), "card": r.get("card") or doc.get("card")})
         unfinished += doc.get("unfinished", [])
     if meta is None:
         raise SystemExit(f"no paper_tables_*.json in {paths or [RESULTS]}")
@@ -132,6 +132,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
             "last_sync_error_norm": _mean(x.get("error_norm") for x in last),
             "stage_link_bytes_per_token": first["stage_link_bytes_per_token"],
             "seconds_per_seed": [r.get("seconds") for r in group],
+            "card_per_seed": [r.get("card") for r in group],  # a size's seeds may have run on different cards
         })
     return out
 

@@ -273,6 +273,37 @@ class _Pending:
     together than a write takes)."""
 
 
+STAGER = ("torch.distributed.checkpoint._state_dict_stager", "StateDictStager")
+"""The private torch class `_Writer` copies through (see there), with the parameters it is called
+with; written against torch 2.11 (the GPU machines) and 2.13 (CPU)."""
+STAGER_PARAMETERS = {"__init__": ("pin_memory", "share_memory"), "stage": ("state_dict", "non_blocking")}
+
+
+class TorchMismatch(ImportError):
+    """A private torch name the checkpoint writer relies on is gone or has changed."""
+
+
+def check_torch() -> None:
+    """Raise TorchMismatch, naming the name and torch's version, unless `STAGER` exists with the
+    parameters `_Writer` passes: checked before any rank starts, not at a run's first save."""
+    import importlib
+    import inspect
+
+    module, name = STAGER
+    where = f"torch {torch.__version__}: {module}.{name}"
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise TorchMismatch(f"{where} is gone; hetloco_ds's checkpoints copy through it (written against torch "
+                            f"2.11 and 2.13)") from None
+    for method, wanted in STAGER_PARAMETERS.items():
+        have = tuple(inspect.signature(getattr(cls, method, None) or (lambda: None)).parameters)
+        missing = [p for p in wanted if p not in have]
+        if missing:
+            raise TorchMismatch(f"{where}.{method} lacks {', '.join(missing)} (has {', '.join(have) or 'nothing'}); "
+                                f"hetloco_ds's checkpoints call it so (written against torch 2.11 and 2.13)")
+
+
 class _Writer:
     """Per engine: the device-to-host copy (DCP's StateDictStager, into host buffers kept between
     saves, pinned on a GPU) and one background thread that writes the staged copy.
@@ -283,9 +314,10 @@ class _Writer:
     dict (KeyError: <class 'type'>; the second save of an 8B run on torch 2.11 did)."""
 
     def __init__(self, device):
-        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+        import importlib
 
-        self._stager = StateDictStager(pin_memory=torch.device(device).type == "cuda", share_memory=False)
+        stager = getattr(importlib.import_module(STAGER[0]), STAGER[1])
+        self._stager = stager(pin_memory=torch.device(device).type == "cuda", share_memory=False)
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetloco-ckpt")
         self.pending: _Pending | None = None
         self.saves = 0

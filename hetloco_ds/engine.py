@@ -27,7 +27,7 @@ from deepspeed import comm as dist
 from . import casts, optim, sizes
 from .algorithm import StageAlgorithm
 from .config import RunConfig
-from .meter import ByteMeter, nbytes
+from .meter import ByteMeter, nbytes, peak_memory_bytes
 from .model import head_dim
 from .patches import PipelineEngineAdapter
 from .pipe import order, schedule as pipe_schedule
@@ -381,13 +381,16 @@ class HetlocoEngine(PipelineEngineAdapter):
 
     def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()
-        compute = [0.0] * self.num_stages
+        S = self.num_stages
+        compute, memory = [0.0] * S, [0.0] * S
         compute[self.stage_id], self.compute_seconds = self.compute_seconds, 0.0
-        vec = torch.tensor([float(local_loss)] + self.meter.as_vector(counts) + compute, dtype=torch.float64,
+        memory[self.stage_id] = float(peak_memory_bytes(torch.device(self.device)))  # exact in float64 below 2**53
+        vec = torch.tensor([float(local_loss)] + self.meter.as_vector(counts) + compute + memory, dtype=torch.float64,
                            device=self.device)
-        if self.num_stages > 1:
+        if S > 1:
             # One small reduction on the replica's own stage links: the loss from the last
-            # stage, every stage's byte counters (summed) and each stage's compute seconds.
+            # stage, every stage's byte counters (summed), each stage's compute seconds and
+            # peak memory (the writer is one stage; the GPU nearest its limit may be another).
             self.meter.add("sent", nbytes(vec), "control")
             self.meter.add("recv", nbytes(vec), "control")
             dist.all_reduce(vec, group=self.pipe_group)
@@ -401,10 +404,10 @@ class HetlocoEngine(PipelineEngineAdapter):
             loss=values[0],
             tokens=tokens,
             seconds=seconds,
-            bytes=ByteMeter.from_vector(values[1:-self.num_stages]),
+            bytes=ByteMeter.from_vector(values[1:-2 * S]),
             outer=outer,
             extra={"grad_norm": float(getattr(self, "last_grad_norm", float("nan"))), "lr": self.get_lr()[0],
-                   "compute_seconds": values[-self.num_stages:]},
+                   "compute_seconds": values[-2 * S:-S], "peak_memory_bytes_by_stage": [int(v) for v in values[-S:]]},
         )
 
     def outer_step(self) -> dict:

@@ -1,4 +1,5 @@
-"""Byte accounting, counted where bytes are handed to a send, receive or collective.
+"""Byte accounting, counted where bytes are handed to a send, receive or collective; and a rank's
+peak memory, the other thing each rank measures of itself and the step's record gathers.
 
 Kinds are the link classes this project exists to shrink: `activation` and
 `activation_grad` cross stage links every micro-batch; `outer_sync` crosses replica links
@@ -8,9 +9,20 @@ that lets every stage apply eqs. 3-4); `control` is everything else we put on a 
 """
 from __future__ import annotations
 
+import resource
+import sys
+
 import torch
 
 from .sizes import BYTE_KINDS as KINDS
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's high-water mark: allocated GPU memory on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
 
 
 def nbytes(tensor: torch.Tensor) -> int:

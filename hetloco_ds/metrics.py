@@ -5,7 +5,8 @@ replica; "outer" once per outer step per replica; "validation" whenever validati
 Each replica's rows are written by one rank of that replica with a single O_APPEND write,
 so concurrent writers on one file system never interleave within a line.
 
-Throughput fields (`RunFacts`): global tokens/s, MFU and peak memory. MFU counts model FLOPs
+Throughput fields (`RunFacts`): global tokens/s, MFU and peak memory (the writer's own,
+`peak_memory_bytes`, and every stage's of the replica, `peak_memory_bytes_by_stage`). MFU counts model FLOPs
 as PaLM does (appendix B) and as bench/ and shared/ANCHORS.md do, so the numbers compare: per
 token, 6N for the matmuls of forward and backward, N = every parameter, the input embedding
 included (a tied table once), plus 12 * layers * heads * head_dim * seq_len for attention's
@@ -18,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
-import sys
 import time
 
 import torch
@@ -27,6 +26,7 @@ from tqdm import tqdm
 
 from .checkpoint import replace_text
 from .engine import StepRecord
+from .meter import peak_memory_bytes
 from .model import head_dim, parameter_count
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU from NVIDIA's datasheets, matched as a
@@ -70,14 +70,6 @@ def peak_flops(device: torch.device) -> float | None:
 def training_flops_per_token(config, seq_len: int) -> float:
     """6N + 12 * layers * heads * head_dim * seq_len (see the module docstring)."""
     return 6.0 * parameter_count(config) + 12.0 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * seq_len
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """This process's high-water mark: allocated GPU memory on CUDA, resident set size on CPU."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +131,7 @@ class MetricsWriter:
             "grad_norm": rec.extra.get("grad_norm"),
             "lr": rec.extra.get("lr"),
             "compute_seconds": rec.extra.get("compute_seconds"),
+            "peak_memory_bytes_by_stage": rec.extra.get("peak_memory_bytes_by_stage"),
             "time": time.time(),
             **(self.facts.fields(rec) if self.facts is not None else {}),
         })
@@ -212,7 +205,9 @@ class Progress:
         self.seconds += rec.seconds
         tps = rec.tokens / rec.seconds if rec.seconds > 0 else 0.0
         rates = self.facts.rates(self.tokens, self.seconds) if self.facts is not None else {}
-        memory = peak_memory_bytes(self.facts.device) if self.facts is not None else None
+        # The most any stage of the replica holds: the GPU nearest its limit need not be this one.
+        memory = max(rec.extra.get("peak_memory_bytes_by_stage") or [peak_memory_bytes(self.facts.device)]) \
+            if self.facts is not None else None
         if self.enabled:
             parts = [f"loss {rec.loss:.3f}"]
             if "global_tokens_per_s" in rates:

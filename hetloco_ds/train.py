@@ -260,6 +260,10 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     M = check_run(run, world, llama_config.hidden_size, llama_config.num_hidden_layers, elastic=args.fleet is not None,
                   tied=bool(llama_config.tie_word_embeddings), replica=args.fleet.replica if args.fleet else None)
     _check_host_memory(run, llama_config, world, M)
+    try:
+        checkpoint.check_torch()
+    except checkpoint.TorchMismatch as err:  # one line from the launcher, as bad input is
+        raise ConfigError(str(err)) from None
     positions = getattr(llama_config, "max_position_embeddings", None)
     if positions is not None and seq_len > positions:
         model = (meta.path if record is not None else f"--model {args.model}" if args.model

@@ -320,13 +320,21 @@ def test_scale_steady_rule_leaves_out_warmup_outer_and_profiled_steps(tmp_path):
     step, not the profiled one; breaks if scale.py medians over the wrong steps."""
     scale = bench_module("scale")
     path = tmp_path / "metrics.jsonl"
-    rows = [{"kind": "step", "step": s, "loss": 9.0 - s / 10, "global_tokens_per_s": 1000.0 * s, "peak_memory_bytes": 2**30 * s}
+    rows = [{"kind": "step", "step": s, "loss": 9.0 - s / 10, "global_tokens_per_s": 1000.0 * s, "peak_memory_bytes": 2**30 * s,
+             "peak_memory_bytes_by_stage": [2**31 * (13 - s), 2**30 * s]}
             for s in range(1, 13)] + [{"kind": "outer", "step": 4, "seconds": 0.5}]
     path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     got = scale.steady_rates(str(path), inner_steps=4, profiled=7)
     assert got["steady_steps"] == 3 and got["global_tokens_per_s"] == 10000.0  # steps 6, 10, 11
     assert got["outer_step_seconds"] == [0.5] and got["peak_memory_gib_writers"] == 12 and got["final_loss"] == 9.0 - 1.2
+    assert got["peak_memory_gib_by_stage"] == [24, 12]  # each stage's own high-water mark, whichever step set it
     assert scale.step_rows(str(path)) == 12
+    # a run's fullest GPU: stock's ranks, ours' stages, a profiled step's ranks beside the writers', the writers'
+    assert scale.gpu_peak_gib({"peak_allocated_gib_by_rank": [3.0, 5.0]}) == 5.0
+    assert scale.gpu_peak_gib(dict(got, profile={"rank0": {"peak_allocated_gib": 99.0}})) == 24
+    assert scale.gpu_peak_gib({"peak_memory_gib_writers": 12, "profile": {"rank0": {"peak_allocated_gib": 16.6},
+                                                                          "rank2": {"peak_allocated_gib": 13.5}}}) == 16.6
+    assert scale.gpu_peak_gib({"peak_memory_gib_writers": 12, "profile": {}}) == 12
 
 
 def test_scale_checkpoint_facts_time_the_steps_trained_while_each_checkpoint_was_written(tmp_path):
@@ -386,3 +394,11 @@ def test_scale_summary_replays_the_committed_1b_and_178m_comparison():
     assert speed["speed/ours_1b_default"]["median"] == sorted(speed["speed/ours_1b_default"]["global_tokens_per_s"])[1]
     assert math.isclose(speed["speed/ours_1b_default"]["vs_stock_median"],
                         speed["speed/ours_1b_default"]["median"] / speed["speed/stock_1b_s2"]["median"])
+    # the fullest GPU: the profiled repeat's stage 0 (27.85 GiB, overlapped then), not the writers' last stage
+    assert speed["speed/ours_1b_default"]["peak_allocated_gib_fullest_gpu"] == 27.852
+    # the same comparison under the defaults since (blocking inside a host, the outer state on the host)
+    new = scale.summarize([str(d / "speed_outer_cpu_r0_r1_r2.json")])
+    assert new == json.loads((d / "summary_outer_cpu.json").read_text())
+    ours, stock = new["systems"]["speed/ours_1b_default"], new["systems"]["speed/stock_1b_s2"]
+    assert ours["median"] == sorted(ours["global_tokens_per_s"])[1] and ours["vs_stock_median"] > 1
+    assert (ours["peak_allocated_gib_fullest_gpu"], stock["peak_allocated_gib_fullest_gpu"]) == (16.599, 13.440485954284668)

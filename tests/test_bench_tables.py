@@ -87,20 +87,26 @@ def test_size_sweep_summary_of_the_committed_runs(tmp_path):
 
 
 def test_size_sweep_gap_is_provisional_while_the_adamw_bracket_is_open(tmp_path):
-    """60M has AdamW at 2e-3 and 1e-3 but not yet 4e-3: its gap is to the better of the two run,
-    marked provisional; 20M's (whole bracket) is not. Recomputed from the committed run JSONs."""
+    """60M without its AdamW 4e-3 row (dropped from a copy of the committed run JSONs): its gap is
+    to the better of the two lrs run, marked provisional; 20M's (whole bracket) is not. Recomputed
+    from the run JSONs."""
     import json
     import shutil
 
     ss = bench_module("size_sweep")
     for size in ("20M", "60M"):
         shutil.copytree(Path(ss.RESULTS) / size, tmp_path / size)
+    for f in (tmp_path / "60M").glob("paper_tables_*.json"):
+        doc = json.loads(f.read_text())
+        doc["rows"] = [r for r in doc["rows"] if not r["variant"]["name"].startswith("adamw:lr=0.004@")]
+        f.write_text(json.dumps(doc))
     assert ss.main(["summarize", "--results", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "summary.json").read_text())
     seed0 = {}
     for f in sorted((tmp_path / "60M").glob("paper_tables_*.json")):
         for r in json.loads(f.read_text())["rows"]:
-            seed0[r["variant"]["name"].split("@")[0]] = r["val_loss"]
+            if r["variant"]["seed"] == 0:
+                seed0[r["variant"]["name"].split("@")[0]] = r["val_loss"]
     adamw = {lr: seed0[f"adamw:lr={lr:g}"] for lr in (0.002, 0.001)}
     best = min(adamw, key=adamw.get)
     gap = next(g for g in doc["gaps"] if g["model"] == "60M" and g["mode"] == "sparseloco")
@@ -108,6 +114,30 @@ def test_size_sweep_gap_is_provisional_while_the_adamw_bracket_is_open(tmp_path)
     assert abs(gap["gap_nats"] - (seed0["sparseloco:lr=0.002"] - adamw[best])) < 1e-12
     assert all(g["adamw_bracket_complete"] for g in doc["gaps"] if g["model"] == "20M")
     assert not any(r["tuned"] for r in doc["rows"] if r["model"] == "60M" and r["mode"] == "adamw")
+
+
+def test_size_sweep_names_the_card_of_every_seed_where_a_sizes_seeds_ran_on_different_cards(tmp_path):
+    """60M's seed 0 ran on an H200 and its later rows on H100s: each summary row names the card of
+    each of its seeds (read from the run JSON that holds it), `card` joins them in seed order, and
+    the size's settings list both. Breaks if a size's first file names the card of every row."""
+    import json
+    import shutil
+
+    ss = bench_module("size_sweep")
+    shutil.copytree(Path(ss.RESULTS) / "60M", tmp_path / "60M")
+    assert ss.main(["summarize", "--results", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    card_of = {}
+    for f in (tmp_path / "60M").glob("paper_tables_*.json"):
+        run = json.loads(f.read_text())
+        for r in run["rows"]:
+            name, seed = r["variant"]["name"].split("@seed")
+            card_of[(name.split(":")[0], r["variant"].get("lr"), int(seed))] = run["card"]
+    assert len(set(card_of.values())) == 2
+    for r in doc["rows"]:
+        want = [card_of[(r["mode"], r["lr"], s)] for s in r["seeds"]]
+        assert r["card_per_seed"] == want and r["card"] == " + ".join(dict.fromkeys(want)), r
+    assert doc["settings"]["60M"]["cards"] == sorted(set(card_of.values())) == doc["cards"]
 
 
 def test_size_sweep_second_seed_waits_for_the_whole_adamw_bracket(tmp_path):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
+
+import pytest
 
 from distributed import run_ranks
 
@@ -153,3 +157,33 @@ def test_a_second_save_reuses_the_first_saves_host_buffers_whatever_torchs_stage
         n_first, n_second = r["tensors"]
         assert n_first >= 10 and n_second == n_first
         assert r["reused"] == n_first and r["same_buffers"] == n_first
+
+
+def test_the_private_torch_stager_is_checked_before_a_run_naming_what_changed(monkeypatch):
+    """checkpoint.check_torch passes on this torch, and names the module, the class, torch's version
+    and the missing parameter when the class is gone or its `stage` no longer takes `non_blocking`
+    (a torch that renamed it would otherwise fail at a run's first save, hours in)."""
+    import types
+
+    import torch
+
+    from hetloco_ds import checkpoint
+
+    checkpoint.check_torch()
+    monkeypatch.setattr(checkpoint, "STAGER", ("torch.distributed.checkpoint._state_dict_stager", "NoSuchStager"))
+    with pytest.raises(checkpoint.TorchMismatch, match=rf"torch {re.escape(torch.__version__)}: .*NoSuchStager is gone"):
+        checkpoint.check_torch()
+
+    class Renamed:
+        def __init__(self, pin_memory=False, share_memory=False):
+            pass
+
+        def stage(self, state_dict, blocking=True):
+            pass
+
+    fake = types.ModuleType("fake_stager")
+    fake.Renamed = Renamed
+    monkeypatch.setitem(sys.modules, "fake_stager", fake)
+    monkeypatch.setattr(checkpoint, "STAGER", ("fake_stager", "Renamed"))
+    with pytest.raises(checkpoint.TorchMismatch, match=r"fake_stager\.Renamed\.stage lacks non_blocking"):
+        checkpoint.check_torch()

@@ -37,12 +37,12 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
     model that was validated (the pre-outer local model, another replica's, a stale checkpoint),
     or if T_S + T_perp is not recombined into embed_tokens.
 
-    metrics.jsonl: exactly one step row per (step, replica) with loss, tokens, seconds and bytes
-    {activation, activation_grad, outer_sync} x {sent, recv}; the activation bytes of a step are
+    metrics.jsonl: exactly one step row per (step, replica) with loss, tokens, seconds, each stage's
+    peak memory and bytes {activation, activation_grad, outer_sync} x {sent, recv}; the activation bytes of a step are
     exactly one micro-batch's wire payload (fp32 hidden states on replica 0, the k = d/2
     projection plus token ids on replica 1); outer_sync bytes only on outer steps; outer rows at
     steps 4 and 8 for both replicas; validation rows at 4 and 8 once each. Breaks if a field is
-    renamed or dropped, if a replica's rows are lost or doubled, if validation traffic is
+    renamed or dropped, if a stage's peak memory is not gathered, if a replica's rows are lost or doubled, if validation traffic is
     billed to the next training step (step 5), if the final validation is repeated when the
     last in-loop one fell on the last step, or if compression stops shrinking the wire."""
     from transformers import LlamaForCausalLM
@@ -86,6 +86,11 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
         if r["step"] > 1:
             for kind, expected in wire[r["replica"]].items():
                 assert r["bytes"][kind] == {"sent": expected, "recv": expected}, (kind, where)
+        # Every stage's own high-water mark (resident set on the CPU: tens of MB with torch loaded),
+        # the writer's (the last stage) read no later than the row's own field.
+        by_stage = r["peak_memory_bytes_by_stage"]
+        assert len(by_stage) == 2 and all(b > 50e6 for b in by_stage), where
+        assert by_stage[1] <= r["peak_memory_bytes"], where
         synced = r["bytes"]["outer_sync"]
         if r["step"] % 4 == 0:
             assert synced["sent"] > 0 and synced["recv"] > 0, where
