@@ -185,14 +185,17 @@ def ours(name: str, work: str, nproc: int, config: dict, model: str, steps: int,
 
 
 def resolved(config_path: str) -> dict:
-    """What the run's "auto" schedule and link transport (on GPUs of one host, as every run here is)
-    and its outer-state placement came to under this checkout's rules: the defaults change between
-    commits, and a committed row must say what it measured."""
+    """What the run's "auto" schedule and link transport (on this machine's device, every stage link
+    inside it, as in every run here) and its outer-state placement came to under this checkout's
+    rules: the defaults change between commits, and a committed row must say what it measured."""
+    import torch
+
     from hetloco_ds.config import load_config
     from hetloco_ds.pipe.order import links_plan
 
     run = load_config(config_path)
-    schedule, transport = links_plan(run.hetloco.pipeline.schedule, run.hetloco.pipeline.link_transport, "cuda")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    schedule, transport = links_plan(run.hetloco.pipeline.schedule, run.hetloco.pipeline.link_transport, device)
     return {"schedule": schedule, "link_transport": transport,
             "outer_state_device": run.hetloco.sparseloco.outer_state_device}
 
