@@ -475,8 +475,9 @@ def summarize(files: list[str]) -> dict:
     for (part, system), rs in sorted(by.items()):
         rates = [r["global_tokens_per_s"] for r in rs if r.get("global_tokens_per_s")]
         peak = [gpu_peak_gib(r) for r in rs]
+        fullest = max((p for p in peak if p is not None), default=None)
         out["systems"][f"{part}/{system}"] = {"global_tokens_per_s": rates, "median": statistics.median(rates),
-                                              "peak_allocated_gib": peak, "peak_allocated_gib_fullest_gpu": max((p for p in peak if p is not None), default=None),
+                                              "peak_allocated_gib": peak, "peak_allocated_gib_fullest_gpu": fullest,
                                               "outer_step_seconds": [r.get("outer_step_seconds") for r in rs]}
     for part, stock_name in (("speed", "stock_1b_s2"), ("s178", "stock_178m_s2"), ("memory", "stock_1b_s1")):
         base = out["systems"].get(f"{part}/{stock_name}")
