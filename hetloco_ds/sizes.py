@@ -234,9 +234,9 @@ def sparse_share_max_nbytes(shape: Sequence[int], replicas: int, chunk_size: int
 def step_control_nbytes(stages: int) -> int:
     """Control bytes one rank's meter counts as sent per inner step when S > 1: the gradient
     norm (one fp32 scalar all-reduced over the pipe group) and the step record (the loss, a
-    sent/recv pair per byte kind and each stage's compute seconds, float64, all-reduced over
-    the pipe group)."""
-    return 0 if stages == 1 else 4 + 8 * (1 + 2 * len(BYTE_KINDS) + stages)
+    sent/recv pair per byte kind and each stage's compute seconds and peak memory, float64,
+    all-reduced over the pipe group)."""
+    return 0 if stages == 1 else 4 + 8 * (1 + 2 * len(BYTE_KINDS) + 2 * stages)
 
 
 # --------------------------------------------------------------------------- device memory
