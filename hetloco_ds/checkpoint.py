@@ -283,16 +283,20 @@ class TorchMismatch(ImportError):
     """A private torch name the checkpoint writer relies on is gone or has changed."""
 
 
+def _stager_class():
+    import importlib
+
+    return getattr(importlib.import_module(STAGER[0]), STAGER[1])
+
+
 def check_torch() -> None:
     """Raise TorchMismatch, naming the name and torch's version, unless `STAGER` exists with the
     parameters `_Writer` passes: checked before any rank starts, not at a run's first save."""
-    import importlib
     import inspect
 
-    module, name = STAGER
-    where = f"torch {torch.__version__}: {module}.{name}"
+    where = f"torch {torch.__version__}: {'.'.join(STAGER)}"
     try:
-        cls = getattr(importlib.import_module(module), name)
+        cls = _stager_class()
     except (ImportError, AttributeError):
         raise TorchMismatch(f"{where} is gone; hetloco_ds's checkpoints copy through it (written against torch "
                             f"2.11 and 2.13)") from None
@@ -314,10 +318,7 @@ class _Writer:
     dict (KeyError: <class 'type'>; the second save of an 8B run on torch 2.11 did)."""
 
     def __init__(self, device):
-        import importlib
-
-        stager = getattr(importlib.import_module(STAGER[0]), STAGER[1])
-        self._stager = stager(pin_memory=torch.device(device).type == "cuda", share_memory=False)
+        self._stager = _stager_class()(pin_memory=torch.device(device).type == "cuda", share_memory=False)
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetloco-ckpt")
         self.pending: _Pending | None = None
         self.saves = 0

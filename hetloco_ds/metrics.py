@@ -26,7 +26,6 @@ from tqdm import tqdm
 
 from .checkpoint import replace_text
 from .engine import StepRecord
-from .meter import peak_memory_bytes
 from .model import head_dim, parameter_count
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU from NVIDIA's datasheets, matched as a
@@ -79,7 +78,6 @@ class RunFacts:
     num_replicas: int
     num_stages: int
     flops_per_token: float
-    device: torch.device
     peak_flops: float | None
     """Per-GPU peak FLOP/s; None (CPU, unknown GPU) leaves MFU out."""
 
@@ -88,7 +86,7 @@ class RunFacts:
         # The replicas this job runs: an elastic replica (a job of its own) counts its own tokens/s.
         return cls(num_replicas=engine.module.replica[1], num_stages=engine.num_stages,
                    flops_per_token=training_flops_per_token(engine.module.llama_config, engine.seq_len),
-                   device=torch.device(engine.device), peak_flops=peak_flops(torch.device(engine.device)))
+                   peak_flops=peak_flops(torch.device(engine.device)))
 
     def rates(self, tokens: float, seconds: float) -> dict:
         """global_tokens_per_s and, on a known GPU, mfu, for `tokens` of one replica in `seconds`.
@@ -104,7 +102,9 @@ class RunFacts:
         return out
 
     def fields(self, rec: StepRecord) -> dict:
-        return {**self.rates(rec.tokens, rec.seconds), "peak_memory_bytes": peak_memory_bytes(self.device)}
+        # The writer is the replica's last stage: its own peak is the record's last entry.
+        return {**self.rates(rec.tokens, rec.seconds),
+                "peak_memory_bytes": rec.extra["peak_memory_bytes_by_stage"][-1]}
 
 
 class MetricsWriter:
@@ -206,8 +206,7 @@ class Progress:
         tps = rec.tokens / rec.seconds if rec.seconds > 0 else 0.0
         rates = self.facts.rates(self.tokens, self.seconds) if self.facts is not None else {}
         # The most any stage of the replica holds: the GPU nearest its limit need not be this one.
-        memory = max(rec.extra.get("peak_memory_bytes_by_stage") or [peak_memory_bytes(self.facts.device)]) \
-            if self.facts is not None else None
+        memory = max(rec.extra["peak_memory_bytes_by_stage"]) if self.facts is not None else None
         if self.enabled:
             parts = [f"loss {rec.loss:.3f}"]
             if "global_tokens_per_s" in rates:

@@ -87,7 +87,7 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
             for kind, expected in wire[r["replica"]].items():
                 assert r["bytes"][kind] == {"sent": expected, "recv": expected}, (kind, where)
         # Every stage's own high-water mark (resident set on the CPU: tens of MB with torch loaded),
-        # the writer's (the last stage) read no later than the row's own field.
+        # the writer's (the last stage) the row's own field.
         by_stage = r["peak_memory_bytes_by_stage"]
         assert len(by_stage) == 2 and all(b > 50e6 for b in by_stage), where
         assert by_stage[1] <= r["peak_memory_bytes"], where

@@ -121,7 +121,7 @@ def test_flops_per_token_is_6n_plus_attention_by_hand():
     assert training_flops_per_token(tiny_llama_config(tied=True), seq) == 6 * tied_n + attention
     assert training_flops_per_token(tiny_llama_config(tied=False), seq) == 6 * (tied_n + vocab * d) + attention
 
-    facts = RunFacts(num_replicas=2, num_stages=4, flops_per_token=1e9, device=torch.device("cuda"), peak_flops=1e15)
+    facts = RunFacts(num_replicas=2, num_stages=4, flops_per_token=1e9, peak_flops=1e15)
     assert facts.rates(tokens=4000, seconds=2.0) == {"global_tokens_per_s": 4000.0, "mfu": 1e9 * 2000 / 4 / 1e15}
 
 
