@@ -186,6 +186,7 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
     out = []
     for r in summary:
         mode = "diloco" if r["table_row"] == "diloco" else r["table_row"]
+        cards = [c or meta["card"] for c in r["card_per_seed"]]
         out.append({
             "mode": mode, "model": model, "n_params": meta["n_params"], "lr": r["lr"],
             "tuned": mode != "adamw" or (best is not None and math.isclose(r["lr"], best)),
@@ -193,8 +194,7 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
             "outer_steps": r["outer_steps"], "tokens_per_param": r["tokens_per_param"],
             "tokens_per_replica_step": r["tokens_per_replica_step"], "epochs": r["epochs"],
             "degradation_pct": r["delta_pct_mean"], "seconds_per_seed": r["seconds_per_seed"],
-            "card": " + ".join(dict.fromkeys(c or meta["card"] for c in r["card_per_seed"])),
-            "card_per_seed": [c or meta["card"] for c in r["card_per_seed"]],
+            "card": " + ".join(dict.fromkeys(cards)), "card_per_seed": cards,
         })
     return out
 
