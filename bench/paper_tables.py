@@ -215,7 +215,8 @@ def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dic
     kw = {"shards": args.gpus_per_row} if args.gpus_per_row > 1 else {}
     try:
         return simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
-                                compile=args.compile, deadline=args.deadline - 60, state_path=state, **kw), t0
+                                compile=args.compile, deadline=args.deadline - 60, state_path=state, val_every=args.val_every,
+                                **kw), t0
     except Exception as err:  # noqa: BLE001 - a compiler failure costs the row's speed, not the row
         if not args.compile or isinstance(err, torch.cuda.OutOfMemoryError):
             raise
@@ -225,7 +226,8 @@ def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dic
         meta["eager_rows"] = meta.get("eager_rows", []) + [v.name]
         t0 = time.time()
         return simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
-                                compile=False, deadline=args.deadline - 60, state_path=state, **kw), t0
+                                compile=False, deadline=args.deadline - 60, state_path=state, val_every=args.val_every,
+                                **kw), t0
 
 
 def saved_state(path: str | None) -> bool:
@@ -247,6 +249,7 @@ def worker_meta(args, llama, corpus, device) -> dict:
         "tokens_per_row": args.steps * args.replicas * tokens_per_replica_step,
         "corpus_train_tokens": corpus.train.numel(), "data": corpus.description, "simulator": "batched",
         "compile": args.compile, "lr_sweep": args.lr_sweep, "eval_batches": args.eval_batches,
+        "val_every": args.val_every,
     }
     if args.gpus_per_row > 1:
         meta["gpus_per_row"] = args.gpus_per_row
@@ -350,7 +353,7 @@ def calibrate_worker(args) -> int:
 
 FORWARD = ("data", "model", "replicas", "stages", "steps", "inner_steps", "micro", "gas", "lr", "rows", "seeds",
            "device", "procs_per_gpu", "command", "eval_batches", "lr_sweep", "sweep_rows", "lr_from", "aggregation",
-           "outer_lr", "state_dir", "s_per_step", "skip_done")
+           "outer_lr", "state_dir", "s_per_step", "skip_done", "val_every")
 
 
 def gpu_blocks(args, gpus: list[str]) -> list[list[str]]:
@@ -463,6 +466,9 @@ def main(argv=None) -> int:
     p.add_argument("--gas", type=int, default=2, help="micro-batches a step: micro x gas x seq tokens per replica step")
     p.add_argument("--lr", type=float, default=1e-3, help="inner lr of rows without their own (lr=X or --lr-from)")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out micro-batches each replica validates on")
+    p.add_argument("--val-every", type=int, default=0,
+                   help="also validate every this many steps, a multiple of --inner-steps (each row's val_curve; "
+                        "0: at the end only)")
     p.add_argument("--rows", default=DEFAULT_ROWS, help="comma-separated rows in priority order")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--lr-sweep", default="", help="comma-separated lrs: run --sweep-rows at each (first seed only)")
@@ -508,6 +514,9 @@ def main(argv=None) -> int:
         return calibrate_worker(args) if args.calibrate_worker else grouped_worker(args)
 
     args.command = " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else argv))
+    if args.val_every < 0 or (args.val_every and args.val_every % args.inner_steps):
+        raise SystemExit(f"paper_tables: --val-every {args.val_every} must be a multiple of --inner-steps "
+                         f"{args.inner_steps} (0: validate at the end only)")
     try:  # every row's config checked here, before any worker (or GPU) starts
         variants = ordered_variants(args)
         base = parse_config(run_config(args, 256)).hetloco

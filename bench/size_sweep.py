@@ -50,6 +50,9 @@ SPARSELOCO_LR = 2e-3  # the best inner lr of SparseLoCo at 20M over 5000 steps (
 ADAMW_LRS = (2e-3, 4e-3, 1e-3)  # 4e-3 was AdamW's best at 20M over 5000 steps; one step either side
 DILOCO = "diloco:outer_lr=0.7:outer_momentum=0.9:norm_clip=none"  # dense, Nesterov (Douillard et al.)
 COMPRESSED = ("pp:8", "het:8", "pp:96", "het:96")
+# Validation every 5 outer syncs: the corpus's one epoch (994 steps of 8 x 16,384 tokens) falls
+# within 6 steps of a point, and 16 eval micro-batches every 250 steps add about 1% to a row.
+VAL_EVERY = 5 * H
 
 # The paper's points (DCLM, M = 8, S = 4, H = 50): degradation over SparseLoCo in % (Table 1: 178M,
 # 512M; Table 2: 512M; Table 7: 1B), and SparseLoCo's gap to AdamW at 512M (Tables 1 and 4).
@@ -129,8 +132,9 @@ def plan(args) -> int:
     for model in SIZES:
         steps, n = steps_for(model)
         loaded = load_size(model, args.results)
-        paces = [s / r["outer_steps"] / H for r in (loaded[0] if loaded else [])
-                 for s in r["seconds_per_seed"] if s and r["outer_steps"]]
+        # GPU-seconds a step: a row run on G GPUs together took G GPUs' time
+        paces = [s * g / r["outer_steps"] / H for r in (loaded[0] if loaded else [])
+                 for s, g in zip(r["seconds_per_seed"], r["gpus_per_seed"]) if s and r["outer_steps"]]
         timed = sorted(glob.glob(os.path.join(args.results, f"calibration_{model}_*_alone.json")))
         if paces:
             pace, how = sorted(paces)[len(paces) // 2], "measured rows"
@@ -173,7 +177,7 @@ def run(args) -> int:
             "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(MICRO),
             "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows), "--seeds", args.seeds,
             "--compile", "--budget-s", str(args.budget_s - (time.time() - t0)), "--state-dir", os.path.join(args.state_dir, args.model),
-            "--tag", args.tag, "--out", out]
+            "--val-every", str(VAL_EVERY), "--tag", args.tag, "--out", out]
     if args.gpus_per_row > 1:
         argv += ["--gpus-per-row", str(args.gpus_per_row)]
     if os.path.isdir(done):
@@ -181,8 +185,18 @@ def run(args) -> int:
     return paper_tables.main(argv)
 
 
+def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | None:
+    """The validation point of `curve` nearest one pass over the corpus ({"step", "epochs", "loss"}),
+    or None for a row run without a curve."""
+    if not curve:
+        return None
+    p = min(curve, key=lambda p: abs(p["step"] - steps_per_epoch))
+    return {"step": p["step"], "epochs": p["step"] / steps_per_epoch, "loss": p["loss"]}
+
+
 def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
     best = tuned_adamw_lr(summary)
+    steps_per_epoch = meta["corpus_train_tokens"] / (meta["replicas"] * meta["tokens_per_replica_step"])
     out = []
     for r in summary:
         mode = "diloco" if r["table_row"] == "diloco" else r["table_row"]
@@ -195,12 +209,26 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
             "tokens_per_replica_step": r["tokens_per_replica_step"], "epochs": r["epochs"],
             "degradation_pct": r["delta_pct_mean"], "seconds_per_seed": r["seconds_per_seed"],
             "card": " + ".join(dict.fromkeys(cards)), "card_per_seed": cards,
+            # Held-out loss above the final train loss: what repeating the corpus costs a row.
+            "train_loss_per_seed": r["final_train_loss_per_seed"],
+            "val_minus_train_per_seed": [v - t for v, t in zip(r["val_loss_per_seed"], r["final_train_loss_per_seed"])],
+            "one_epoch_per_seed": [one_epoch_point(c, steps_per_epoch) for c in r["val_curve_per_seed"]],
         })
     return out
 
 
-def gaps(rows: list[dict]) -> list[dict]:
-    """Per size: SparseLoCo's and DiLoCo's gap to the tuned AdamW, on the seeds all three share."""
+def final_loss(r: dict, seed: int) -> float:
+    return r["per_seed"][r["seeds"].index(seed)]
+
+
+def one_epoch_loss(r: dict, seed: int) -> float | None:
+    point = r["one_epoch_per_seed"][r["seeds"].index(seed)]
+    return point and point["loss"]
+
+
+def gaps(rows: list[dict], loss=final_loss) -> list[dict]:
+    """Per size: SparseLoCo's and DiLoCo's gap to the tuned AdamW, on the seeds all three share
+    where `loss(row, seed)` has a value (the final validation; `one_epoch_loss`: after one pass)."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         pick = {r["mode"]: r for r in rows if r["model"] == model and r["tuned"] and r["mode"] in ("sparseloco", "adamw", "diloco")}
@@ -209,22 +237,24 @@ def gaps(rows: list[dict]) -> list[dict]:
             tried = [r for r in rows if r["model"] == model and r["mode"] == "adamw" and 0 in r["seeds"]]
             if not tried:
                 continue
-            pick["adamw"] = min(tried, key=lambda r: r["per_seed"][r["seeds"].index(0)])
+            pick["adamw"] = min(tried, key=lambda r: final_loss(r, 0))
         a = pick["adamw"]
         for mode in ("sparseloco", "diloco"):
             if mode not in pick:
                 continue
             r = pick[mode]
-            seeds = [s for s in r["seeds"] if s in a["seeds"]]
-            diff = [r["per_seed"][r["seeds"].index(s)] - a["per_seed"][a["seeds"].index(s)] for s in seeds]
-            mean_a = sum(a["per_seed"][a["seeds"].index(s)] for s in seeds) / len(seeds)
+            seeds = [s for s in r["seeds"] if s in a["seeds"] and None not in (loss(r, s), loss(a, s))]
+            if not seeds:
+                continue
+            diff = [loss(r, s) - loss(a, s) for s in seeds]
+            mean_a = sum(loss(a, s) for s in seeds) / len(seeds)
             out.append({"model": model, "n_params": r["n_params"], "mode": mode, "adamw_lr": a["lr"], "seeds": seeds,
                         "gap_nats": sum(diff) / len(diff), "gap_pct": 100 * sum(diff) / len(diff) / mean_a,
                         "per_seed_nats": diff, "adamw_bracket_complete": complete})
     return out
 
 
-def plot(rows: list[dict], gap_rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], gap_rows: list[dict], one_epoch: list[dict], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,6 +270,13 @@ def plot(rows: list[dict], gap_rows: list[dict], path: str) -> None:
         if open_:  # ringed: AdamW's lr bracket not yet complete at that size
             left.plot(*zip(*open_), "o", markersize=13, markerfacecolor="none", color="grey",
                       label="AdamW bracket still open" if mode == "sparseloco" else None)
+        early = sorted((g["n_params"], g["gap_pct"]) for g in one_epoch if g["mode"] == mode)
+        if early:
+            left.plot(*zip(*early), marker=marker, ls="--", color="C0" if mode == "sparseloco" else "C1",
+                      label=f"ours: {mode} - tuned AdamW, after one epoch")
+    epochs = {r["model"]: (r["n_params"], r["epochs"]) for r in rows if r.get("epochs")}
+    for model, (n, e) in epochs.items():  # a row's final loss is after this many passes over the corpus
+        left.annotate(f"{e:.1f} epochs", (n, 0), textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7)
     left.plot([PAPER_PARAMS[k] for k in PAPER_GAP_PCT], list(PAPER_GAP_PCT.values()), "k*", markersize=12,
               label="paper: SparseLoCo - AdamW")
     left.plot([20453760], [LONG_20M_GAP_PCT], "C0x", markersize=9,
@@ -285,17 +322,22 @@ def summarize(args) -> int:
         raise SystemExit(f"size_sweep: no results under {args.results}")
     gap_rows = gaps(rows)
     doc = {"cards": sorted(cards), "tokens_per_param_target": TOKENS_PER_PARAM, "settings": settings,
-           "rows": rows, "gaps": gap_rows,
+           "rows": rows, "gaps": gap_rows, "gaps_one_epoch": gaps(rows, one_epoch_loss),
            "paper": {"params": PAPER_PARAMS, "degradation_pct": PAPER_DEGRADATION, "gap_pct": PAPER_GAP_PCT},
            "command": "python bench/size_sweep.py summarize"}
     os.makedirs(args.results, exist_ok=True)
     with open(os.path.join(args.results, "summary.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot(rows, gap_rows, os.path.join(args.results, "size_sweep.png"))
-    for g in gap_rows:
-        print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}): {g['gap_nats']:+.4f} nats "
-              f"({g['gap_pct']:+.2f}%), seeds {g['seeds']}"
-              + ("" if g["adamw_bracket_complete"] else f"; provisional: AdamW's bracket {ADAMW_LRS} is not complete"))
+    plot(rows, gap_rows, doc["gaps_one_epoch"], os.path.join(args.results, "size_sweep.png"))
+    for when, some in (("end", gap_rows), ("one epoch", doc["gaps_one_epoch"])):
+        for g in some:
+            print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}) at {when}: {g['gap_nats']:+.4f} nats "
+                  f"({g['gap_pct']:+.2f}%), seeds {g['seeds']}"
+                  + ("" if g["adamw_bracket_complete"] else f"; provisional: AdamW's bracket {ADAMW_LRS} is not complete"))
+    for r in rows:
+        if r["mode"] in ("sparseloco", "adamw", "diloco"):
+            print(f"{r['model']:>5} {r['mode']:<10} lr {r['lr']:g}, {r['epochs']:.1f} epochs: validation - train "
+                  + ", ".join(f"{d:+.3f}" for d in r["val_minus_train_per_seed"]) + f" (seeds {r['seeds']})")
     for r in rows:
         if r["degradation_pct"] is not None and r["mode"] in COMPRESSED:
             print(f"{r['model']:>5} {r['mode']:<10} {r['degradation_pct']:+.2f}% over SparseLoCo, seeds {r['seeds']}")

@@ -73,7 +73,8 @@ def load_rows(paths: list[str]) -> tuple[list[dict], dict, list[dict]]:
             if key in seen:
                 raise SystemExit(f"{key} is in both {seen[key]} and {path}")
             seen[key] = path
-            rows.append({**r, "file": os.path.basename(path), "card": r.get("card") or doc.get("card")})
+            rows.append({**r, "file": os.path.basename(path), "card": r.get("card") or doc.get("card"),
+                         "gpus": doc.get("gpus_per_row", 1)})
         unfinished += doc.get("unfinished", [])
     if meta is None:
         raise SystemExit(f"no paper_tables_*.json in {paths or [RESULTS]}")
@@ -123,6 +124,8 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
             "val_loss_mean": statistics.fmean(losses),
             "val_loss_per_seed": losses,
             "val_loss_per_replica_per_seed": [r.get("val_losses") for r in group],
+            "final_train_loss_per_seed": [r.get("final_train_loss") for r in group],
+            "val_curve_per_seed": [r.get("val_curve") or None for r in group],
             "delta_pct_mean": statistics.fmean(deltas) if deltas else None,
             "delta_pct_per_seed": deltas,
             "paper_delta_pct": PAPER.get(table_row(name)),
@@ -133,6 +136,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
             "stage_link_bytes_per_token": first["stage_link_bytes_per_token"],
             "seconds_per_seed": [r.get("seconds") for r in group],
             "card_per_seed": [r.get("card") for r in group],  # a size's seeds may have run on different cards
+            "gpus_per_seed": [r.get("gpus", 1) for r in group],  # GPUs that ran the seed's row together
         })
     return out
 

@@ -86,6 +86,52 @@ def test_size_sweep_summary_of_the_committed_runs(tmp_path):
     assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(diffs) / 2) < 1e-12
 
 
+def test_size_sweep_reads_each_rows_loss_after_one_epoch_and_its_train_validation_gap(tmp_path):
+    """The committed 20M and 60M run JSONs, 20M's rows given a validation curve every 250 steps
+    (loss made up per row and step): each 20M summary row's one-epoch point is the curve's step
+    1000 (the corpus is 994.4 steps of 8 x 16,384 tokens), `gaps_one_epoch` is SparseLoCo's and
+    DiLoCo's gap to the tuned AdamW at that point on the seeds they share, and 60M (no curve) has
+    none; every row's validation - train loss is its JSON's, per seed. Recomputed by hand."""
+    import json
+    import shutil
+
+    ss = bench_module("size_sweep")
+    for size in ("20M", "60M"):
+        shutil.copytree(Path(ss.RESULTS) / size, tmp_path / size)
+    at = {}  # (row name, seed) -> loss at step 1000
+    raw = {}
+    for f in (tmp_path / "20M").glob("paper_tables_*.json"):
+        doc = json.loads(f.read_text())
+        for i, r in enumerate(doc["rows"]):
+            base = 3.0 + 0.1 * len(r["variant"]["name"]) % 0.7 + 0.01 * r["variant"]["seed"] + 0.001 * i
+            r["val_curve"] = [{"step": s, "loss": base + 100.0 / s} for s in range(250, 1600, 250)] + \
+                [{"step": 1600, "loss": r["val_loss"]}]
+            at[(r["variant"]["name"].split("@")[0], r["variant"]["seed"])] = base + 0.1
+        f.write_text(json.dumps(doc))
+    for size in ("20M", "60M"):
+        for f in (tmp_path / size).glob("paper_tables_*.json"):
+            for r in json.loads(f.read_text())["rows"]:
+                raw[(size, r["variant"]["name"])] = r["val_loss"] - r["final_train_loss"]
+    assert ss.main(["summarize", "--results", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    for r in doc["rows"]:
+        name = r["mode"] if r["mode"] != "diloco" else ss.DILOCO
+        name = f"{name}:lr={r['lr']:g}"
+        assert r["val_minus_train_per_seed"] == [raw[(r["model"], f"{name}@seed{s}")] for s in r["seeds"]]
+        for s, p in zip(r["seeds"], r["one_epoch_per_seed"]):
+            if r["model"] == "60M":
+                assert p is None
+            else:
+                assert p["step"] == 1000 and abs(p["epochs"] - 1000 / (130334720 / (8 * 16384))) < 1e-12
+                assert p["loss"] == at[(name, s)]
+    best = next(r["lr"] for r in doc["rows"] if r["model"] == "20M" and r["mode"] == "adamw" and r["tuned"])
+    early = {g["mode"]: g for g in doc["gaps_one_epoch"]}
+    assert sorted(early) == ["diloco", "sparseloco"] and all(g["model"] == "20M" for g in early.values())
+    for mode, name in (("sparseloco", "sparseloco:lr=0.002"), ("diloco", f"{ss.DILOCO}:lr=0.002")):
+        diffs = [at[(name, s)] - at[(f"adamw:lr={best:g}", s)] for s in (0, 1)]
+        assert early[mode]["seeds"] == [0, 1] and abs(early[mode]["gap_nats"] - sum(diffs) / 2) < 1e-12
+
+
 def test_size_sweep_gap_is_provisional_while_the_adamw_bracket_is_open(tmp_path):
     """60M without its AdamW 4e-3 row (dropped from a copy of the committed run JSONs): its gap is
     to the better of the two lrs run, marked provisional; 20M's (whole bracket) is not. Recomputed

@@ -105,29 +105,30 @@ def _resumed_row(rank: int, tmp: str) -> dict:
                                 progress=False, shards=shards, **kw)
 
     state = os.path.join(tmp, "row.pt")
-    out = {"full": row(2, metrics_path=os.path.join(tmp, "sharded.jsonl"))}
-    out["first"] = row(2, deadline=0.0, state_path=state)
+    out = {"full": row(2, metrics_path=os.path.join(tmp, "sharded.jsonl"), val_every=2)}
+    out["first"] = row(2, deadline=0.0, state_path=state, val_every=2)
     out["saved"] = sorted(f for f in os.listdir(tmp) if f.startswith("row.pt"))
-    out["second"] = row(2, state_path=state)
+    out["second"] = row(2, state_path=state, val_every=2)
     out["left"] = os.path.exists(f"{state}.g{rank}")  # each rank removes its own block's state
     if rank == 0:
-        out["alone"] = row(1, metrics_path=os.path.join(tmp, "alone.jsonl"))
+        out["alone"] = row(1, metrics_path=os.path.join(tmp, "alone.jsonl"), val_every=2)
     return out
 
 
 def test_a_sharded_row_resumes_from_its_blocks_states(tmp_path):
     """simulate_variant(shards=2) of het:4: the whole row's result on both ranks equals the
-    one-process row's (per-step replica losses, outer diagnostics, validation losses, and
-    metrics.jsonl, written by rank 0 alone, byte for byte); stopped by its deadline at the first
-    outer boundary, each rank saves its block (row.pt.g0, row.pt.g1) and the resumed row ends as
-    the uninterrupted one, its states removed. Breaks if a block's state or data position is
+    one-process row's (per-step replica losses, outer diagnostics, validation losses, the
+    validation curve every 2 steps, and metrics.jsonl, written by rank 0 alone, byte for byte);
+    stopped by its deadline at the first outer boundary, each rank saves its block (row.pt.g0,
+    row.pt.g1) and the resumed row ends as the uninterrupted one, its states removed. Breaks if a block's state or data position is
     lost, the blocks disagree where to stop, or rank 1 writes metrics too."""
     results = run_ranks(_resumed_row, 2, str(tmp_path))
     alone = results[0]["alone"]
     for r in results:
         assert r["first"]["status"] == "saved" and r["first"]["step"] == 2
         assert r["saved"] == ["row.pt.g0", "row.pt.g1"] and not r["left"]
-        for key in ("replica_losses", "outer", "val_losses", "replicas", "outer_steps"):
+        for key in ("replica_losses", "outer", "val_losses", "val_curve", "replicas", "outer_steps"):
             assert r["full"][key] == r["second"][key] == alone[key], key
+    assert [p["step"] for p in alone["val_curve"]] == [2, 4]
     assert len(alone["replica_losses"][0]) == REPLICAS and alone["outer_steps"] == 2
     assert (tmp_path / "sharded.jsonl").read_text() == (tmp_path / "alone.jsonl").read_text()

@@ -265,3 +265,40 @@ def test_a_saved_row_resumes_where_it_stopped(tmp_path):
     assert second["outer"] == full["outer"] and second["outer_steps"] == 3
     assert second["val_losses"] == full["val_losses"]
     assert row(deadline=0.0)["status"] == "abandoned"
+
+
+def test_a_rows_validation_curve_is_each_shorter_rows_final_validation(tmp_path):
+    """simulate_variant(val_every=2) of het:4 over 6 steps (H = 2): its val_curve holds steps 2, 4
+    and 6, and the point at step s is, bit for bit, the final validation of the same row run for s
+    steps (same LR schedule, same held-out batches); training is untouched by the extra
+    validations (per-step losses equal a row without them); stopped at step 2 and resumed, the
+    curve comes back whole. val_every 3 (not a multiple of H) is refused, naming 3."""
+    from hetloco_ds.config import ConfigError, parse_config
+    from hetloco_ds.data import Corpus
+    from hetloco_ds.presets import model_config_for
+    from hetloco_ds.sim.rows import parse_variants, simulate_variant
+
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2}},
+                        "hetloco": {"sparseloco": {"inner_steps": 2}, "train": {"seq_len": 16, "eval_batches": 2}}})
+    g = torch.Generator().manual_seed(0)
+    corpus = Corpus(torch.randint(0, 96, (64, 16), generator=g, dtype=torch.int32),
+                    torch.randint(0, 96, (8, 16), generator=g, dtype=torch.int32), "random", tmp_path)
+    variant = parse_variants(["het:4"], 2, [0])[0]
+    llama = model_config_for("tiny", 96)
+
+    def row(steps=6, **kw):
+        return simulate_variant(cfg, variant, llama, corpus, 2, 2, steps, torch.device("cpu"), progress=False, **kw)
+
+    curve = row(val_every=2)
+    assert [p["step"] for p in curve["val_curve"]] == [2, 4, 6]
+    for p in curve["val_curve"]:
+        assert p["loss"] == row(steps=p["step"])["val_loss"], p
+    plain = row()
+    assert plain["val_curve"] == [] and plain["replica_losses"] == curve["replica_losses"]
+    assert len({p["loss"] for p in curve["val_curve"]}) == 3
+    state = str(tmp_path / "row.pt")
+    assert row(val_every=2, deadline=0.0, state_path=state)["status"] == "saved"
+    assert row(val_every=2, state_path=state)["val_curve"] == curve["val_curve"]
+    with pytest.raises(ConfigError, match="val_every 3"):
+        row(val_every=3)

@@ -144,8 +144,8 @@ class _RowLog:
             self.out.close()
 
 
-def _resume(sim, state_path: str | None, variant: Variant, steps: int, device) -> tuple[list, list, int, float]:
-    """(history, outer rows, steps done, seconds spent) of the row's saved state at `state_path`
+def _resume(sim, state_path: str | None, variant: Variant, steps: int, device) -> tuple[list, list, list, int, float]:
+    """(history, outer rows, validation curve, steps done, seconds spent) of the row's saved state at `state_path`
     (a sharded row: each block's own file), loaded into `sim`; an empty start where there is none."""
     saved = sim.shards.every(bool(state_path and os.path.exists(state_path))) if state_path else [False]
     if any(saved) and not all(saved):
@@ -153,13 +153,13 @@ def _resume(sim, state_path: str | None, variant: Variant, steps: int, device) -
                           f"of {len(saved)} exists, of the others not ({state_path}): resume on the same "
                           "--gpus-per-row, or remove the row's saved state")
     if not saved[0]:
-        return [], [], 0, 0.0
+        return [], [], [], 0, 0.0
     state = torch.load(state_path, map_location=device, weights_only=False)
     if state["variant"] != asdict(variant) or state["steps"] != steps:
         raise ConfigError(f"{state_path} holds row {state['variant']['name']} of {state['steps']} steps, "
                           f"not {variant.name} of {steps}")
     sim.load_state_dict(state["sim"])
-    return state["history"], state["outer"], state["step"], state["seconds"]
+    return state["history"], state["outer"], state.get("val_curve", []), state["step"], state["seconds"]
 
 
 def _build(run, hetloco, variant: Variant, llama_config, replicas: int, stages: int, device, batched: bool,
@@ -178,8 +178,8 @@ def _build(run, hetloco, variant: Variant, llama_config, replicas: int, stages: 
     return sim, sh.state_path(state_path)
 
 
-def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], steps: int, seconds: float,
-                batched: bool, compile: bool) -> dict:
+def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], val_curve: list[dict], steps: int,
+                seconds: float, batched: bool, compile: bool) -> dict:
     """A finished row: its losses, validation, bytes per token and per outer step, and timing."""
     history, H = log.history, log.H
     tail = max(1, min(H, steps) if log.enabled else min(10, steps))
@@ -192,6 +192,7 @@ def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], st
         "final_train_loss": sum(sum(l) / len(l) for l in history[-tail:]) / tail,
         "val_loss": sum(val_losses) / len(val_losses),
         "val_losses": val_losses,
+        "val_curve": val_curve,
         "stage_link_bytes_per_token": sum(log.link["stage_links_per_step"]) / sim.M / log.tokens_per_step,
         "outer_sync_bytes_per_replica_per_outer_step": log.link["outer_payload_per_replica"],
         "seconds": seconds,
@@ -207,7 +208,7 @@ def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], st
 def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, replicas: int, stages: int, steps: int,
                      device, metrics_path: str | None = None, progress: bool = True, batched: bool = True,
                      compile: bool = False, deadline: float | None = None, state_path: str | None = None,
-                     shards: int = 1) -> dict:
+                     shards: int = 1, val_every: int = 0) -> dict:
     """Train one row and validate every replica; the result's "status" is "done".
 
     `batched` runs the replicas as one batched computation (`batched.BatchedSimulation`), else one
@@ -221,7 +222,12 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     `shards` G > 1: this process is one of the G processes of the torch.distributed world that
     run the row together (sim/sharded.py), holding replicas [g M/G, (g+1) M/G); every process
     returns the whole row's result, rank 0 alone writes `metrics_path` and shows progress, and
-    each saves its block's state at `state_path`.g<g>."""
+    each saves its block's state at `state_path`.g<g>.
+
+    `val_every` > 0: every replica also validates every `val_every` steps (a multiple of H, so a
+    SparseLoCo row's replicas hold the synced model), the row's "val_curve" of {"step", "loss"}
+    (the replicas' mean), ending at the final validation: a run that repeats its corpus shows where
+    held-out loss turned, and the point at one epoch is the loss before any token came back."""
     hetloco = variant.hetloco(run.hetloco, replicas)
     run = variant.run(run)
     torch.manual_seed(hetloco.train.seed)
@@ -229,13 +235,16 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
                              state_path, shards)
     if batched and not sim.shards.rank0:
         metrics_path, progress = None, False
-    history, outer_rows, done, spent = _resume(sim, state_path, variant, steps, device)
+    history, outer_rows, val_curve, done, spent = _resume(sim, state_path, variant, steps, device)
     feeds = [ReplicaBatches(corpus.train, m, replicas, sim.micro, seed=hetloco.train.seed, position=done * sim.gas)
              for m in (sim.shards.ids if batched else range(replicas))]
     val_it = validation_batches(corpus.val, sim.micro)
     val_batches = [tuple(t.to(device) for t in next(val_it)) for _ in range(hetloco.train.eval_batches)]
     t0 = time.perf_counter()
     log = _RowLog(variant, sim, hetloco, steps, metrics_path, progress, history, outer_rows, done)
+    if val_every < 0 or (val_every and val_every % log.H):
+        raise ConfigError(f"{variant.name}: val_every {val_every} must be a multiple of the {log.H} steps between "
+                          "outer steps (0: validate at the end only)")
     interval = log.H if log.enabled else 50  # steps between boundaries (nothing pending)
     for step in range(done + 1, steps + 1):
         log.pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
@@ -246,6 +255,9 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
                                          f"outer step after step {step}; the row cannot go on")
         if log.syncs(step) or step == steps or len(log.pending) >= 50:
             log.flush()
+        if val_every and step % val_every == 0 and step < steps:
+            losses = sim.validation_losses(val_batches)
+            val_curve.append({"step": step, "loss": sum(losses) / len(losses)})
         if deadline is None or step == steps or step % interval:
             continue
         pace = (time.perf_counter() - t0) / (step - done)
@@ -259,7 +271,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
             if state_path:
                 tmp = state_path + ".tmp"
                 torch.save({"variant": asdict(variant), "steps": steps, "step": step, "sim": sim.state_dict(),
-                            "history": history, "outer": outer_rows, "seconds": seconds}, tmp)
+                            "history": history, "outer": outer_rows, "val_curve": val_curve, "seconds": seconds}, tmp)
                 os.replace(tmp, state_path)
                 sim.shards.every(True)  # "saved" once every block has saved
             return {"status": "saved" if state_path else "abandoned", "variant": asdict(variant), "step": step,
@@ -267,9 +279,12 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     log.bar.close()
     val_losses = sim.validation_losses(val_batches)
     log.close({"step": steps, "loss": sum(val_losses) / len(val_losses), "replica_losses": val_losses})
+    if val_every:
+        val_curve.append({"step": steps, "loss": sum(val_losses) / len(val_losses)})
     if state_path and os.path.exists(state_path):
         os.remove(state_path)
-    return _row_result(sim, variant, log, val_losses, steps, spent + time.perf_counter() - t0, batched, compile)
+    return _row_result(sim, variant, log, val_losses, val_curve, steps, spent + time.perf_counter() - t0, batched,
+                       compile)
 
 
 ROW_HEADS = ("sparseloco", "pp", "het", "adamw", "adamw-pp", "adamw-het", "diloco")
