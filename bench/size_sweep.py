@@ -23,7 +23,9 @@ runs/size_sweep_state/<model>/ (resumed by the next call on the same warm machin
 to $OUT/<model>/, to be committed beside the others. `--gpus-per-row G` runs each row on G GPUs
 together, each holding M/G of its replicas (paper_tables.py --gpus-per-row): a 105M row, 46 minutes
 alone on an H200, then fits one session's 30 device-minutes on 2 GPUs; its saved state resumes only
-with the same G.
+with the same G. Rows also validate every `VAL_EVERY` steps: the corpus is 130M tokens, so 10 tokens
+per parameter repeats it (8 passes at 105M), and `summarize` reports, beside each row's final loss,
+its loss after one pass, its validation - train loss and how its train loss falls at each new pass.
 """
 from __future__ import annotations
 
@@ -213,6 +215,7 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
             "train_loss_per_seed": r["final_train_loss_per_seed"],
             "val_minus_train_per_seed": [v - t for v, t in zip(r["val_loss_per_seed"], r["final_train_loss_per_seed"])],
             "one_epoch_per_seed": [one_epoch_point(c, steps_per_epoch) for c in r["val_curve_per_seed"]],
+            "train_drop_per_seed": r["train_drop_per_seed"],
         })
     return out
 
@@ -336,8 +339,12 @@ def summarize(args) -> int:
                   + ("" if g["adamw_bracket_complete"] else f"; provisional: AdamW's bracket {ADAMW_LRS} is not complete"))
     for r in rows:
         if r["mode"] in ("sparseloco", "adamw", "diloco"):
+            drops = "; ".join(f"{d['new_pass']:.3f} at a new pass, " + (f"{d['mid_pass']:.3f}" if d["mid_pass"] is not None
+                                                                         else "-") + " mid-pass"
+                              for d in r["train_drop_per_seed"] if d)
             print(f"{r['model']:>5} {r['mode']:<10} lr {r['lr']:g}, {r['epochs']:.1f} epochs: validation - train "
-                  + ", ".join(f"{d:+.3f}" for d in r["val_minus_train_per_seed"]) + f" (seeds {r['seeds']})")
+                  + ", ".join(f"{d:+.3f}" for d in r["val_minus_train_per_seed"]) + f" (seeds {r['seeds']})"
+                  + (f"; train loss falls {drops}" if drops else ""))
     for r in rows:
         if r["degradation_pct"] is not None and r["mode"] in COMPRESSED:
             print(f"{r['model']:>5} {r['mode']:<10} {r['degradation_pct']:+.2f}% over SparseLoCo, seeds {r['seeds']}")

@@ -86,6 +86,30 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
+def pass_drops(r: dict, steps_per_pass: float | None) -> dict | None:
+    """How far a row's train loss falls across the start of each new pass over the corpus against
+    across the middle of a pass (the mean of its recorded train losses in the 90 steps before a
+    point minus in the 90 after, averaged over the points that fit): a model that memorises its
+    corpus falls at the boundaries and little between them. None without a whole boundary."""
+    losses, steps = r.get("train_losses"), r["steps"]
+    if not losses or not steps_per_pass:
+        return None
+    every = steps // len(losses)  # the recorded losses are of steps 1, 1 + every, ...
+
+    def drop(point: float) -> float | None:
+        before = [x for i, x in enumerate(losses) if point - 100 <= 1 + i * every < point - 10]
+        after = [x for i, x in enumerate(losses) if point + 10 < 1 + i * every <= point + 100]
+        return statistics.fmean(before) - statistics.fmean(after) if before and after else None
+
+    passes = int(steps // steps_per_pass)
+    new = [d for k in range(1, passes + 1) if (d := drop(k * steps_per_pass)) is not None]
+    mid = [d for k in range(1, passes) if (d := drop((k + 0.5) * steps_per_pass)) is not None]
+    if not new:
+        return None
+    return {"new_pass": statistics.fmean(new), "mid_pass": statistics.fmean(mid) if mid else None,
+            "boundaries": len(new)}
+
+
 def summarize(rows: list[dict], meta: dict) -> list[dict]:
     base = {base_key(r["variant"]): r["val_loss"] for r in rows if r["variant"]["compressed"] == 0}
     by_row: dict[str, list[dict]] = {}
@@ -107,6 +131,8 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
         losses = [r["val_loss"] for r in group]
         first = group[0]
         tokens = first["steps"] * first["replicas"] * first.get("tokens_per_replica_step", 0)
+        per_pass = (meta["corpus_train_tokens"] / (first["replicas"] * first["tokens_per_replica_step"])
+                    if meta.get("corpus_train_tokens") and first.get("tokens_per_replica_step") else None)
         last = [r["outer"][-1] if r.get("outer") else {} for r in group]
         out.append({
             "row": name,
@@ -126,6 +152,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
             "val_loss_per_replica_per_seed": [r.get("val_losses") for r in group],
             "final_train_loss_per_seed": [r.get("final_train_loss") for r in group],
             "val_curve_per_seed": [r.get("val_curve") or None for r in group],
+            "train_drop_per_seed": [pass_drops(r, per_pass) for r in group],
             "delta_pct_mean": statistics.fmean(deltas) if deltas else None,
             "delta_pct_per_seed": deltas,
             "paper_delta_pct": PAPER.get(table_row(name)),

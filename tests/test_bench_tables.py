@@ -202,3 +202,20 @@ def test_size_sweep_second_seed_waits_for_the_whole_adamw_bracket(tmp_path):
         f.write_text(json.dumps(doc))
     with pytest.raises(SystemExit, match="no seed-0 row for every lr"):
         ss.second_seed_rows("20M", str(tmp_path))
+
+
+def test_pass_drops_reads_a_fall_at_each_new_pass_and_none_between():
+    """A train loss that falls by 0.5 at the start of each of 4 passes of 1000 steps and is flat
+    in between (recorded every 10 steps, as paper_tables keeps it): 0.5 at a new pass over the 3
+    boundaries with a window on each side, 0 mid-pass; a gentle slope adds its own 180-step fall
+    to both; a row shorter than one pass has none. Breaks if the windows or the recorded steps
+    are read off by one sample."""
+    st = bench_module("summarize_tables")
+    steps = [1 + 10 * i for i in range(400)]
+    flat = {"steps": 4000, "train_losses": [3.0 - 0.5 * (s // 1000) for s in steps]}
+    d = st.pass_drops(flat, 1000.0)
+    assert d == {"new_pass": 0.5, "mid_pass": 0.0, "boundaries": 3}
+    sloped = {"steps": 4000, "train_losses": [3.0 - 0.5 * (s // 1000) - 1e-4 * s for s in steps]}
+    d = st.pass_drops(sloped, 1000.0)
+    assert abs(d["new_pass"] - (0.5 + 1e-4 * 110)) < 1e-9 and abs(d["mid_pass"] - 1e-4 * 110) < 1e-9
+    assert st.pass_drops({"steps": 900, "train_losses": [1.0] * 90}, 1000.0) is None
