@@ -176,6 +176,18 @@ def steps_for_tokens(llama, args, seq_len: int) -> int:
     return max(1, outer) * args.inner_steps
 
 
+def steps_for_passes(passes: float, corpus_tokens: int, args, seq_len: int) -> int:
+    """Inner steps in whole outer steps that stay within `passes` passes over a corpus of
+    `corpus_tokens` training tokens (all replicas' tokens counted), so no row sees a token more
+    often than that."""
+    per_step = args.replicas * args.micro * args.gas * seq_len
+    outer = int(passes * corpus_tokens) // (per_step * args.inner_steps)
+    if outer < 1:
+        raise SystemExit(f"paper_tables: --passes {passes:g} of {corpus_tokens} tokens is less than one outer step "
+                         f"({per_step * args.inner_steps} tokens)")
+    return outer * args.inner_steps
+
+
 def safe_name(name: str) -> str:
     return name.replace(":", "_").replace("=", "-")
 
@@ -461,6 +473,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens-per-param", type=float, default=0.0,
                    help="set --steps from the model's size: this many tokens (every replica's) per parameter, "
                         "in whole outer steps (0: --steps as given)")
+    p.add_argument("--passes", type=float, default=0.0,
+                   help="set --steps to the whole outer steps within this many passes over the corpus (0: --steps)")
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--micro", type=int, default=32)
     p.add_argument("--gas", type=int, default=2, help="micro-batches a step: micro x gas x seq tokens per replica step")
@@ -526,10 +540,14 @@ def main(argv=None) -> int:
         raise SystemExit(f"paper_tables: {err}") from None
     if not os.path.isfile(args.data):
         raise SystemExit(f"paper_tables: --data {args.data}: no such file (bench/make_corpus.py makes one)")
-    if args.tokens_per_param:
+    if args.tokens_per_param and args.passes:
+        raise SystemExit("paper_tables: give --tokens-per-param or --passes, not both")
+    if args.tokens_per_param or args.passes:
         blob = torch.load(args.data, mmap=True)
         llama = model_config_for(args.model, blob["vocab_size"])
-        args.steps = steps_for_tokens(llama, args, blob["train"].shape[1])
+        seq_len = blob["train"].shape[1]
+        args.steps = (steps_for_tokens(llama, args, seq_len) if args.tokens_per_param
+                      else steps_for_passes(args.passes, blob["train"].numel(), args, seq_len))
         del blob
     if args.estimate:
         return estimate(args)

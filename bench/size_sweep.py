@@ -14,6 +14,7 @@ Three verbs, each a step of spending device time in pieces:
     OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 20M --out $OUT [--seeds 1]
     OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 105M --gpus-per-row 2 --out $OUT
     python bench/size_sweep.py summarize                     # bench/results/size_sweep/summary.json + .png
+    ... plan | run | summarize --one-pass                    # every row within one pass: size_sweep/one_pass/
 
 `run` builds the corpus on the GPU machine once (bench/make_corpus.py: its Python and CUDA sources,
 BPE-8192 from `.benchdata/tokenizer`, which the call carries), then runs the size's unfinished rows
@@ -26,6 +27,8 @@ alone on an H200, then fits one session's 30 device-minutes on 2 GPUs; its saved
 with the same G. Rows also validate every `VAL_EVERY` steps: the corpus is 130M tokens, so 10 tokens
 per parameter repeats it (8 passes at 105M), and `summarize` reports, beside each row's final loss,
 its loss after one pass, its validation - train loss and how its train loss falls at each new pass.
+`--one-pass` is the regime without repetition: every size runs the same 950 steps (19 outer syncs,
+the whole outer steps that fit in one pass), at 6.1 tokens per parameter at 20M and 1.2 at 105M.
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import summarize_tables  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results", "size_sweep")
+# --one-pass: every row within one pass over the corpus (the same steps at every size), no token seen twice
+ONE_PASS = os.path.join(RESULTS, "one_pass")
 SIZES = ("20M", "60M", "105M")
 TOKENS_PER_PARAM = 10.0
 REPLICAS, STAGES, H, MICRO, GAS, SEQ = 8, 4, 50, 32, 2, 256
@@ -112,15 +117,31 @@ def second_seed_rows(model: str, results: str = RESULTS) -> list[str]:
     return [f"sparseloco:{lr_flag(SPARSELOCO_LR)}", f"adamw:{lr_flag(best)}", f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
 
 
-def steps_for(model: str) -> tuple[int, int]:
-    """(steps, parameters) of a row of `model` (paper_tables' own rule and count, vocab 8192)."""
+def steps_for(model: str, one_pass: bool = False) -> tuple[int, int]:
+    """(steps, parameters) of a row of `model` (paper_tables' own rules and count, vocab 8192); one
+    pass over the corpus the committed rows record."""
     import paper_tables
     from hetloco_ds.presets import model_config_for
 
     llama = model_config_for(model, 8192)
     args = argparse.Namespace(tokens_per_param=TOKENS_PER_PARAM, replicas=REPLICAS, micro=MICRO, gas=GAS,
                               inner_steps=H)
-    return paper_tables.steps_for_tokens(llama, args, SEQ), paper_tables.n_params(llama)
+    steps = paper_tables.steps_for_passes(1.0, corpus_tokens(), args, SEQ) if one_pass else \
+        paper_tables.steps_for_tokens(llama, args, SEQ)
+    return steps, paper_tables.n_params(llama)
+
+
+def corpus_tokens() -> int:
+    """The training tokens of the corpus the committed rows ran on (every size builds the same one)."""
+    for model in SIZES:
+        loaded = load_size(model, RESULTS)
+        if loaded:
+            return loaded[1]["corpus_train_tokens"]
+    raise SystemExit(f"size_sweep: no committed rows under {RESULTS} record the corpus's size")
+
+
+def results_of(args) -> str:
+    return args.results or (ONE_PASS if args.one_pass else RESULTS)
 
 
 def plan(args) -> int:
@@ -130,14 +151,15 @@ def plan(args) -> int:
     import paper_tables
     from hetloco_ds.presets import model_config_for
 
-    total = 0.0
+    total, results = 0.0, results_of(args)
     for model in SIZES:
-        steps, n = steps_for(model)
-        loaded = load_size(model, args.results)
-        # GPU-seconds a step: a row run on G GPUs together took G GPUs' time
-        paces = [s * g / r["outer_steps"] / H for r in (loaded[0] if loaded else [])
+        steps, n = steps_for(model, args.one_pass)
+        loaded = load_size(model, results)
+        # GPU-seconds a step, the same in either regime: a row run on G GPUs together took G GPUs' time
+        measured = [r for folder in (RESULTS, ONE_PASS) for r in (load_size(model, folder) or [[]])[0]]
+        paces = [s * g / r["outer_steps"] / H for r in measured
                  for s, g in zip(r["seconds_per_seed"], r["gpus_per_seed"]) if s and r["outer_steps"]]
-        timed = sorted(glob.glob(os.path.join(args.results, f"calibration_{model}_*_alone.json")))
+        timed = sorted(glob.glob(os.path.join(RESULTS, f"calibration_{model}_*_alone.json")))
         if paces:
             pace, how = sorted(paces)[len(paces) // 2], "measured rows"
         elif timed:
@@ -171,14 +193,17 @@ def run(args) -> int:
         subprocess.run([sys.executable, os.path.join(HERE, "make_corpus.py"), "--tokenizer", args.tokenizer,
                         "--out", args.data, "--max-bytes", "1e9", "--roots", *[r for r in args.roots.split(",") if r]],
                        env=dict(os.environ, TOKENIZERS_PARALLELISM="true"), check=True)
-    rows = second_seed_rows(args.model) if args.seeds == "1" and not args.rows else \
+    results = results_of(args)
+    rows = second_seed_rows(args.model, results) if args.seeds == "1" and not args.rows else \
         (args.rows.split(",") if args.rows else first_seed_rows(args.model))
-    out = os.path.join(args.out, args.model)
-    done = os.path.join(RESULTS, args.model)
-    argv = ["--data", args.data, "--model", args.model, "--tokens-per-param", str(TOKENS_PER_PARAM),
+    out = os.path.join(args.out, "one_pass" if args.one_pass else "", args.model)
+    done = os.path.join(results, args.model)
+    length = ["--passes", "1"] if args.one_pass else ["--tokens-per-param", str(TOKENS_PER_PARAM)]
+    state_dir = args.state_dir + ("_one_pass" if args.one_pass else "")
+    argv = ["--data", args.data, "--model", args.model, *length,
             "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(MICRO),
             "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows), "--seeds", args.seeds,
-            "--compile", "--budget-s", str(args.budget_s - (time.time() - t0)), "--state-dir", os.path.join(args.state_dir, args.model),
+            "--compile", "--budget-s", str(args.budget_s - (time.time() - t0)), "--state-dir", os.path.join(state_dir, args.model),
             "--val-every", str(VAL_EVERY), "--tag", args.tag, "--out", out]
     if args.gpus_per_row > 1:
         argv += ["--gpus-per-row", str(args.gpus_per_row)]
@@ -308,9 +333,9 @@ def plot(rows: list[dict], gap_rows: list[dict], one_epoch: list[dict], path: st
 
 
 def summarize(args) -> int:
-    rows, cards, settings = [], set(), {}
+    rows, cards, settings, results = [], set(), {}, results_of(args)
     for model in SIZES:
-        loaded = load_size(model, args.results)
+        loaded = load_size(model, results)
         if loaded is None:
             continue
         summary, meta = loaded
@@ -322,16 +347,17 @@ def summarize(args) -> int:
                                                      "micro_batch", "grad_accum", "seq_len", "corpus_train_tokens",
                                                      "data", "compile")} | {"cards": size_cards}
     if not rows:
-        raise SystemExit(f"size_sweep: no results under {args.results}")
+        raise SystemExit(f"size_sweep: no results under {results}")
     gap_rows = gaps(rows)
-    doc = {"cards": sorted(cards), "tokens_per_param_target": TOKENS_PER_PARAM, "settings": settings,
+    doc = {"cards": sorted(cards), "regime": "one pass" if args.one_pass else f"{TOKENS_PER_PARAM:g} tokens per parameter",
+           "tokens_per_param_target": None if args.one_pass else TOKENS_PER_PARAM, "settings": settings,
            "rows": rows, "gaps": gap_rows, "gaps_one_epoch": gaps(rows, one_epoch_loss),
            "paper": {"params": PAPER_PARAMS, "degradation_pct": PAPER_DEGRADATION, "gap_pct": PAPER_GAP_PCT},
-           "command": "python bench/size_sweep.py summarize"}
-    os.makedirs(args.results, exist_ok=True)
-    with open(os.path.join(args.results, "summary.json"), "w") as f:
+           "command": "python bench/size_sweep.py summarize" + (" --one-pass" if args.one_pass else "")}
+    os.makedirs(results, exist_ok=True)
+    with open(os.path.join(results, "summary.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot(rows, gap_rows, doc["gaps_one_epoch"], os.path.join(args.results, "size_sweep.png"))
+    plot(rows, gap_rows, doc["gaps_one_epoch"], os.path.join(results, "size_sweep.png"))
     for when, some in (("end", gap_rows), ("one epoch", doc["gaps_one_epoch"])):
         for g in some:
             print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}) at {when}: {g['gap_nats']:+.4f} nats "
@@ -348,7 +374,7 @@ def summarize(args) -> int:
     for r in rows:
         if r["degradation_pct"] is not None and r["mode"] in COMPRESSED:
             print(f"{r['model']:>5} {r['mode']:<10} {r['degradation_pct']:+.2f}% over SparseLoCo, seeds {r['seeds']}")
-    print(f"wrote {args.results}/summary.json and size_sweep.png")
+    print(f"wrote {results}/summary.json and size_sweep.png")
     return 0
 
 
@@ -357,7 +383,7 @@ def main(argv=None) -> int:
     verbs = p.add_subparsers(dest="verb", required=True)
     pl = verbs.add_parser("plan", help="rows, steps and GPU-minutes per size")
     pl.add_argument("--mfu", type=float, default=0.25)
-    pl.add_argument("--results", default=RESULTS)
+    pl.add_argument("--results", default="")
     r = verbs.add_parser("run", help="one size's unfinished rows on this machine's GPUs")
     r.add_argument("--model", required=True, choices=SIZES)
     r.add_argument("--seeds", default="0", help='"0": every row of the size; "1": SparseLoCo, the tuned AdamW, DiLoCo')
@@ -375,7 +401,12 @@ def main(argv=None) -> int:
     r.add_argument("--tag", default="run")
     r.add_argument("--out", default=os.environ.get("OUT", "runs/size_sweep_out"))
     s = verbs.add_parser("summarize", help="summary.json and the plot from the committed runs")
-    s.add_argument("--results", default=RESULTS)
+    s.add_argument("--results", default="", help=f"default {RESULTS} ({ONE_PASS} with --one-pass)")
+    for verb in (pl, r, s):
+        verb.add_argument("--one-pass", action="store_true",
+                          help="the regime without repetition: every row within one pass over the corpus "
+                               f"(results under {os.path.relpath(ONE_PASS, HERE)})")
+    r.set_defaults(results="")
     args = p.parse_args(argv)
     return {"plan": plan, "run": run, "summarize": summarize}[args.verb](args)
 

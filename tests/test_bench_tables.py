@@ -57,6 +57,45 @@ def test_size_sweep_steps_give_each_size_the_same_tokens_per_parameter():
     assert ss.steps_for("20M")[0] == 1600 and ss.steps_for("105M")[0] == 8000
 
 
+def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatch):
+    """--one-pass: every size gets the same whole outer steps, the most whose tokens fit in one pass
+    over the committed rows' corpus; paper_tables refuses a corpus smaller than one outer step
+    (naming the tokens) and --passes beside --tokens-per-param; `size_sweep run --one-pass` hands
+    paper_tables --passes 1 (not --tokens-per-param), its own output and state folders, and the
+    validation curve. Breaks if a one-pass row could reach a token twice."""
+    import json
+    import sys
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    pt = bench_module("paper_tables")
+    corpus = json.loads((Path(ss.RESULTS) / "summary.json").read_text())["settings"]["20M"]["corpus_train_tokens"]
+    per_step = ss.REPLICAS * ss.MICRO * ss.GAS * ss.SEQ
+    for model in ss.SIZES:
+        steps, _ = ss.steps_for(model, one_pass=True)
+        assert steps % ss.H == 0 and steps * per_step <= corpus < (steps + ss.H) * per_step
+    assert ss.steps_for("105M", one_pass=True)[0] == 950
+    small = type("A", (), {"replicas": 8, "micro": 32, "gas": 2, "inner_steps": 50})()
+    with pytest.raises(SystemExit, match="--passes 1 of 1000 tokens"):
+        pt.steps_for_passes(1.0, 1000, small, 256)
+    data = tmp_path / "c.pt"
+    data.write_bytes(b"")
+    with pytest.raises(SystemExit, match="not both"):
+        pt.main(["--data", str(data), "--passes", "1", "--tokens-per-param", "10", "--out", str(tmp_path)])
+
+    seen = {}
+    monkeypatch.setitem(sys.modules, "paper_tables", type(sys)("paper_tables"))
+    sys.modules["paper_tables"].main = lambda argv: seen.setdefault("argv", argv) and 0
+    assert ss.main(["run", "--model", "60M", "--one-pass", "--data", str(data), "--out", str(tmp_path / "o")]) == 0
+    argv = seen["argv"]
+    flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert flag["--passes"] == "1" and "--tokens-per-param" not in flag and flag["--val-every"] == str(ss.VAL_EVERY)
+    assert flag["--out"] == str(tmp_path / "o" / "one_pass" / "60M")
+    assert flag["--state-dir"] == "runs/size_sweep_state_one_pass/60M"
+    assert flag.get("--skip-done", ss.ONE_PASS).startswith(ss.ONE_PASS)
+
+
 def test_size_sweep_summary_of_the_committed_runs(tmp_path):
     """summary.json's rows and gaps, recomputed by hand from the committed 20M run JSONs."""
     import json
