@@ -147,12 +147,15 @@ def test_corpus_then_paper_tables_then_summary(tmp_path):
     with pytest.raises(SystemExit, match="--val-every 3 must be a multiple of --inner-steps 2"):
         bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--inner-steps", "2",
                                            "--val-every", "3", "--out", str(out)])
+    # --passes sets the steps from the corpus: 3.5 steps' tokens (2 x 2 x 32 a step) are 3 whole
+    # steps, where the smoke's own default is 2
+    passes = 3.5 * 128 / blob["train"].numel()
     assert bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--val-every", "1",
-                                              "--out", str(out)]) == 0
+                                              "--passes", repr(passes), "--out", str(out)]) == 0
     run = json.loads((out / "paper_tables_smoke_g0p0.json").read_text())
-    assert run["val_every"] == 1
+    assert run["val_every"] == 1 and run["steps"] == 3 and run["tokens_per_row"] <= passes * blob["train"].numel()
     for r in run["rows"]:  # the worker process got --val-every: a point a step, the last the final one
-        assert [p["step"] for p in r["val_curve"]] == [1, 2] and r["val_curve"][-1]["loss"] == r["val_loss"]
+        assert [p["step"] for p in r["val_curve"]] == [1, 2, 3] and r["val_curve"][-1]["loss"] == r["val_loss"]
     assert run["n_params"] == _hf_params("tiny", blob["vocab_size"])
     rows = {r["variant"]["name"].split("@")[0]: r for r in run["rows"]}
     assert sorted(rows) == ["het:8", "sparseloco"] and all(math.isfinite(r["val_loss"]) for r in rows.values())
