@@ -241,6 +241,7 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
             "val_minus_train_per_seed": [v - t for v, t in zip(r["val_loss_per_seed"], r["final_train_loss_per_seed"])],
             "one_epoch_per_seed": [one_epoch_point(c, steps_per_epoch) for c in r["val_curve_per_seed"]],
             "train_drop_per_seed": r["train_drop_per_seed"],
+            "first_pass_fresh_per_seed": r["first_pass_fresh_per_seed"],
         })
     return out
 
@@ -251,6 +252,11 @@ def final_loss(r: dict, seed: int) -> float:
 
 def one_epoch_loss(r: dict, seed: int) -> float | None:
     point = r["one_epoch_per_seed"][r["seeds"].index(seed)]
+    return point and point["loss"]
+
+
+def first_pass_fresh_loss(r: dict, seed: int) -> float | None:
+    point = r["first_pass_fresh_per_seed"][r["seeds"].index(seed)]
     return point and point["loss"]
 
 
@@ -282,14 +288,15 @@ def gaps(rows: list[dict], loss=final_loss) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], gap_rows: list[dict], one_epoch: list[dict], path: str) -> None:
+def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], path: str) -> None:
+    """`early`: more gap series by label (the gap after one pass, on the first pass's unseen batches)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 6.2))
     for mode, marker in (("sparseloco", "o"), ("diloco", "s")):
         pts = sorted((g["n_params"], g["gap_pct"]) for g in gap_rows if g["mode"] == mode)
         if pts:
@@ -298,10 +305,11 @@ def plot(rows: list[dict], gap_rows: list[dict], one_epoch: list[dict], path: st
         if open_:  # ringed: AdamW's lr bracket not yet complete at that size
             left.plot(*zip(*open_), "o", markersize=13, markerfacecolor="none", color="grey",
                       label="AdamW bracket still open" if mode == "sparseloco" else None)
-        early = sorted((g["n_params"], g["gap_pct"]) for g in one_epoch if g["mode"] == mode)
-        if early:
-            left.plot(*zip(*early), marker=marker, ls="--", color="C0" if mode == "sparseloco" else "C1",
-                      label=f"ours: {mode} - tuned AdamW, after one epoch")
+        for (label, series), ls in zip(early.items(), ("--", ":")):
+            pts = sorted((g["n_params"], g["gap_pct"]) for g in series if g["mode"] == mode)
+            if pts:
+                left.plot(*zip(*pts), marker=marker, ls=ls, color="C0" if mode == "sparseloco" else "C1",
+                          label=f"ours: {mode} - AdamW, {label}")
     epochs = {r["model"]: (r["n_params"], r["epochs"]) for r in rows if r.get("epochs")}
     for model, (n, e) in epochs.items():  # a row's final loss is after this many passes over the corpus
         left.annotate(f"{e:.1f} epochs", (n, 0), textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7)
@@ -310,9 +318,9 @@ def plot(rows: list[dict], gap_rows: list[dict], one_epoch: list[dict], path: st
     left.plot([20453760], [LONG_20M_GAP_PCT], "C0x", markersize=9,
               label="ours: sparseloco - AdamW, 20M at 32 tokens/param")
     left.axhline(0, color="grey", lw=0.5)
-    left.set(xscale="log", xlabel="parameters", ylabel="validation loss gap (% of AdamW)",
+    left.set(xscale="log", xlabel="parameters", ylabel="loss gap (% of AdamW); solid: final validation",
              title="gap to AdamW")
-    left.legend(fontsize=8)
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     for i, mode in enumerate(COMPRESSED):
         color = f"C{i}"
         pts = sorted((r["n_params"], r["degradation_pct"]) for r in rows
@@ -324,7 +332,7 @@ def plot(rows: list[dict], gap_rows: list[dict], one_epoch: list[dict], path: st
                    label=f"paper {mode}")
     right.set(xscale="log", xlabel="parameters", ylabel="degradation over SparseLoCo (%)",
               title="cost of compression")
-    right.legend(fontsize=7, ncol=2)
+    right.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     for ax in (left, right):
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.tight_layout()
@@ -352,13 +360,17 @@ def summarize(args) -> int:
     doc = {"cards": sorted(cards), "regime": "one pass" if args.one_pass else f"{TOKENS_PER_PARAM:g} tokens per parameter",
            "tokens_per_param_target": None if args.one_pass else TOKENS_PER_PARAM, "settings": settings,
            "rows": rows, "gaps": gap_rows, "gaps_one_epoch": gaps(rows, one_epoch_loss),
+           "gaps_first_pass_fresh": gaps(rows, first_pass_fresh_loss),
            "paper": {"params": PAPER_PARAMS, "degradation_pct": PAPER_DEGRADATION, "gap_pct": PAPER_GAP_PCT},
            "command": "python bench/size_sweep.py summarize" + (" --one-pass" if args.one_pass else "")}
     os.makedirs(results, exist_ok=True)
     with open(os.path.join(results, "summary.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot(rows, gap_rows, doc["gaps_one_epoch"], os.path.join(results, "size_sweep.png"))
-    for when, some in (("end", gap_rows), ("one epoch", doc["gaps_one_epoch"])):
+    plot(rows, gap_rows, {"after one pass": doc["gaps_one_epoch"],
+                          "step 951 (19 syncs), unseen batches": doc["gaps_first_pass_fresh"]},
+         os.path.join(results, "size_sweep.png"))
+    for when, some in (("end", gap_rows), ("one epoch", doc["gaps_one_epoch"]),
+                       ("the first pass's last sync, on unseen batches", doc["gaps_first_pass_fresh"])):
         for g in some:
             print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}) at {when}: {g['gap_nats']:+.4f} nats "
                   f"({g['gap_pct']:+.2f}%), seeds {g['seeds']}"

@@ -110,6 +110,21 @@ def pass_drops(r: dict, steps_per_pass: float | None) -> dict | None:
             "boundaries": len(new)}
 
 
+def first_pass_fresh(r: dict, steps_per_pass: float | None, H: int) -> dict | None:
+    """The row's recorded train loss at the first step after the last outer sync (every `H`, the
+    run's) within the first pass over the corpus ({"step", "loss"}): the synced model's loss on
+    batches no replica has seen, the mean over every replica's micro-batches of that step. A row
+    without outer syncs (AdamW) is read at the same step, as unseen. None where it was not recorded."""
+    losses, steps = r.get("train_losses"), r["steps"]
+    if not losses or not steps_per_pass:
+        return None
+    every = steps // len(losses)  # the recorded losses are of steps 1, 1 + every, ...
+    after_sync = [s for s in range(H + 1, min(steps, int(steps_per_pass)) + 1, H) if (s - 1) % every == 0]
+    if not after_sync:
+        return None
+    return {"step": after_sync[-1], "loss": losses[(after_sync[-1] - 1) // every]}
+
+
 def summarize(rows: list[dict], meta: dict) -> list[dict]:
     base = {base_key(r["variant"]): r["val_loss"] for r in rows if r["variant"]["compressed"] == 0}
     by_row: dict[str, list[dict]] = {}
@@ -153,6 +168,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
             "final_train_loss_per_seed": [r.get("final_train_loss") for r in group],
             "val_curve_per_seed": [r.get("val_curve") or None for r in group],
             "train_drop_per_seed": [pass_drops(r, per_pass) for r in group],
+            "first_pass_fresh_per_seed": [first_pass_fresh(r, per_pass, meta.get("inner_steps") or 1) for r in group],
             "delta_pct_mean": statistics.fmean(deltas) if deltas else None,
             "delta_pct_per_seed": deltas,
             "paper_delta_pct": PAPER.get(table_row(name)),

@@ -258,3 +258,35 @@ def test_pass_drops_reads_a_fall_at_each_new_pass_and_none_between():
     d = st.pass_drops(sloped, 1000.0)
     assert abs(d["new_pass"] - (0.5 + 1e-4 * 110)) < 1e-9 and abs(d["mid_pass"] - 1e-4 * 110) < 1e-9
     assert st.pass_drops({"steps": 900, "train_losses": [1.0] * 90}, 1000.0) is None
+
+
+def test_first_pass_fresh_reads_the_step_after_the_last_sync_inside_the_first_pass():
+    """Recorded losses that are their own step numbers: with syncs every 50 steps and one pass of
+    994.4 steps the point is step 951 (the first after the sync at 950), also for a row recorded
+    every 20 steps (901: 951 - 1 is no multiple of 20); a run shorter than its first sync has
+    none. And on the committed 20M rows, SparseLoCo's gap to the tuned AdamW there is recomputed
+    from the run JSONs' step 951 (index 95 of every 10th step)."""
+    import json
+    import shutil
+    import tempfile
+
+    st = bench_module("summarize_tables")
+    ten = {"steps": 4000, "train_losses": [float(1 + 10 * i) for i in range(400)]}
+    assert st.first_pass_fresh(ten, 994.4, 50) == {"step": 951, "loss": 951.0}
+    twenty = {"steps": 2000, "train_losses": [float(1 + 20 * i) for i in range(100)]}
+    assert st.first_pass_fresh(twenty, 994.4, 50) == {"step": 901, "loss": 901.0}
+    assert st.first_pass_fresh({"steps": 40, "train_losses": [1.0] * 4}, 994.4, 50) is None
+
+    ss = bench_module("size_sweep")
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(Path(ss.RESULTS) / "20M", Path(tmp) / "20M")
+        assert ss.main(["summarize", "--results", tmp]) == 0
+        doc = json.loads((Path(tmp) / "summary.json").read_text())
+        at = {}
+        for f in (Path(tmp) / "20M").glob("paper_tables_*.json"):
+            for r in json.loads(f.read_text())["rows"]:
+                at[r["variant"]["name"]] = r["train_losses"][95]
+    best = next(r["lr"] for r in doc["rows"] if r["mode"] == "adamw" and r["tuned"])
+    gap = next(g for g in doc["gaps_first_pass_fresh"] if g["mode"] == "sparseloco")
+    want = [at[f"sparseloco:lr=0.002@seed{s}"] - at[f"adamw:lr={best:g}@seed{s}"] for s in (0, 1)]
+    assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(want) / 2) < 1e-12
