@@ -231,12 +231,9 @@ def test_outer_step_diagnostics_on_a_dense_sync():
     assert sparse["error_norm"] > 0
 
 
-def test_a_saved_row_resumes_where_it_stopped(tmp_path):
-    """A row stopped by its deadline at the first outer-step boundary saves its state; a second
-    call continues from it and ends with the same per-step losses, outer-step diagnostics and
-    validation losses as an uninterrupted run, bit for bit (AdamW moments, LR schedule, error
-    buffers, theta at the last sync, T_perp and the data positions all come back). Breaks if any
-    of them is lost or the data feed restarts."""
+def _het4_row(tmp_path):
+    """simulate_variant of het:4 (M = 2 x S = 2, H = 2, a 6-step LR schedule) on random tokens, as
+    row(steps=6, **kw)."""
     from hetloco_ds.config import parse_config
     from hetloco_ds.data import Corpus
     from hetloco_ds.presets import model_config_for
@@ -250,10 +247,19 @@ def test_a_saved_row_resumes_where_it_stopped(tmp_path):
                     torch.randint(0, 96, (8, 16), generator=g, dtype=torch.int32), "random", tmp_path)
     variant = parse_variants(["het:4"], 2, [0])[0]
     llama = model_config_for("tiny", 96)
-    cpu = torch.device("cpu")
 
-    def row(**kw):
-        return simulate_variant(cfg, variant, llama, corpus, 2, 2, 6, cpu, progress=False, **kw)
+    def row(steps=6, **kw):
+        return simulate_variant(cfg, variant, llama, corpus, 2, 2, steps, torch.device("cpu"), progress=False, **kw)
+    return row
+
+
+def test_a_saved_row_resumes_where_it_stopped(tmp_path):
+    """A row stopped by its deadline at the first outer-step boundary saves its state; a second
+    call continues from it and ends with the same per-step losses, outer-step diagnostics and
+    validation losses as an uninterrupted run, bit for bit (AdamW moments, LR schedule, error
+    buffers, theta at the last sync, T_perp and the data positions all come back). Breaks if any
+    of them is lost or the data feed restarts."""
+    row = _het4_row(tmp_path)
 
     full = row()
     state = str(tmp_path / "row.pt")
@@ -273,22 +279,9 @@ def test_a_rows_validation_curve_is_each_shorter_rows_final_validation(tmp_path)
     steps (same LR schedule, same held-out batches); training is untouched by the extra
     validations (per-step losses equal a row without them); stopped at step 2 and resumed, the
     curve comes back whole. val_every 3 (not a multiple of H) is refused, naming 3."""
-    from hetloco_ds.config import ConfigError, parse_config
-    from hetloco_ds.data import Corpus
-    from hetloco_ds.presets import model_config_for
-    from hetloco_ds.sim.rows import parse_variants, simulate_variant
+    from hetloco_ds.config import ConfigError
 
-    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2}},
-                        "hetloco": {"sparseloco": {"inner_steps": 2}, "train": {"seq_len": 16, "eval_batches": 2}}})
-    g = torch.Generator().manual_seed(0)
-    corpus = Corpus(torch.randint(0, 96, (64, 16), generator=g, dtype=torch.int32),
-                    torch.randint(0, 96, (8, 16), generator=g, dtype=torch.int32), "random", tmp_path)
-    variant = parse_variants(["het:4"], 2, [0])[0]
-    llama = model_config_for("tiny", 96)
-
-    def row(steps=6, **kw):
-        return simulate_variant(cfg, variant, llama, corpus, 2, 2, steps, torch.device("cpu"), progress=False, **kw)
+    row = _het4_row(tmp_path)
 
     curve = row(val_every=2)
     assert [p["step"] for p in curve["val_curve"]] == [2, 4, 6]
