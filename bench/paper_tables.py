@@ -227,8 +227,8 @@ def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dic
     kw = {"shards": args.gpus_per_row} if args.gpus_per_row > 1 else {}
     try:
         return simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
-                                compile=args.compile, deadline=args.deadline - 60, state_path=state, val_every=args.val_every,
-                                **kw), t0
+                                compile=args.compile, deadline=args.deadline - 60, state_path=state,
+                                val_every=args.val_every, **kw), t0
     except Exception as err:  # noqa: BLE001 - a compiler failure costs the row's speed, not the row
         if not args.compile or isinstance(err, torch.cuda.OutOfMemoryError):
             raise
@@ -238,8 +238,8 @@ def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dic
         meta["eager_rows"] = meta.get("eager_rows", []) + [v.name]
         t0 = time.time()
         return simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
-                                compile=False, deadline=args.deadline - 60, state_path=state, val_every=args.val_every,
-                                **kw), t0
+                                compile=False, deadline=args.deadline - 60, state_path=state,
+                                val_every=args.val_every, **kw), t0
 
 
 def saved_state(path: str | None) -> bool:

@@ -203,8 +203,8 @@ def run(args) -> int:
     argv = ["--data", args.data, "--model", args.model, *length,
             "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(MICRO),
             "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows), "--seeds", args.seeds,
-            "--compile", "--budget-s", str(args.budget_s - (time.time() - t0)), "--state-dir", os.path.join(state_dir, args.model),
-            "--val-every", str(VAL_EVERY), "--tag", args.tag, "--out", out]
+            "--compile", "--budget-s", str(args.budget_s - (time.time() - t0)),
+            "--state-dir", os.path.join(state_dir, args.model), "--val-every", str(VAL_EVERY), "--tag", args.tag, "--out", out]
     if args.gpus_per_row > 1:
         argv += ["--gpus-per-row", str(args.gpus_per_row)]
     if os.path.isdir(done):
@@ -250,19 +250,14 @@ def final_loss(r: dict, seed: int) -> float:
     return r["per_seed"][r["seeds"].index(seed)]
 
 
-def one_epoch_loss(r: dict, seed: int) -> float | None:
-    point = r["one_epoch_per_seed"][r["seeds"].index(seed)]
-    return point and point["loss"]
-
-
-def first_pass_fresh_loss(r: dict, seed: int) -> float | None:
-    point = r["first_pass_fresh_per_seed"][r["seeds"].index(seed)]
-    return point and point["loss"]
+def point_loss(key: str):
+    """loss(row, seed) of a summary row's per-seed points under `key` (None where a seed has none)."""
+    return lambda r, seed: (r[key][r["seeds"].index(seed)] or {}).get("loss")
 
 
 def gaps(rows: list[dict], loss=final_loss) -> list[dict]:
     """Per size: SparseLoCo's and DiLoCo's gap to the tuned AdamW, on the seeds all three share
-    where `loss(row, seed)` has a value (the final validation; `one_epoch_loss`: after one pass)."""
+    where `loss(row, seed)` has a value (the final validation, or `point_loss`'s points)."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         pick = {r["mode"]: r for r in rows if r["model"] == model and r["tuned"] and r["mode"] in ("sparseloco", "adamw", "diloco")}
@@ -357,10 +352,11 @@ def summarize(args) -> int:
     if not rows:
         raise SystemExit(f"size_sweep: no results under {results}")
     gap_rows = gaps(rows)
-    doc = {"cards": sorted(cards), "regime": "one pass" if args.one_pass else f"{TOKENS_PER_PARAM:g} tokens per parameter",
+    regime = "one pass" if args.one_pass else f"{TOKENS_PER_PARAM:g} tokens per parameter"
+    doc = {"cards": sorted(cards), "regime": regime,
            "tokens_per_param_target": None if args.one_pass else TOKENS_PER_PARAM, "settings": settings,
-           "rows": rows, "gaps": gap_rows, "gaps_one_epoch": gaps(rows, one_epoch_loss),
-           "gaps_first_pass_fresh": gaps(rows, first_pass_fresh_loss),
+           "rows": rows, "gaps": gap_rows, "gaps_one_epoch": gaps(rows, point_loss("one_epoch_per_seed")),
+           "gaps_first_pass_fresh": gaps(rows, point_loss("first_pass_fresh_per_seed")),
            "paper": {"params": PAPER_PARAMS, "degradation_pct": PAPER_DEGRADATION, "gap_pct": PAPER_GAP_PCT},
            "command": "python bench/size_sweep.py summarize" + (" --one-pass" if args.one_pass else "")}
     os.makedirs(results, exist_ok=True)
@@ -377,8 +373,8 @@ def summarize(args) -> int:
                   + ("" if g["adamw_bracket_complete"] else f"; provisional: AdamW's bracket {ADAMW_LRS} is not complete"))
     for r in rows:
         if r["mode"] in ("sparseloco", "adamw", "diloco"):
-            drops = "; ".join(f"{d['new_pass']:.3f} at a new pass, " + (f"{d['mid_pass']:.3f}" if d["mid_pass"] is not None
-                                                                         else "-") + " mid-pass"
+            drops = "; ".join(f"{d['new_pass']:.3f} at a new pass, "
+                              + ("-" if d["mid_pass"] is None else f"{d['mid_pass']:.3f}") + " mid-pass"
                               for d in r["train_drop_per_seed"] if d)
             print(f"{r['model']:>5} {r['mode']:<10} lr {r['lr']:g}, {r['epochs']:.1f} epochs: validation - train "
                   + ", ".join(f"{d:+.3f}" for d in r["val_minus_train_per_seed"]) + f" (seeds {r['seeds']})"

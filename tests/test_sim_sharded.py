@@ -120,8 +120,9 @@ def test_a_sharded_row_resumes_from_its_blocks_states(tmp_path):
     one-process row's (per-step replica losses, outer diagnostics, validation losses, the
     validation curve every 2 steps, and metrics.jsonl, written by rank 0 alone, byte for byte);
     stopped by its deadline at the first outer boundary, each rank saves its block (row.pt.g0,
-    row.pt.g1) and the resumed row ends as the uninterrupted one, its states removed. Breaks if a block's state or data position is
-    lost, the blocks disagree where to stop, or rank 1 writes metrics too."""
+    row.pt.g1) and the resumed row ends as the uninterrupted one, its states removed. Breaks if a
+    block's state or data position is lost, the blocks disagree where to stop, or rank 1 writes
+    metrics too."""
     results = run_ranks(_resumed_row, 2, str(tmp_path))
     alone = results[0]["alone"]
     for r in results:
