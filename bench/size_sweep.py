@@ -18,6 +18,7 @@ Three verbs, each a step of spending device time in pieces:
 
 `run` builds the corpus on the GPU machine once (bench/make_corpus.py: its Python and CUDA sources,
 BPE-8192 from `.benchdata/tokenizer`, which the call carries), then runs the size's unfinished rows
+(`--model 20M,60M`: each size's in turn, within one budget)
 through paper_tables.py, spread over the GPUs, rows already committed under
 bench/results/size_sweep/<model>/ skipped and rows stopped by the budget saved in
 runs/size_sweep_state/<model>/ (resumed by the next call on the same warm machine). Its JSONs go
@@ -184,32 +185,45 @@ def plan(args) -> int:
 
 
 def run(args) -> int:
+    """Each size of --model in turn (comma-separated), its rows through paper_tables within what is
+    left of the one budget."""
     import paper_tables
 
     t0 = time.time()
+    models = args.model.split(",")
+    bad = [m for m in models if m not in SIZES]
+    if bad or not models:
+        raise SystemExit(f"size_sweep: --model {args.model}: {', '.join(bad) or 'none'} not among {', '.join(SIZES)}")
+    results = results_of(args)
+    rows = {m: second_seed_rows(m, results) if args.seeds == "1" and not args.rows else
+            (args.rows.split(",") if args.rows else first_seed_rows(m)) for m in models}  # refused before the corpus
     if not os.path.isfile(args.data):
         # Its own process, with the Rust tokenizer's threads on: gpu.sh turns them off for the
         # benches, and serial encoding took 225 of the build's 232 s on a 32-core machine.
         subprocess.run([sys.executable, os.path.join(HERE, "make_corpus.py"), "--tokenizer", args.tokenizer,
                         "--out", args.data, "--max-bytes", "1e9", "--roots", *[r for r in args.roots.split(",") if r]],
                        env=dict(os.environ, TOKENIZERS_PARALLELISM="true"), check=True)
-    results = results_of(args)
-    rows = second_seed_rows(args.model, results) if args.seeds == "1" and not args.rows else \
-        (args.rows.split(",") if args.rows else first_seed_rows(args.model))
-    out = os.path.join(args.out, "one_pass" if args.one_pass else "", args.model)
-    done = os.path.join(results, args.model)
     length = ["--passes", "1"] if args.one_pass else ["--tokens-per-param", str(TOKENS_PER_PARAM)]
     state_dir = args.state_dir + ("_one_pass" if args.one_pass else "")
-    argv = ["--data", args.data, "--model", args.model, *length,
-            "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(MICRO),
-            "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows), "--seeds", args.seeds,
-            "--compile", "--budget-s", str(args.budget_s - (time.time() - t0)),
-            "--state-dir", os.path.join(state_dir, args.model), "--val-every", str(VAL_EVERY), "--tag", args.tag, "--out", out]
-    if args.gpus_per_row > 1:
-        argv += ["--gpus-per-row", str(args.gpus_per_row)]
-    if os.path.isdir(done):
-        argv += ["--skip-done", done]
-    return paper_tables.main(argv)
+    status = 0
+    for model in models:
+        left = args.budget_s - (time.time() - t0)
+        if left < 60:  # paper_tables stops a row a minute before its deadline: nothing would run
+            print(f"size_sweep: {model} not started, {left:.0f} s of the budget left", flush=True)
+            break
+        done = os.path.join(results, model)
+        argv = ["--data", args.data, "--model", model, *length,
+                "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(MICRO),
+                "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows[model]), "--seeds", args.seeds,
+                "--compile", "--budget-s", str(left), "--state-dir", os.path.join(state_dir, model),
+                "--val-every", str(VAL_EVERY), "--tag", args.tag,
+                "--out", os.path.join(args.out, "one_pass" if args.one_pass else "", model)]
+        if args.gpus_per_row > 1:
+            argv += ["--gpus-per-row", str(args.gpus_per_row)]
+        if os.path.isdir(done):
+            argv += ["--skip-done", done]
+        status = max(status, paper_tables.main(argv))
+    return status
 
 
 def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | None:
@@ -393,7 +407,7 @@ def main(argv=None) -> int:
     pl.add_argument("--mfu", type=float, default=0.25)
     pl.add_argument("--results", default="")
     r = verbs.add_parser("run", help="one size's unfinished rows on this machine's GPUs")
-    r.add_argument("--model", required=True, choices=SIZES)
+    r.add_argument("--model", required=True, help=f"one of {', '.join(SIZES)}, or several, comma-separated, run in turn")
     r.add_argument("--seeds", default="0", help='"0": every row of the size; "1": SparseLoCo, the tuned AdamW, DiLoCo')
     r.add_argument("--rows", default="", help="comma-separated rows instead of the size's own")
     r.add_argument("--data", default="runs/size_sweep_corpus_seq256.pt")

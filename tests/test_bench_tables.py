@@ -62,7 +62,8 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
     over the committed rows' corpus; paper_tables refuses a corpus smaller than one outer step
     (naming the tokens) and --passes beside --tokens-per-param; `size_sweep run --one-pass` hands
     paper_tables --passes 1 (not --tokens-per-param), its own output and state folders, and the
-    validation curve. Breaks if a one-pass row could reach a token twice."""
+    validation curve, for each size of a comma-separated --model in turn, an unknown size refused
+    before anything runs. Breaks if a one-pass row could reach a token twice."""
     import json
     import sys
 
@@ -84,16 +85,21 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="not both"):
         pt.main(["--data", str(data), "--passes", "1", "--tokens-per-param", "10", "--out", str(tmp_path)])
 
-    seen = {}
+    calls = []
     monkeypatch.setitem(sys.modules, "paper_tables", type(sys)("paper_tables"))
-    sys.modules["paper_tables"].main = lambda argv: seen.setdefault("argv", argv) and 0
-    assert ss.main(["run", "--model", "60M", "--one-pass", "--data", str(data), "--out", str(tmp_path / "o")]) == 0
-    argv = seen["argv"]
-    flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-    assert flag["--passes"] == "1" and "--tokens-per-param" not in flag and flag["--val-every"] == str(ss.VAL_EVERY)
-    assert flag["--out"] == str(tmp_path / "o" / "one_pass" / "60M")
-    assert flag["--state-dir"] == "runs/size_sweep_state_one_pass/60M"
-    assert flag.get("--skip-done", ss.ONE_PASS).startswith(ss.ONE_PASS)
+    sys.modules["paper_tables"].main = lambda argv: calls.append(argv) or 0
+    with pytest.raises(SystemExit, match="--model 20M,80M: 80M not among"):
+        ss.main(["run", "--model", "20M,80M", "--data", str(data), "--out", str(tmp_path / "o")])
+    assert calls == []
+    assert ss.main(["run", "--model", "60M,20M", "--one-pass", "--data", str(data), "--out", str(tmp_path / "o")]) == 0
+    assert len(calls) == 2  # the sizes in the order given, one budget
+    for model, argv in zip(("60M", "20M"), calls):
+        flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+        assert flag["--model"] == model and flag["--rows"] == ",".join(ss.first_seed_rows(model))
+        assert flag["--passes"] == "1" and "--tokens-per-param" not in flag and flag["--val-every"] == str(ss.VAL_EVERY)
+        assert flag["--out"] == str(tmp_path / "o" / "one_pass" / model)
+        assert flag["--state-dir"] == f"runs/size_sweep_state_one_pass/{model}"
+        assert flag.get("--skip-done", ss.ONE_PASS).startswith(ss.ONE_PASS) and 0 < float(flag["--budget-s"]) <= 500
 
 
 def test_size_sweep_summary_of_the_committed_runs(tmp_path):
