@@ -74,6 +74,9 @@ PRIORITY_ROWS = ("sparseloco", "adamw", "pp:8", "het:8", "pp:96", "het:96", "ada
 DEFAULT_ROWS = ",".join(r for r in PRIORITY_ROWS if r != "diloco" or dense_aggregation_supported())
 
 
+TRAIN_LOSSES_EVERY = 10  # a finished row keeps every 10th step's train loss (from step 1): enough for a curve
+
+
 def run_config(args, seq_len: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": args.micro,
@@ -336,7 +339,8 @@ def record_row(args, r: dict, mark: str | None, results: list) -> None:
     if mark:
         checkpoint.replace_text(mark, f"{r['val_loss']}\n")
     r.pop("replica_losses")
-    r["train_losses"] = r["train_losses"][::10]  # every 10th step is enough for a curve
+    r["train_losses"] = r["train_losses"][::TRAIN_LOSSES_EVERY]
+    r["train_losses_every"] = TRAIN_LOSSES_EVERY
     results.append(r)
     last = r["outer"][-1] if r["outer"] else {}
     print(f"[{args.worker}] {r['variant']['name']:<28} val {r['val_loss']:.4f} train {r['final_train_loss']:.4f} "

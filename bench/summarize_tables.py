@@ -86,19 +86,27 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
+def recorded_losses(r: dict) -> dict[int, float]:
+    """{step: train loss} of what a row kept: every `train_losses_every`-th step from step 1
+    (paper_tables writes the stride; rows from before it, all of whole tens of steps, kept every
+    steps / len)."""
+    losses = r.get("train_losses") or []
+    every = r.get("train_losses_every") or (r["steps"] // len(losses) if losses else 1)
+    return {1 + i * every: x for i, x in enumerate(losses)}
+
+
 def pass_drops(r: dict, steps_per_pass: float | None) -> dict | None:
     """How far a row's train loss falls across the start of each new pass over the corpus against
     across the middle of a pass (the mean of its recorded train losses in the 90 steps before a
     point minus in the 90 after, averaged over the points that fit): a model that memorises its
     corpus falls at the boundaries and little between them. None without a whole boundary."""
-    losses, steps = r.get("train_losses"), r["steps"]
+    losses, steps = recorded_losses(r), r["steps"]
     if not losses or not steps_per_pass:
         return None
-    every = steps // len(losses)  # the recorded losses are of steps 1, 1 + every, ...
 
     def drop(point: float) -> float | None:
-        before = [x for i, x in enumerate(losses) if point - 100 <= 1 + i * every < point - 10]
-        after = [x for i, x in enumerate(losses) if point + 10 < 1 + i * every <= point + 100]
+        before = [x for s, x in losses.items() if point - 100 <= s < point - 10]
+        after = [x for s, x in losses.items() if point + 10 < s <= point + 100]
         return statistics.fmean(before) - statistics.fmean(after) if before and after else None
 
     passes = int(steps // steps_per_pass)
@@ -115,14 +123,13 @@ def first_pass_fresh(r: dict, steps_per_pass: float | None, H: int) -> dict | No
     run's) within the first pass over the corpus ({"step", "loss"}): the synced model's loss on
     batches no replica has seen, the mean over every replica's micro-batches of that step. A row
     without outer syncs (AdamW) is read at the same step, as unseen. None where it was not recorded."""
-    losses, steps = r.get("train_losses"), r["steps"]
+    losses = recorded_losses(r)
     if not losses or not steps_per_pass:
         return None
-    every = steps // len(losses)  # the recorded losses are of steps 1, 1 + every, ...
-    after_sync = [s for s in range(H + 1, min(steps, int(steps_per_pass)) + 1, H) if (s - 1) % every == 0]
+    after_sync = [s for s in range(H + 1, min(r["steps"], int(steps_per_pass)) + 1, H) if s in losses]
     if not after_sync:
         return None
-    return {"step": after_sync[-1], "loss": losses[(after_sync[-1] - 1) // every]}
+    return {"step": after_sync[-1], "loss": losses[after_sync[-1]]}
 
 
 def summarize(rows: list[dict], meta: dict) -> list[dict]:

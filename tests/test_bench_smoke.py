@@ -155,6 +155,7 @@ def test_corpus_then_paper_tables_then_summary(tmp_path):
     run = json.loads((out / "paper_tables_smoke_g0p0.json").read_text())
     assert run["val_every"] == 1 and run["steps"] == 3 and run["tokens_per_row"] <= passes * blob["train"].numel()
     for r in run["rows"]:  # the worker process got --val-every: a point a step, the last the final one
+        assert r["train_losses_every"] == 10 and len(r["train_losses"]) == 1  # step 1 of 3
         assert [p["step"] for p in r["val_curve"]] == [1, 2, 3] and r["val_curve"][-1]["loss"] == r["val_loss"]
     assert run["n_params"] == _hf_params("tiny", blob["vocab_size"])
     rows = {r["variant"]["name"].split("@")[0]: r for r in run["rows"]}

@@ -264,6 +264,9 @@ def test_pass_drops_reads_a_fall_at_each_new_pass_and_none_between():
     d = st.pass_drops(sloped, 1000.0)
     assert abs(d["new_pass"] - (0.5 + 1e-4 * 110)) < 1e-9 and abs(d["mid_pass"] - 1e-4 * 110) < 1e-9
     assert st.pass_drops({"steps": 900, "train_losses": [1.0] * 90}, 1000.0) is None
+    # A row whose steps are no whole ten keeps its stride as written (1605 // 161 would read 9)
+    odd = st.recorded_losses({"steps": 1605, "train_losses": [0.0] * 161, "train_losses_every": 10})
+    assert list(odd)[-2:] == [1591, 1601]
 
 
 def test_first_pass_fresh_reads_the_step_after_the_last_sync_inside_the_first_pass():
