@@ -155,9 +155,10 @@ def plan(args) -> int:
     total, results = 0.0, results_of(args)
     for model in SIZES:
         steps, n = steps_for(model, args.one_pass)
-        loaded = load_size(model, results)
+        by_folder = {folder: load_size(model, folder) for folder in dict.fromkeys((results, RESULTS, ONE_PASS))}
+        loaded = by_folder[results]
         # GPU-seconds a step, the same in either regime: a row run on G GPUs together took G GPUs' time
-        measured = [r for folder in (RESULTS, ONE_PASS) for r in (load_size(model, folder) or [[]])[0]]
+        measured = [r for folder in (RESULTS, ONE_PASS) for r in (by_folder[folder] or [[]])[0]]
         paces = [s * g / r["outer_steps"] / H for r in measured
                  for s, g in zip(r["seconds_per_seed"], r["gpus_per_seed"]) if s and r["outer_steps"]]
         timed = sorted(glob.glob(os.path.join(RESULTS, f"calibration_{model}_*_alone.json")))
@@ -382,9 +383,10 @@ def summarize(args) -> int:
     for when, some in (("end", gap_rows), ("one epoch", doc["gaps_one_epoch"]),
                        ("the first pass's last sync, on unseen batches", doc["gaps_first_pass_fresh"])):
         for g in some:
-            print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}) at {when}: {g['gap_nats']:+.4f} nats "
-                  f"({g['gap_pct']:+.2f}%), seeds {g['seeds']}"
-                  + ("" if g["adamw_bracket_complete"] else f"; provisional: AdamW's bracket {ADAMW_LRS} is not complete"))
+            print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}) at {when}: "
+                  f"{g['gap_nats']:+.4f} nats ({g['gap_pct']:+.2f}%), seeds {g['seeds']}"
+                  + ("" if g["adamw_bracket_complete"]
+                     else f"; provisional: AdamW's bracket {ADAMW_LRS} is not complete"))
     for r in rows:
         if r["mode"] in ("sparseloco", "adamw", "diloco"):
             drops = "; ".join(f"{d['new_pass']:.3f} at a new pass, "
@@ -407,7 +409,8 @@ def main(argv=None) -> int:
     pl.add_argument("--mfu", type=float, default=0.25)
     pl.add_argument("--results", default="")
     r = verbs.add_parser("run", help="one size's unfinished rows on this machine's GPUs")
-    r.add_argument("--model", required=True, help=f"one of {', '.join(SIZES)}, or several, comma-separated, run in turn")
+    r.add_argument("--model", required=True,
+                   help=f"one of {', '.join(SIZES)}, or several, comma-separated, run in turn")
     r.add_argument("--seeds", default="0", help='"0": every row of the size; "1": SparseLoCo, the tuned AdamW, DiLoCo')
     r.add_argument("--rows", default="", help="comma-separated rows instead of the size's own")
     r.add_argument("--data", default="runs/size_sweep_corpus_seq256.pt")

@@ -68,7 +68,8 @@ def peak_flops(device: torch.device) -> float | None:
 
 def training_flops_per_token(config, seq_len: int) -> float:
     """6N + 12 * layers * heads * head_dim * seq_len (see the module docstring)."""
-    return 6.0 * parameter_count(config) + 12.0 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * seq_len
+    attention = 12.0 * config.num_hidden_layers * config.num_attention_heads * head_dim(config) * seq_len
+    return 6.0 * parameter_count(config) + attention
 
 
 @dataclasses.dataclass(frozen=True)

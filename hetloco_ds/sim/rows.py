@@ -278,9 +278,10 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
                     "steps": steps, "seconds": seconds}
     log.bar.close()
     val_losses = sim.validation_losses(val_batches)
-    log.close({"step": steps, "loss": sum(val_losses) / len(val_losses), "replica_losses": val_losses})
+    final = {"step": steps, "loss": sum(val_losses) / len(val_losses)}
+    log.close({**final, "replica_losses": val_losses})
     if val_every:
-        val_curve.append({"step": steps, "loss": sum(val_losses) / len(val_losses)})
+        val_curve.append(final)
     if state_path and os.path.exists(state_path):
         os.remove(state_path)
     return _row_result(sim, variant, log, val_losses, val_curve, steps, spent + time.perf_counter() - t0, batched,
