@@ -425,13 +425,15 @@ def main(argv=None) -> int:
                         "one session; a saved row resumes only with the same value")
     r.add_argument("--tag", default="run")
     r.add_argument("--out", default=os.environ.get("OUT", "runs/size_sweep_out"))
+    r.add_argument("--results", default="", help="finished rows to skip and read seed 1's tuned AdamW lr from "
+                   f"(default {RESULTS}, {ONE_PASS} with --one-pass): e.g. an earlier call's --out on the same "
+                   "machine, before its JSONs are committed")
     s = verbs.add_parser("summarize", help="summary.json and the plot from the committed runs")
     s.add_argument("--results", default="", help=f"default {RESULTS} ({ONE_PASS} with --one-pass)")
     for verb in (pl, r, s):
         verb.add_argument("--one-pass", action="store_true",
                           help="the regime without repetition: every row within one pass over the corpus "
                                f"(results under {os.path.relpath(ONE_PASS, HERE)})")
-    r.set_defaults(results="")
     args = p.parse_args(argv)
     return {"plan": plan, "run": run, "summarize": summarize}[args.verb](args)
 

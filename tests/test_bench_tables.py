@@ -65,6 +65,7 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
     validation curve, for each size of a comma-separated --model in turn, an unknown size refused
     before anything runs. Breaks if a one-pass row could reach a token twice."""
     import json
+    import shutil
     import sys
 
     import pytest
@@ -100,6 +101,20 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
         assert flag["--out"] == str(tmp_path / "o" / "one_pass" / model)
         assert flag["--state-dir"] == f"runs/size_sweep_state_one_pass/{model}"
         assert flag.get("--skip-done", ss.ONE_PASS).startswith(ss.ONE_PASS) and 0 < float(flag["--budget-s"]) <= 500
+    # --results: an earlier call's output on the same machine decides what is done and seed 1's rows
+    done = tmp_path / "o" / "one_pass" / "20M"
+    done.mkdir(parents=True)
+    for f in (Path(ss.RESULTS) / "20M").glob("paper_tables_*.json"):
+        shutil.copy(f, done)
+    calls.clear()
+    assert ss.main(["run", "--model", "20M", "--one-pass", "--seeds", "1", "--data", str(data),
+                    "--out", str(tmp_path / "p"), "--results", str(tmp_path / "o" / "one_pass")]) == 0
+    flag = {calls[0][i]: calls[0][i + 1] for i in range(len(calls[0]) - 1) if calls[0][i].startswith("--")}
+    assert flag["--skip-done"] == str(done) and flag["--seeds"] == "1"
+    assert flag["--rows"] == ",".join(ss.second_seed_rows("20M", ss.RESULTS))
+    with pytest.raises(SystemExit, match="no seed-0 row for every lr"):  # the one-pass folder has none yet
+        ss.main(["run", "--model", "60M", "--one-pass", "--seeds", "1", "--data", str(data),
+                 "--out", str(tmp_path / "p"), "--results", str(tmp_path / "o" / "one_pass")])
 
 
 def test_size_sweep_summary_of_the_committed_runs(tmp_path):
