@@ -61,6 +61,10 @@ COMPRESSED = ("pp:8", "het:8", "pp:96", "het:96")
 # Validation every 5 outer syncs: the corpus's one epoch (994 steps of 8 x 16,384 tokens) falls
 # within 6 steps of a point, and 16 eval micro-batches every 250 steps add about 1% to a row.
 VAL_EVERY = 5 * H
+# A row's seconds beyond its steps at the long rows' pace, on one GPU: compile, validation, a resume
+# in the next call. Measured in the one-pass rows (4x H100): 30-70 s with the compile cache warm,
+# 150-190 s for a machine's first row or a row resumed across calls.
+ROW_OVERHEAD_S = 120
 
 # The paper's points (DCLM, M = 8, S = 4, H = 50): degradation over SparseLoCo in % (Table 1: 178M,
 # 512M; Table 2: 512M; Table 7: 1B), and SparseLoCo's gap to AdamW at 512M (Tables 1 and 4).
@@ -78,6 +82,11 @@ PAPER_GAP_PCT = {"512M": 100 * (_LOSS["sparseloco"] - _LOSS["adamw"]) / _LOSS["a
 # Ours at 20M over 5000 steps (32 tokens per parameter, 100 outer syncs), each at its best lr, seed 0
 # (paper_tables_lr5k_h100x2: SparseLoCo 1.7636 at 2e-3, AdamW 1.5723 at 4e-3): the longer horizon.
 LONG_20M_GAP_PCT = 100 * (1.7636 - 1.5723) / 1.5723
+# The same 5000-step row as a point of gaps_by_outer_steps: 100 syncs, on that run's own corpus
+# (123.6M train tokens, so 5.3 passes).
+LONG_20M = {"model": "20M", "n_params": 20453760, "outer_steps": 100, "epochs": 5000 * 8 * 16384 / 123559936,
+            "gap_pct": LONG_20M_GAP_PCT, "seeds": [0], "regime": "5000 steps (paper_tables_lr5k_h100x2)",
+            "adamw_bracket_complete": True}
 
 
 def lr_flag(lr: float) -> str:
@@ -157,10 +166,11 @@ def plan(args) -> int:
         steps, n = steps_for(model, args.one_pass)
         by_folder = {folder: load_size(model, folder) for folder in dict.fromkeys((results, RESULTS, ONE_PASS))}
         loaded = by_folder[results]
-        # GPU-seconds a step, the same in either regime: a row run on G GPUs together took G GPUs' time
-        measured = [r for folder in (RESULTS, ONE_PASS) for r in (by_folder[folder] or [[]])[0]]
-        paces = [s * g / r["outer_steps"] / H for r in measured
-                 for s, g in zip(r["seconds_per_seed"], r["gpus_per_seed"]) if s and r["outer_steps"]]
+        # GPU-seconds a step, the same in either regime: a row run on G GPUs together took G GPUs' time.
+        # The long rows first: a 950-step row's time is mostly its fixed cost (ROW_OVERHEAD_S).
+        measured = next((by_folder[f] for f in (RESULTS, ONE_PASS) if by_folder[f]), None)
+        paces = [s * g / measured[1]["steps"] for r in (measured[0] if measured else [])
+                 for s, g in zip(r["seconds_per_seed"], r["gpus_per_seed"]) if s]
         timed = sorted(glob.glob(os.path.join(RESULTS, f"calibration_{model}_*_alone.json")))
         if paces:
             pace, how = sorted(paces)[len(paces) // 2], "measured rows"
@@ -176,7 +186,7 @@ def plan(args) -> int:
         # seed 0: every row of the size; seed 1: SparseLoCo, the tuned AdamW and DiLoCo, whatever their lr
         left_rows = [r for r in first_seed_rows(model) if not any(row == r and s == 0 for _, row, s in done)]
         left_rows += [t for t in ("sparseloco", "adamw", "diloco") if not any(row == t and s == 1 for row, _, s in done)]
-        minutes = (pace * steps + 60) / 60  # + compile and validation
+        minutes = (pace * steps + ROW_OVERHEAD_S) / 60
         left = minutes * len(left_rows)
         total += left
         print(f"{model}: {n / 1e6:.1f}M parameters, {steps} steps ({steps // H} outer), {pace:.3f} s a step ({how}): "
@@ -298,15 +308,52 @@ def gaps(rows: list[dict], loss=final_loss) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], path: str) -> None:
-    """`early`: more gap series by label (the gap after one pass, on the first pass's unseen batches)."""
+def gaps_by_outer_steps() -> list[dict]:
+    """SparseLoCo's final gap to the tuned AdamW at each size in each regime, with the outer syncs
+    and passes over the corpus behind it: the two regimes differ in both, and so do the sizes of
+    one regime, so the points are read against syncs as well as parameters."""
+    out = []
+    for regime, folder in ((f"{TOKENS_PER_PARAM:g} tokens per parameter", RESULTS), ("one pass", ONE_PASS)):
+        rows = []
+        for model in SIZES:
+            loaded = load_size(model, folder)
+            if loaded:
+                rows += summary_rows(model, *loaded)
+        sl = {r["model"]: r for r in rows if r["mode"] == "sparseloco"}
+        for g in gaps(rows):
+            if g["mode"] == "sparseloco":
+                r = sl[g["model"]]
+                out.append({k: g[k] for k in ("model", "n_params", "gap_pct", "seeds", "adamw_bracket_complete")}
+                           | {"outer_steps": r["outer_steps"], "epochs": r["epochs"], "regime": regime})
+    return out + [dict(LONG_20M)]
+
+
+def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], by_syncs: list[dict],
+         path: str) -> None:
+    """`early`: more gap series by label (the gap after one pass, on the first pass's unseen batches);
+    `by_syncs`: gaps_by_outer_steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 6.2))
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 6.2))
+    for i, model in enumerate(SIZES):
+        pts = sorted((g["outer_steps"], g["gap_pct"], g["adamw_bracket_complete"]) for g in by_syncs
+                     if g["model"] == model)
+        if pts:
+            mid.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i + 2}", label=f"ours: {model}")
+            for x, y, complete in pts:
+                if not complete:
+                    mid.plot([x], [y], "o", markersize=13, markerfacecolor="none", color="grey")
+    for g in by_syncs:
+        mid.annotate(f"{g['epochs']:.1f} ep", (g["outer_steps"], g["gap_pct"]), textcoords="offset points",
+                     xytext=(5, 4), fontsize=7)
+    mid.axhline(0, color="grey", lw=0.5)
+    mid.set(xscale="log", xlabel="outer syncs (H = 50)", ylabel="SparseLoCo - tuned AdamW (% of AdamW)",
+            title="SparseLoCo's gap against outer syncs")
+    mid.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
     for mode, marker in (("sparseloco", "o"), ("diloco", "s")):
         pts = sorted((g["n_params"], g["gap_pct"]) for g in gap_rows if g["mode"] == mode)
         if pts:
@@ -343,7 +390,7 @@ def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], p
     right.set(xscale="log", xlabel="parameters", ylabel="degradation over SparseLoCo (%)",
               title="cost of compression")
     right.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
-    for ax in (left, right):
+    for ax in (left, mid, right):
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -372,14 +419,18 @@ def summarize(args) -> int:
            "tokens_per_param_target": None if args.one_pass else TOKENS_PER_PARAM, "settings": settings,
            "rows": rows, "gaps": gap_rows, "gaps_one_epoch": gaps(rows, point_loss("one_epoch_per_seed")),
            "gaps_first_pass_fresh": gaps(rows, point_loss("first_pass_fresh_per_seed")),
+           "gaps_by_outer_steps": gaps_by_outer_steps(),
            "paper": {"params": PAPER_PARAMS, "degradation_pct": PAPER_DEGRADATION, "gap_pct": PAPER_GAP_PCT},
            "command": "python bench/size_sweep.py summarize" + (" --one-pass" if args.one_pass else "")}
     os.makedirs(results, exist_ok=True)
     with open(os.path.join(results, "summary.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot(rows, gap_rows, {"after one pass": doc["gaps_one_epoch"],
-                          "step 951 (19 syncs), unseen batches": doc["gaps_first_pass_fresh"]},
-         os.path.join(results, "size_sweep.png"))
+    fresh = [p["step"] for r in rows for p in r["first_pass_fresh_per_seed"] if p]
+    early = {} if args.one_pass else {"after one pass": doc["gaps_one_epoch"]}  # one pass: the final loss
+    if fresh:
+        step = max(set(fresh), key=fresh.count)
+        early[f"step {step} ({(step - 1) // H} syncs), unseen batches"] = doc["gaps_first_pass_fresh"]
+    plot(rows, gap_rows, early, doc["gaps_by_outer_steps"], os.path.join(results, "size_sweep.png"))
     for when, some in (("end", gap_rows), ("one epoch", doc["gaps_one_epoch"]),
                        ("the first pass's last sync, on unseen batches", doc["gaps_first_pass_fresh"])):
         for g in some:
@@ -395,6 +446,9 @@ def summarize(args) -> int:
             print(f"{r['model']:>5} {r['mode']:<10} lr {r['lr']:g}, {r['epochs']:.1f} epochs: validation - train "
                   + ", ".join(f"{d:+.3f}" for d in r["val_minus_train_per_seed"]) + f" (seeds {r['seeds']})"
                   + (f"; train loss falls {drops}" if drops else ""))
+    for g in doc["gaps_by_outer_steps"]:
+        print(f"{g['model']:>5} sparseloco - AdamW after {g['outer_steps']} syncs, {g['epochs']:.1f} epochs "
+              f"({g['regime']}): {g['gap_pct']:+.2f}%, seeds {g['seeds']}")
     for r in rows:
         if r["degradation_pct"] is not None and r["mode"] in COMPRESSED:
             print(f"{r['model']:>5} {r['mode']:<10} {r['degradation_pct']:+.2f}% over SparseLoCo, seeds {r['seeds']}")

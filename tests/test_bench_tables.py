@@ -146,6 +146,69 @@ def test_size_sweep_summary_of_the_committed_runs(tmp_path):
     assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(diffs) / 2) < 1e-12
 
 
+def test_size_sweep_gap_against_outer_syncs_from_the_committed_runs():
+    """gaps_by_outer_steps: in each regime, SparseLoCo's gap to the best AdamW lr of seed 0 at each
+    size, recomputed by hand from the committed run JSONs, with the syncs (steps / H) and passes over
+    the corpus behind it; the one-pass rows all sync 19 times within one pass."""
+    import json
+
+    ss = bench_module("size_sweep")
+    points = ss.gaps_by_outer_steps()
+    for regime, folder in (("10 tokens per parameter", ss.RESULTS), ("one pass", ss.ONE_PASS)):
+        for model in ss.SIZES:
+            loss, steps, corpus = {}, {}, None
+            for f in (Path(folder) / model).glob("paper_tables_*.json"):
+                doc = json.loads(f.read_text())
+                corpus = doc["corpus_train_tokens"]
+                for r in doc["rows"]:
+                    name, seed = r["variant"]["name"].split("@seed")
+                    loss.setdefault(name, {})[int(seed)] = r["val_loss"]
+                    steps[name] = r["steps"]
+            adamw = [n for n in loss if n.startswith("adamw:") and 0 in loss[n]]
+            if "sparseloco:lr=0.002" not in loss or not adamw:
+                continue
+            best = min(adamw, key=lambda n: loss[n][0])
+            seeds = sorted(set(loss["sparseloco:lr=0.002"]) & set(loss[best]))
+            a = sum(loss[best][s] for s in seeds) / len(seeds)
+            sl = sum(loss["sparseloco:lr=0.002"][s] for s in seeds) / len(seeds)
+            (p,) = [p for p in points if p["regime"] == regime and p["model"] == model]
+            assert abs(p["gap_pct"] - 100 * (sl - a) / a) < 1e-9 and p["seeds"] == seeds
+            assert p["outer_steps"] == steps["sparseloco:lr=0.002"] // ss.H
+            assert abs(p["epochs"] - steps["sparseloco:lr=0.002"] * ss.REPLICAS * ss.MICRO * ss.GAS * ss.SEQ / corpus) < 1e-9
+            if regime == "one pass":
+                assert p["outer_steps"] == 19 and p["epochs"] <= 1
+    assert {p["regime"] for p in points} >= {"10 tokens per parameter", "one pass"}
+    assert points[-1]["outer_steps"] == 100 and points[-1]["gap_pct"] == ss.LONG_20M_GAP_PCT
+
+
+def test_size_sweep_plan_prices_rows_at_the_long_rows_pace(capsys):
+    """plan --one-pass: each size's pace is the median GPU-seconds a step of its committed
+    10-tokens-per-parameter rows (not the one-pass rows, whose time is mostly fixed cost), each row
+    adds ROW_OVERHEAD_S, and the row-seeds left are the size's rows with no committed one-pass JSON.
+    Recomputed by hand from the JSONs."""
+    import json
+    import re
+
+    ss = bench_module("size_sweep")
+    assert ss.main(["plan", "--one-pass"]) == 0
+    out = capsys.readouterr().out
+    for model in ss.SIZES:
+        paces, done = [], set()
+        for f in (Path(ss.RESULTS) / model).glob("paper_tables_*.json"):
+            doc = json.loads(f.read_text())
+            paces += [r["seconds"] * doc.get("gpus_per_row", 1) / r["steps"] for r in doc["rows"]]
+        for f in (Path(ss.ONE_PASS) / model).glob("paper_tables_*.json"):
+            done |= {r["variant"]["name"] for r in json.loads(f.read_text())["rows"]}
+        pace = sorted(paces)[len(paces) // 2]
+        wanted = {f"{r}@seed0" for r in ss.first_seed_rows(model)}
+        left = len(wanted - done) + sum(not any(d.startswith(t) and d.endswith("@seed1") for d in done)
+                                        for t in ("sparseloco", "adamw", "diloco"))
+        line = next(line for line in out.splitlines() if line.startswith(f"{model}:"))
+        got = re.search(r"([0-9.]+) s a step .*: ([0-9.]+) GPU-minutes a row; (\d+) row-seeds left", line)
+        assert abs(float(got[1]) - pace) < 5e-4, line
+        assert abs(float(got[2]) - (pace * 950 + ss.ROW_OVERHEAD_S) / 60) < 0.05 and int(got[3]) == left, line
+
+
 def test_size_sweep_reads_each_rows_loss_after_one_epoch_and_its_train_validation_gap(tmp_path):
     """The committed 20M and 60M run JSONs, 20M's rows given a validation curve every 250 steps
     (loss made up per row and step): each 20M summary row's one-epoch point is the curve's step
