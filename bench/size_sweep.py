@@ -84,7 +84,8 @@ PAPER_GAP_PCT = {"512M": 100 * (_LOSS["sparseloco"] - _LOSS["adamw"]) / _LOSS["a
 LONG_20M_GAP_PCT = 100 * (1.7636 - 1.5723) / 1.5723
 # The same 5000-step row as a point of gaps_by_outer_steps: 100 syncs, on that run's own corpus
 # (123.6M train tokens, so 5.3 passes).
-LONG_20M = {"model": "20M", "n_params": 20453760, "outer_steps": 100, "epochs": 5000 * 8 * 16384 / 123559936,
+LONG_20M = {"model": "20M", "n_params": 20453760, "outer_steps": 100,
+            "epochs": 5000 * REPLICAS * MICRO * GAS * SEQ / 123559936,
             "gap_pct": LONG_20M_GAP_PCT, "seeds": [0], "regime": "5000 steps (paper_tables_lr5k_h100x2)",
             "adamw_bracket_complete": True}
 
@@ -309,9 +310,10 @@ def gaps(rows: list[dict], loss=final_loss) -> list[dict]:
 
 
 def gaps_by_outer_steps() -> list[dict]:
-    """SparseLoCo's final gap to the tuned AdamW at each size in each regime, with the outer syncs
-    and passes over the corpus behind it: the two regimes differ in both, and so do the sizes of
-    one regime, so the points are read against syncs as well as parameters."""
+    """SparseLoCo's final gap to the tuned AdamW at each size in each regime of the committed runs
+    (and the 5000-step 20M row, LONG_20M), with the outer syncs and passes over the corpus behind
+    it: the two regimes differ in both, and so do the sizes of one regime, so the points are read
+    against syncs as well as parameters."""
     out = []
     for regime, folder in ((f"{TOKENS_PER_PARAM:g} tokens per parameter", RESULTS), ("one pass", ONE_PASS)):
         rows = []
@@ -372,7 +374,7 @@ def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], b
         left.annotate(f"{e:.1f} epochs", (n, 0), textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7)
     left.plot([PAPER_PARAMS[k] for k in PAPER_GAP_PCT], list(PAPER_GAP_PCT.values()), "k*", markersize=12,
               label="paper: SparseLoCo - AdamW")
-    left.plot([20453760], [LONG_20M_GAP_PCT], "C0x", markersize=9,
+    left.plot([LONG_20M["n_params"]], [LONG_20M_GAP_PCT], "C0x", markersize=9,
               label="ours: sparseloco - AdamW, 20M at 32 tokens/param")
     left.axhline(0, color="grey", lw=0.5)
     left.set(xscale="log", xlabel="parameters", ylabel="loss gap (% of AdamW); solid: final validation",
