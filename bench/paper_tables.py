@@ -164,17 +164,22 @@ def n_params(llama) -> int:
     return V * d * (1 if llama.tie_word_embeddings else 2) + L * layer + d
 
 
+def tokens_per_step(args, seq_len: int) -> int:
+    """Every replica's tokens in one inner step."""
+    return args.replicas * args.micro * args.gas * seq_len
+
+
 def row_flops(llama, args, seq_len: int) -> float:
     """Training FLOPs of one row: (6 N + 12 L d seq) a token (bench/gpu_throughput.py's convention)
     x every replica's tokens; the boundary codec and the outer steps are left out (< 1%)."""
     per_token = 6 * n_params(llama) + 12 * llama.num_hidden_layers * llama.hidden_size * seq_len
-    return per_token * args.steps * args.replicas * args.micro * args.gas * seq_len
+    return per_token * args.steps * tokens_per_step(args, seq_len)
 
 
 def steps_for_tokens(llama, args, seq_len: int) -> int:
     """Inner steps that give every row `--tokens-per-param` tokens (all replicas') per parameter,
     rounded up to whole outer steps, so sizes compare at the same tokens per parameter."""
-    per_step = args.replicas * args.micro * args.gas * seq_len
+    per_step = tokens_per_step(args, seq_len)
     outer = -(-int(args.tokens_per_param * n_params(llama)) // (per_step * args.inner_steps))
     return max(1, outer) * args.inner_steps
 
@@ -183,7 +188,7 @@ def steps_for_passes(passes: float, corpus_tokens: int, args, seq_len: int) -> i
     """Inner steps in whole outer steps that stay within `passes` passes over a corpus of
     `corpus_tokens` training tokens (all replicas' tokens counted), so no row sees a token more
     often than that."""
-    per_step = args.replicas * args.micro * args.gas * seq_len
+    per_step = tokens_per_step(args, seq_len)
     outer = int(passes * corpus_tokens) // (per_step * args.inner_steps)
     if outer < 1:
         raise SystemExit(f"paper_tables: --passes {passes:g} of {corpus_tokens} tokens is less than one outer step "

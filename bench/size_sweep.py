@@ -249,7 +249,7 @@ def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | 
 
 def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
     best = tuned_adamw_lr(summary)
-    steps_per_epoch = meta["corpus_train_tokens"] / (meta["replicas"] * meta["tokens_per_replica_step"])
+    steps_per_epoch = summarize_tables.steps_per_pass(meta, meta)
     out = []
     for r in summary:
         mode = "diloco" if r["table_row"] == "diloco" else r["table_row"]

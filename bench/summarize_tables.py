@@ -86,6 +86,14 @@ def _mean(values):
     return statistics.fmean(values) if values else None
 
 
+def steps_per_pass(meta: dict, r: dict) -> float | None:
+    """Inner steps of row `r` (its "replicas" and "tokens_per_replica_step") in one pass over the
+    corpus `meta` records; None where either is unrecorded."""
+    if not (meta.get("corpus_train_tokens") and r.get("tokens_per_replica_step")):
+        return None
+    return meta["corpus_train_tokens"] / (r["replicas"] * r["tokens_per_replica_step"])
+
+
 def recorded_losses(r: dict) -> dict[int, float]:
     """{step: train loss} of what a row kept: every `train_losses_every`-th step from step 1
     (paper_tables writes the stride; rows from before it, all of whole tens of steps, kept every
@@ -153,8 +161,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
         losses = [r["val_loss"] for r in group]
         first = group[0]
         tokens = first["steps"] * first["replicas"] * first.get("tokens_per_replica_step", 0)
-        per_pass = (meta["corpus_train_tokens"] / (first["replicas"] * first["tokens_per_replica_step"])
-                    if meta.get("corpus_train_tokens") and first.get("tokens_per_replica_step") else None)
+        per_pass = steps_per_pass(meta, first)
         last = [r["outer"][-1] if r.get("outer") else {} for r in group]
         out.append({
             "row": name,
