@@ -30,6 +30,8 @@ per parameter repeats it (8 passes at 105M), and `summarize` reports, beside eac
 its loss after one pass, its validation - train loss and how its train loss falls at each new pass.
 `--one-pass` is the regime without repetition: every size runs the same 950 steps (19 outer syncs,
 the whole outer steps that fit in one pass), at 6.1 tokens per parameter at 20M and 1.2 at 105M.
+A row run a second time with the same seed goes under <results>/repeats/<model>/: `summarize`
+sets it beside the committed run (`same_seed_repeats`) and leaves it out of everything else.
 """
 from __future__ import annotations
 
@@ -330,6 +332,29 @@ def gaps_by_outer_steps() -> list[dict]:
     return out + [dict(LONG_20M)]
 
 
+def same_seed_repeats(results: str) -> list[dict]:
+    """Rows run twice with the same seed on different machines (the second run's JSONs under
+    `results`/repeats/<model>/, left out of every other field), beside the committed run. The rows
+    do not ask for deterministic GPU kernels, so a rerun differs; how much bounds what a difference
+    between two rows can mean."""
+    out = []
+    for model in SIZES:
+        again = os.path.join(results, "repeats", model)
+        if not os.path.isdir(again) or not summarize_tables.input_files([again]):
+            continue
+        first = {r["variant"]["name"]: r for r in summarize_tables.load_rows([os.path.join(results, model)])[0]}
+        for r in summarize_tables.load_rows([again])[0]:
+            name = r["variant"]["name"]
+            if name not in first:
+                raise SystemExit(f"size_sweep: {again}/{r['file']}: {name} has no committed run under "
+                                 f"{os.path.join(results, model)} to repeat")
+            a, b = first[name]["val_loss"], r["val_loss"]
+            out.append({"model": model, "row": name, "val_loss": [a, b], "diff_nats": b - a,
+                        "diff_pct": 100 * (b - a) / a, "cards": [first[name]["card"], r["card"]],
+                        "files": [first[name]["file"], r["file"]]})
+    return out
+
+
 def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], by_syncs: list[dict],
          path: str) -> None:
     """`early`: more gap series by label (the gap after one pass, on the first pass's unseen batches);
@@ -421,7 +446,7 @@ def summarize(args) -> int:
            "tokens_per_param_target": None if args.one_pass else TOKENS_PER_PARAM, "settings": settings,
            "rows": rows, "gaps": gap_rows, "gaps_one_epoch": gaps(rows, point_loss("one_epoch_per_seed")),
            "gaps_first_pass_fresh": gaps(rows, point_loss("first_pass_fresh_per_seed")),
-           "gaps_by_outer_steps": gaps_by_outer_steps(),
+           "gaps_by_outer_steps": gaps_by_outer_steps(), "same_seed_repeats": same_seed_repeats(results),
            "paper": {"params": PAPER_PARAMS, "degradation_pct": PAPER_DEGRADATION, "gap_pct": PAPER_GAP_PCT},
            "command": "python bench/size_sweep.py summarize" + (" --one-pass" if args.one_pass else "")}
     os.makedirs(results, exist_ok=True)
@@ -451,6 +476,9 @@ def summarize(args) -> int:
     for g in doc["gaps_by_outer_steps"]:
         print(f"{g['model']:>5} sparseloco - AdamW after {g['outer_steps']} syncs, {g['epochs']:.1f} epochs "
               f"({g['regime']}): {g['gap_pct']:+.2f}%, seeds {g['seeds']}")
+    for x in doc["same_seed_repeats"]:
+        print(f"{x['model']:>5} {x['row']} run twice: {x['val_loss'][0]:.4f} then {x['val_loss'][1]:.4f} "
+              f"({x['diff_pct']:+.2f}%)")
     for r in rows:
         if r["degradation_pct"] is not None and r["mode"] in COMPRESSED:
             print(f"{r['model']:>5} {r['mode']:<10} {r['degradation_pct']:+.2f}% over SparseLoCo, seeds {r['seeds']}")

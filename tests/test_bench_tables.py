@@ -181,6 +181,35 @@ def test_size_sweep_gap_against_outer_syncs_from_the_committed_runs():
     assert points[-1]["outer_steps"] == 100 and points[-1]["gap_pct"] == ss.LONG_20M_GAP_PCT
 
 
+def test_same_seed_repeats_set_a_rerun_beside_its_committed_row(tmp_path):
+    """same_seed_repeats: each row under one_pass/repeats/<model>/ beside the committed run of the
+    same row and seed, recomputed by hand from the JSONs; a repeat with no committed run is refused."""
+    import json
+    import shutil
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    found = ss.same_seed_repeats(ss.ONE_PASS)
+    want = []
+    for model in ss.SIZES:
+        for f in sorted((Path(ss.ONE_PASS) / "repeats" / model).glob("paper_tables_*.json")):
+            for r in json.loads(f.read_text())["rows"]:
+                (a,) = [x["val_loss"] for g in (Path(ss.ONE_PASS) / model).glob("paper_tables_*.json")
+                        for x in json.loads(g.read_text())["rows"] if x["variant"]["name"] == r["variant"]["name"]]
+                want.append((model, r["variant"]["name"], a, r["val_loss"]))
+    assert want and [(x["model"], x["row"], *x["val_loss"]) for x in found] == want
+    assert all(abs(x["diff_pct"] - 100 * (x["val_loss"][1] - x["val_loss"][0]) / x["val_loss"][0]) < 1e-9
+               and x["val_loss"][0] != x["val_loss"][1] for x in found)
+    # A repeat whose row was never committed: the folder of that size lacks it.
+    orphan = tmp_path / "repeats" / "60M"
+    orphan.mkdir(parents=True)
+    shutil.copy(next((Path(ss.ONE_PASS) / "repeats" / "105M").glob("paper_tables_*.json")), orphan)
+    shutil.copytree(Path(ss.ONE_PASS) / "60M", tmp_path / "60M")
+    with pytest.raises(SystemExit, match="pp:8:lr=0.002@seed0 has no committed run"):
+        ss.same_seed_repeats(str(tmp_path))
+
+
 def test_size_sweep_plan_prices_rows_at_the_long_rows_pace(capsys):
     """plan --one-pass: each size's pace is the median GPU-seconds a step of its committed
     10-tokens-per-parameter rows (not the one-pass rows, whose time is mostly fixed cost), each row
