@@ -20,6 +20,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 SECONDS_LEFT=${1:?usage: OUT=... bash bench/one_pass_lanes.sh SECONDS TAG}; TAG=${2:?a tag for this call}
 : "${OUT:?OUT must name the folder for the packed results}"
 KEEP=runs/one_pass_keep; DATA=runs/size_sweep_corpus_seq256.pt
+ENDED='val [0-9]|saved at'  # paper_tables' line for a row that finished or was saved
 DEADLINE=$(( $(date +%s) + SECONDS_LEFT ))
 mkdir -p "$KEEP/logs" "$KEEP/one_pass" "$OUT"
 # Rows committed by earlier sessions count as done here too.
@@ -35,7 +36,7 @@ sweep() {  # sweep GPUS NAME ARGS...: one size_sweep run within what is left of 
   CUDA_VISIBLE_DEVICES=$gpus OUT=$KEEP/logs/$TAG$name bash bench/gpu.sh --gpus 2 --timeout $(( left + 20 )) \
     size_sweep.py run --one-pass --budget-s "$left" --out "$KEEP" --results "$KEEP/one_pass" --tag "$TAG$name" "$@" \
     > "$KEEP/logs/$TAG$name.txt" 2>&1
-  echo "[$name] exit $? after $(( $(date +%s) - DEADLINE + SECONDS_LEFT )) s: $(grep -E 'val [0-9]|saved at' "$KEEP/logs/$TAG$name.txt" | wc -l) rows ended or saved"
+  echo "[$name] exit $? after $(( $(date +%s) - DEADLINE + SECONDS_LEFT )) s: $(grep -E "$ENDED" "$KEEP/logs/$TAG$name.txt" | wc -l) rows ended or saved"
 }
 
 lane_b() {
@@ -53,5 +54,5 @@ lane_a() {
 lane_b & B=$!
 lane_a & A=$!
 wait $A $B
-grep -hE 'val [0-9]|saved at' "$KEEP"/logs/"$TAG"*.txt
+grep -hE "$ENDED" "$KEEP"/logs/"$TAG"*.txt
 tar czf "$OUT/res.tgz" -C "$KEEP" .

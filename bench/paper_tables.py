@@ -312,7 +312,7 @@ def worker(args) -> int:
             continue
         group.first(v.name)  # the group's other processes start this row
         # A row that the call's limit kills before its first save leaves only this line to say it ran.
-        print(f"[{args.worker}] {v.name:<28} {'resumed' if state and saved_state(state) else 'started'} with "
+        print(f"[{args.worker}] {v.name:<28} {'resumed' if saved_state(state) else 'started'} with "
               f"{args.deadline - time.time():.0f} s of the budget left", flush=True)
         r, t0 = run_row(args, v, run, llama, corpus, device, state, meta)
         if r["status"] != "done":
