@@ -2,9 +2,10 @@
 # The one-pass size sweep (issue 32) on a 4-GPU machine, as one device call of two lanes that keep
 # every GPU busy where `size_sweep.py run --model 20M,60M,105M` would idle three GPUs at each size's
 # last row:
-#   lane A, GPUs 0,1: 105M's first seven rows, two GPUs a row; then 105M's second seed
-#   lane B, GPUs 2,3: 20M and 60M, one GPU a row; 105M's two 1/96 rows, two GPUs a row; then 20M's
-#                     and 60M's second seed
+#   lane A, GPUs 0,1: 105M's first seven rows, two GPUs a row; then 105M's second seed, then 20M's
+#   lane B, GPUs 2,3: 20M and 60M, one GPU a row; 105M's two 1/96 rows, two GPUs a row; then 60M's
+#                     second seed
+# (20M's second seed follows 105M's so that the last rows, 105M's and 60M's seed 1, run side by side.)
 # Each `size_sweep.py run` skips the rows finished under runs/one_pass_keep (this call's, earlier
 # calls' on the same machine, and those committed under bench/results/size_sweep/one_pass) and
 # resumes the ones a budget stopped, so the same command, called again while the machine is warm,
@@ -42,7 +43,6 @@ sweep() {  # sweep GPUS NAME ARGS...: one size_sweep run within what is left of 
 lane_b() {
   sweep 2,3 b --model 20M,60M                               # builds the corpus when this machine has none
   sweep 2,3 c --model 105M --gpus-per-row 2 --rows "$B_ROWS"
-  sweep 2,3 d --model 20M --seeds 1                         # each size alone: 60M's may still lack its bracket
   sweep 2,3 f --model 60M --seeds 1
 }
 lane_a() {
@@ -50,6 +50,7 @@ lane_a() {
   [ -f "$DATA" ] || { echo "[a] no corpus after 300 s"; return 1; }
   sweep 0,1 a --model 105M --gpus-per-row 2 --rows "$A_ROWS"
   sweep 0,1 e --model 105M --gpus-per-row 2 --seeds 1
+  sweep 0,1 d --model 20M --seeds 1
 }
 lane_b & B=$!
 lane_a & A=$!
