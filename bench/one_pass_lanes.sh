@@ -9,7 +9,8 @@
 # Each `size_sweep.py run` skips the rows finished under runs/one_pass_keep (this call's, earlier
 # calls' on the same machine, and those committed under bench/results/size_sweep/one_pass) and
 # resumes the ones a budget stopped, so the same command, called again while the machine is warm,
-# goes on where the last one stopped.
+# goes on where the last one stopped. A call that gets a fresh machine has only the carried tree's
+# rows: copy each call's finished JSONs under bench/results/size_sweep/one_pass before the next.
 #
 #   OUT=$OUT bash bench/one_pass_lanes.sh SECONDS TAG
 #
@@ -24,7 +25,7 @@ KEEP=runs/one_pass_keep; DATA=runs/size_sweep_corpus_seq256.pt
 ENDED='val [0-9]|saved at'  # paper_tables' line for a row that finished or was saved
 DEADLINE=$(( $(date +%s) + SECONDS_LEFT ))
 mkdir -p "$KEEP/logs" "$KEEP/one_pass" "$OUT"
-# Rows committed by earlier sessions count as done here too.
+# Rows in the carried tree (committed, or copied in after an earlier call) count as done here too.
 [ -d bench/results/size_sweep/one_pass ] && cp -rn bench/results/size_sweep/one_pass/. "$KEEP/one_pass/"
 ROWS=$(python3 -c "import sys; sys.path.insert(0, 'bench'); import size_sweep as s; print(' '.join(s.first_seed_rows('105M')))")
 read -r -a R <<< "$ROWS"
