@@ -104,12 +104,17 @@ def first_seed_rows(model: str) -> list[str]:
     return rows
 
 
-def load_size(model: str, results: str = RESULTS) -> tuple[list[dict], dict] | None:
-    folder = os.path.join(results, model)
+def load_runs(folder: str) -> tuple[list[dict], dict] | None:
+    """The run JSONs' rows and settings in `folder`; None when it is missing or holds none."""
     if not os.path.isdir(folder) or not summarize_tables.input_files([folder]):
         return None
     rows, meta, _ = summarize_tables.load_rows([folder])
-    return summarize_tables.summarize(rows, meta), meta
+    return rows, meta
+
+
+def load_size(model: str, results: str = RESULTS) -> tuple[list[dict], dict] | None:
+    runs = load_runs(os.path.join(results, model))
+    return None if runs is None else (summarize_tables.summarize(*runs), runs[1])
 
 
 def tuned_adamw_lr(summary: list[dict]) -> float | None:
@@ -340,10 +345,11 @@ def same_seed_repeats(results: str) -> list[dict]:
     out = []
     for model in SIZES:
         again = os.path.join(results, "repeats", model)
-        if not os.path.isdir(again) or not summarize_tables.input_files([again]):
+        repeats = load_runs(again)
+        if repeats is None:
             continue
         first = {r["variant"]["name"]: r for r in summarize_tables.load_rows([os.path.join(results, model)])[0]}
-        for r in summarize_tables.load_rows([again])[0]:
+        for r in repeats[0]:
             name = r["variant"]["name"]
             if name not in first:
                 raise SystemExit(f"size_sweep: {again}/{r['file']}: {name} has no committed run under "
