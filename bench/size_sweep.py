@@ -63,6 +63,9 @@ COMPRESSED = ("pp:8", "het:8", "pp:96", "het:96")
 # Validation every 5 outer syncs: the corpus's one epoch (994 steps of 8 x 16,384 tokens) falls
 # within 6 steps of a point, and 16 eval micro-batches every 250 steps add about 1% to a row.
 VAL_EVERY = 5 * H
+# Every regime validates on the same held-out sequences (paper_tables' 16 eval micro-batches of MICRO,
+# read in order): another micro-batch validates on EVAL_SEQS // micro of its own.
+EVAL_SEQS = 16 * MICRO
 # A row's seconds beyond its steps at the long rows' pace, on one GPU: compile, validation, a resume
 # in the next call. Measured in the one-pass rows (4x H100): 30-70 s with the compile cache warm,
 # 150-190 s for a machine's first row or a row resumed across calls.
@@ -135,14 +138,38 @@ def second_seed_rows(model: str, results: str = RESULTS) -> list[str]:
     return [f"sparseloco:{lr_flag(SPARSELOCO_LR)}", f"adamw:{lr_flag(best)}", f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
 
 
-def steps_for(model: str, one_pass: bool = False) -> tuple[int, int]:
+def results_folder(one_pass: bool, micro: int = MICRO) -> str:
+    """Where a regime's committed rows live: a micro-batch other than MICRO (the same tokens in more,
+    smaller replica steps, so more outer syncs) in a sub-folder of its own."""
+    base = ONE_PASS if one_pass else RESULTS
+    return base if micro == MICRO else os.path.join(base, f"micro{micro}")
+
+
+def regime_name(one_pass: bool, micro: int = MICRO) -> str:
+    name = "one pass" if one_pass else f"{TOKENS_PER_PARAM:g} tokens per parameter"
+    return name if micro == MICRO else f"{name}, micro-batch {micro} ({micro * GAS * SEQ:,} tokens a replica step)"
+
+
+def regimes() -> list[tuple[str, str]]:
+    """(name, folder) of every regime with a folder: the two of micro-batch MICRO, then each other
+    micro-batch's."""
+    out = [(regime_name(False), RESULTS), (regime_name(True), ONE_PASS)]
+    for one_pass in (False, True):
+        for folder in sorted(glob.glob(os.path.join(results_folder(one_pass), "micro*"))):
+            micro = os.path.basename(folder)[len("micro"):]
+            if micro.isdigit():
+                out.append((regime_name(one_pass, int(micro)), folder))
+    return out
+
+
+def steps_for(model: str, one_pass: bool = False, micro: int = MICRO) -> tuple[int, int]:
     """(steps, parameters) of a row of `model` (paper_tables' own rules and count, vocab 8192); one
     pass over the corpus the committed rows record."""
     import paper_tables
     from hetloco_ds.presets import model_config_for
 
     llama = model_config_for(model, 8192)
-    args = argparse.Namespace(tokens_per_param=TOKENS_PER_PARAM, replicas=REPLICAS, micro=MICRO, gas=GAS,
+    args = argparse.Namespace(tokens_per_param=TOKENS_PER_PARAM, replicas=REPLICAS, micro=micro, gas=GAS,
                               inner_steps=H)
     steps = paper_tables.steps_for_passes(1.0, corpus_tokens(), args, SEQ) if one_pass else \
         paper_tables.steps_for_tokens(llama, args, SEQ)
@@ -159,7 +186,7 @@ def corpus_tokens() -> int:
 
 
 def results_of(args) -> str:
-    return args.results or (ONE_PASS if args.one_pass else RESULTS)
+    return args.results or results_folder(args.one_pass, args.micro)
 
 
 def plan(args) -> int:
@@ -171,24 +198,28 @@ def plan(args) -> int:
 
     total, results = 0.0, results_of(args)
     for model in SIZES:
-        steps, n = steps_for(model, args.one_pass)
+        steps, n = steps_for(model, args.one_pass, args.micro)
         by_folder = {folder: load_size(model, folder) for folder in dict.fromkeys((results, RESULTS, ONE_PASS))}
         loaded = by_folder[results]
         # GPU-seconds a step, the same in either regime: a row run on G GPUs together took G GPUs' time.
-        # The long rows first: a 950-step row's time is mostly its fixed cost (ROW_OVERHEAD_S).
-        measured = next((by_folder[f] for f in (RESULTS, ONE_PASS) if by_folder[f]), None)
-        paces = [s * g / measured[1]["steps"] for r in (measured[0] if measured else [])
+        # The long rows first: a 950-step row's time is mostly its fixed cost (ROW_OVERHEAD_S). Another
+        # micro-batch's steps: its own rows' pace, else micro-batch MICRO's scaled by the tokens.
+        own = args.micro != MICRO and by_folder[results]
+        measured = by_folder[results] if own else next((by_folder[f] for f in (RESULTS, ONE_PASS) if by_folder[f]), None)
+        scale = 1.0 if own else args.micro / MICRO
+        paces = [s * g * scale / measured[1]["steps"] for r in (measured[0] if measured else [])
                  for s, g in zip(r["seconds_per_seed"], r["gpus_per_seed"]) if s]
         timed = sorted(glob.glob(os.path.join(RESULTS, f"calibration_{model}_*_alone.json")))
         if paces:
-            pace, how = sorted(paces)[len(paces) // 2], "measured rows"
+            pace, how = sorted(paces)[len(paces) // 2], "measured rows" + ("" if scale == 1 else
+                                                                           f" of micro-batch {MICRO}, scaled")
         elif timed:
             with open(timed[0]) as f:
                 doc = json.load(f)
-            pace, how = doc["levels"][0]["s_per_step"][0], f"calibrated on {doc['card']}"
+            pace, how = doc["levels"][0]["s_per_step"][0] * args.micro / MICRO, f"calibrated on {doc['card']}"
         else:
             llama = model_config_for(model, 8192)
-            ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=MICRO, gas=GAS)
+            ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=args.micro, gas=GAS)
             pace, how = paper_tables.row_flops(llama, ns, SEQ) / (paper_tables.PEAK_FLOPS * args.mfu), f"MFU {args.mfu}"
         done = {(r["table_row"], r["row"], s) for r in (loaded[0] if loaded else []) for s in r["seeds"]}
         # seed 0: every row of the size; seed 1: SparseLoCo, the tuned AdamW and DiLoCo, whatever their lr
@@ -197,7 +228,7 @@ def plan(args) -> int:
         minutes = (pace * steps + ROW_OVERHEAD_S) / 60
         left = minutes * len(left_rows)
         total += left
-        print(f"{model}: {n / 1e6:.1f}M parameters, {steps} steps ({steps // H} outer), {pace:.3f} s a step ({how}): "
+        print(f"{model}: {n / 1e6:.1f}M parameters, {steps} steps ({steps // H} outer), {pace:.4f} s a step ({how}): "
               f"{minutes:.1f} GPU-minutes a row; {len(left_rows)} row-seeds left, {left:.0f} GPU-minutes")
     print(f"all sizes: about {total / 60:.1f} GPU-hours left")
     return 0
@@ -223,7 +254,8 @@ def run(args) -> int:
                         "--out", args.data, "--max-bytes", "1e9", "--roots", *[r for r in args.roots.split(",") if r]],
                        env=dict(os.environ, TOKENIZERS_PARALLELISM="true"), check=True)
     length = ["--passes", "1"] if args.one_pass else ["--tokens-per-param", str(TOKENS_PER_PARAM)]
-    state_dir = args.state_dir + ("_one_pass" if args.one_pass else "")
+    state_dir = args.state_dir + ("_one_pass" if args.one_pass else "") + ("" if args.micro == MICRO else f"_micro{args.micro}")
+    sub = os.path.relpath(results_folder(args.one_pass, args.micro), RESULTS)
     status = 0
     for model in models:
         left = args.budget_s - (time.time() - t0)
@@ -232,11 +264,11 @@ def run(args) -> int:
             break
         done = os.path.join(results, model)
         argv = ["--data", args.data, "--model", model, *length,
-                "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(MICRO),
+                "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(args.micro),
                 "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows[model]), "--seeds", args.seeds,
                 "--compile", "--budget-s", str(left), "--state-dir", os.path.join(state_dir, model),
-                "--val-every", str(VAL_EVERY), "--tag", args.tag,
-                "--out", os.path.join(args.out, "one_pass" if args.one_pass else "", model)]
+                "--val-every", str(VAL_EVERY), "--eval-batches", str(EVAL_SEQS // args.micro), "--tag", args.tag,
+                "--out", os.path.normpath(os.path.join(args.out, sub, model))]
         if args.gpus_per_row > 1:
             argv += ["--gpus-per-row", str(args.gpus_per_row)]
         if os.path.isdir(done):
@@ -322,7 +354,7 @@ def gaps_by_outer_steps() -> list[dict]:
     it: the two regimes differ in both, and so do the sizes of one regime, so the points are read
     against syncs as well as parameters."""
     out = []
-    for regime, folder in ((f"{TOKENS_PER_PARAM:g} tokens per parameter", RESULTS), ("one pass", ONE_PASS)):
+    for regime, folder in regimes():
         rows = []
         for model in SIZES:
             loaded = load_size(model, folder)
@@ -380,6 +412,10 @@ def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], b
             for x, y, complete in pts:
                 if not complete:
                     mid.plot([x], [y], "o", markersize=13, markerfacecolor="none", color="grey")
+    smaller = [g for g in by_syncs if "micro-batch" in g["regime"]]
+    if smaller:  # the same tokens in smaller replica steps: more syncs, not more passes
+        mid.plot([g["outer_steps"] for g in smaller], [g["gap_pct"] for g in smaller], "D", markersize=11,
+                 markerfacecolor="none", color="black", label="smaller micro-batch, one pass")
     for g in by_syncs:
         mid.annotate(f"{g['epochs']:.1f} ep", (g["outer_steps"], g["gap_pct"]), textcoords="offset points",
                      xytext=(5, 4), fontsize=7)
@@ -447,14 +483,15 @@ def summarize(args) -> int:
     if not rows:
         raise SystemExit(f"size_sweep: no results under {results}")
     gap_rows = gaps(rows)
-    regime = "one pass" if args.one_pass else f"{TOKENS_PER_PARAM:g} tokens per parameter"
+    regime = regime_name(args.one_pass, args.micro)
     doc = {"cards": sorted(cards), "regime": regime,
            "tokens_per_param_target": None if args.one_pass else TOKENS_PER_PARAM, "settings": settings,
            "rows": rows, "gaps": gap_rows, "gaps_one_epoch": gaps(rows, point_loss("one_epoch_per_seed")),
            "gaps_first_pass_fresh": gaps(rows, point_loss("first_pass_fresh_per_seed")),
            "gaps_by_outer_steps": gaps_by_outer_steps(), "same_seed_repeats": same_seed_repeats(results),
            "paper": {"params": PAPER_PARAMS, "degradation_pct": PAPER_DEGRADATION, "gap_pct": PAPER_GAP_PCT},
-           "command": "python bench/size_sweep.py summarize" + (" --one-pass" if args.one_pass else "")}
+           "command": "python bench/size_sweep.py summarize" + (" --one-pass" if args.one_pass else "")
+                      + ("" if args.micro == MICRO else f" --micro {args.micro}")}
     os.makedirs(results, exist_ok=True)
     with open(os.path.join(results, "summary.json"), "w") as f:
         json.dump(doc, f, indent=1)
@@ -524,7 +561,13 @@ def main(argv=None) -> int:
         verb.add_argument("--one-pass", action="store_true",
                           help="the regime without repetition: every row within one pass over the corpus "
                                f"(results under {os.path.relpath(ONE_PASS, HERE)})")
+        verb.add_argument("--micro", type=int, default=MICRO,
+                          help=f"sequences a replica micro-batch (default {MICRO}; {GAS} a step): the same tokens "
+                               "in more replica steps, so more outer syncs (results under .../micro<N>/)")
     args = p.parse_args(argv)
+    if args.micro < 1 or EVAL_SEQS % args.micro:
+        raise SystemExit(f"size_sweep: --micro {args.micro}: must divide the {EVAL_SEQS} held-out sequences every "
+                         "regime validates on")
     return {"plan": plan, "run": run, "summarize": summarize}[args.verb](args)
 
 
