@@ -30,6 +30,9 @@ per parameter repeats it (8 passes at 105M), and `summarize` reports, beside eac
 its loss after one pass, its validation - train loss and how its train loss falls at each new pass.
 `--one-pass` is the regime without repetition: every size runs the same 950 steps (19 outer syncs,
 the whole outer steps that fit in one pass), at 6.1 tokens per parameter at 20M and 1.2 at 105M.
+`--micro 8` (any regime, every verb) runs the same tokens in replica steps of micro-batch 8, four
+times the outer syncs (79 in one pass), under <regime's folder>/micro8/, validating on the same
+held-out sequences (EVAL_SEQS).
 A row run a second time with the same seed goes under <results>/repeats/<model>/: `summarize`
 sets it beside the committed run (`same_seed_repeats`) and leaves it out of everything else.
 """

@@ -154,12 +154,14 @@ def test_size_sweep_gap_against_outer_syncs_from_the_committed_runs():
 
     ss = bench_module("size_sweep")
     points = ss.gaps_by_outer_steps()
-    for regime, folder in (("10 tokens per parameter", ss.RESULTS), ("one pass", ss.ONE_PASS)):
+    micro8 = "one pass, micro-batch 8 (4,096 tokens a replica step)"
+    for regime, folder in (("10 tokens per parameter", ss.RESULTS), ("one pass", ss.ONE_PASS),
+                           (micro8, Path(ss.ONE_PASS) / "micro8")):
         for model in ss.SIZES:
             loss, steps, corpus = {}, {}, None
             for f in (Path(folder) / model).glob("paper_tables_*.json"):
                 doc = json.loads(f.read_text())
-                corpus = doc["corpus_train_tokens"]
+                corpus, micro = doc["corpus_train_tokens"], doc["micro_batch"]
                 for r in doc["rows"]:
                     name, seed = r["variant"]["name"].split("@seed")
                     loss.setdefault(name, {})[int(seed)] = r["val_loss"]
@@ -174,10 +176,12 @@ def test_size_sweep_gap_against_outer_syncs_from_the_committed_runs():
             (p,) = [p for p in points if p["regime"] == regime and p["model"] == model]
             assert abs(p["gap_pct"] - 100 * (sl - a) / a) < 1e-9 and p["seeds"] == seeds
             assert p["outer_steps"] == steps["sparseloco:lr=0.002"] // ss.H
-            assert abs(p["epochs"] - steps["sparseloco:lr=0.002"] * ss.REPLICAS * ss.MICRO * ss.GAS * ss.SEQ / corpus) < 1e-9
+            assert abs(p["epochs"] - steps["sparseloco:lr=0.002"] * ss.REPLICAS * micro * ss.GAS * ss.SEQ / corpus) < 1e-9
             if regime == "one pass":
                 assert p["outer_steps"] == 19 and p["epochs"] <= 1
-    assert {p["regime"] for p in points} >= {"10 tokens per parameter", "one pass"}
+            if regime == micro8:  # the same pass in a quarter of the tokens a step: four times the syncs
+                assert micro == 8 and p["outer_steps"] == 79 and p["epochs"] <= 1
+    assert {p["regime"] for p in points} >= {"10 tokens per parameter", "one pass", micro8}
     assert points[-1]["outer_steps"] == 100 and points[-1]["gap_pct"] == ss.LONG_20M_GAP_PCT
 
 
@@ -413,3 +417,45 @@ def test_first_pass_fresh_reads_the_step_after_the_last_sync_inside_the_first_pa
     gap = next(g for g in doc["gaps_first_pass_fresh"] if g["mode"] == "sparseloco")
     want = [at[f"sparseloco:lr=0.002@seed{s}"] - at[f"adamw:lr={best:g}@seed{s}"] for s in (0, 1)]
     assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(want) / 2) < 1e-12
+
+
+def test_size_sweep_smaller_micro_batch_syncs_more_often_on_the_same_tokens_and_validation(tmp_path, monkeypatch):
+    """--micro 8: the same pass over the corpus in 4x the steps (79 outer syncs, not 19), its own
+    results, output and state folders, and validation on the same held-out sequences as micro-batch
+    32 (64 eval micro-batches of 8, not 16: the rows read them in order); every committed row of
+    every regime validated on those 512 sequences. A micro-batch that does not divide them is
+    refused, naming it, before anything runs."""
+    import json
+    import sys
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    assert ss.steps_for("60M", one_pass=True, micro=8)[0] == 79 * ss.H == 4 * ss.steps_for("60M", one_pass=True)[0] + 150
+    assert ss.results_folder(True, 8) == str(Path(ss.ONE_PASS) / "micro8") and ss.results_folder(True) == ss.ONE_PASS
+    data = tmp_path / "c.pt"
+    data.write_bytes(b"")
+    calls = []
+    monkeypatch.setitem(sys.modules, "paper_tables", type(sys)("paper_tables"))
+    sys.modules["paper_tables"].main = lambda argv: calls.append(argv) or 0
+    for bad in ("0", "7", "1024"):
+        with pytest.raises(SystemExit, match=f"--micro {bad}: must divide the 512 held-out sequences"):
+            ss.main(["run", "--model", "20M", "--one-pass", "--micro", bad, "--data", str(data), "--out", str(tmp_path)])
+    assert calls == []
+    assert ss.main(["run", "--model", "20M", "--one-pass", "--micro", "8", "--data", str(data),
+                    "--out", str(tmp_path / "o")]) == 0
+    flag = {calls[0][i]: calls[0][i + 1] for i in range(len(calls[0]) - 1) if calls[0][i].startswith("--")}
+    assert flag["--micro"] == "8" and flag["--eval-batches"] == "64" and flag["--passes"] == "1"
+    assert flag["--out"] == str(tmp_path / "o" / "one_pass" / "micro8" / "20M")
+    assert flag["--state-dir"] == "runs/size_sweep_state_one_pass_micro8/20M"
+    assert flag["--skip-done"] == str(Path(ss.ONE_PASS) / "micro8" / "20M")
+    calls.clear()
+    ss.main(["run", "--model", "20M", "--data", str(data), "--out", str(tmp_path / "d")])
+    flag = {calls[0][i]: calls[0][i + 1] for i in range(len(calls[0]) - 1) if calls[0][i].startswith("--")}
+    assert flag["--micro"] == "32" and flag["--eval-batches"] == "16" and flag["--out"] == str(tmp_path / "d" / "20M")
+    seen = set()
+    for f in Path(ss.RESULTS).glob("**/paper_tables_*.json"):
+        doc = json.loads(f.read_text())
+        assert doc["eval_batches"] * doc["micro_batch"] == ss.EVAL_SEQS == 512, f
+        seen.add(doc["micro_batch"])
+    assert seen == {8, 32}
