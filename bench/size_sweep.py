@@ -192,6 +192,13 @@ def results_of(args) -> str:
     return args.results or results_folder(args.one_pass, args.micro)
 
 
+def measured_pace(loaded: tuple[list[dict], dict] | None) -> float | None:
+    """The median GPU-seconds a step of a size's finished rows (`load_size`), None without any."""
+    paces = sorted(s * g / loaded[1]["steps"] for r in (loaded[0] if loaded else [])
+                   for s, g in zip(r["seconds_per_seed"], r["gpus_per_seed"]) if s)
+    return paces[len(paces) // 2] if paces else None
+
+
 def plan(args) -> int:
     """Each size's rows, steps and GPU-minutes: from a measured pace (seconds a step of a finished
     row of that size, else of `paper_tables.py --calibrate` alone on a GPU, committed as
@@ -200,26 +207,31 @@ def plan(args) -> int:
     from hetloco_ds.presets import model_config_for
 
     total, results = 0.0, results_of(args)
+    # GPU-seconds a step, the same in either regime: a row run on G GPUs together took G GPUs' time.
+    # The long rows first: a 950-step row's time is mostly its fixed cost (ROW_OVERHEAD_S).
+    base = {m: measured_pace(next((x for x in (load_size(m, RESULTS), load_size(m, ONE_PASS)) if x), None))
+            for m in SIZES}
+    own = {m: measured_pace(load_size(m, results)) if args.micro != MICRO else None for m in SIZES}
+    # Another micro-batch without rows of its own at a size: micro-batch MICRO's pace times the ratio
+    # the sizes that have both measured (small rows do not scale with their tokens), else the tokens'.
+    ratios = sorted(own[m] / base[m] for m in SIZES if own[m] and base[m])
+    ratio, ratio_how = ((ratios[len(ratios) // 2], f"x {ratios[len(ratios) // 2]:.2f}, measured at "
+                         + ", ".join(m for m in SIZES if own[m] and base[m])) if ratios
+                        else (args.micro / MICRO, "scaled by the tokens"))
     for model in SIZES:
         steps, n = steps_for(model, args.one_pass, args.micro)
-        by_folder = {folder: load_size(model, folder) for folder in dict.fromkeys((results, RESULTS, ONE_PASS))}
-        loaded = by_folder[results]
-        # GPU-seconds a step, the same in either regime: a row run on G GPUs together took G GPUs' time.
-        # The long rows first: a 950-step row's time is mostly its fixed cost (ROW_OVERHEAD_S). Another
-        # micro-batch's steps: its own rows' pace, else micro-batch MICRO's scaled by the tokens.
-        own = args.micro != MICRO and by_folder[results]
-        measured = by_folder[results] if own else next((by_folder[f] for f in (RESULTS, ONE_PASS) if by_folder[f]), None)
-        scale = 1.0 if own else args.micro / MICRO
-        paces = [s * g * scale / measured[1]["steps"] for r in (measured[0] if measured else [])
-                 for s, g in zip(r["seconds_per_seed"], r["gpus_per_seed"]) if s]
+        loaded = load_size(model, results)
         timed = sorted(glob.glob(os.path.join(RESULTS, f"calibration_{model}_*_alone.json")))
-        if paces:
-            pace, how = sorted(paces)[len(paces) // 2], "measured rows" + ("" if scale == 1 else
-                                                                           f" of micro-batch {MICRO}, scaled")
+        if own[model]:
+            pace, how = own[model], "measured rows"
+        elif base[model]:
+            pace = base[model] * (1.0 if args.micro == MICRO else ratio)
+            how = "measured rows" + ("" if args.micro == MICRO else f" of micro-batch {MICRO} {ratio_how}")
         elif timed:
             with open(timed[0]) as f:
                 doc = json.load(f)
-            pace, how = doc["levels"][0]["s_per_step"][0] * args.micro / MICRO, f"calibrated on {doc['card']}"
+            pace = doc["levels"][0]["s_per_step"][0] * args.micro / MICRO
+            how = f"calibrated on {doc['card']}" + ("" if args.micro == MICRO else f" at micro-batch {MICRO}, scaled")
         else:
             llama = model_config_for(model, 8192)
             ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=args.micro, gas=GAS)

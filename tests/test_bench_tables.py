@@ -419,19 +419,37 @@ def test_first_pass_fresh_reads_the_step_after_the_last_sync_inside_the_first_pa
     assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(want) / 2) < 1e-12
 
 
-def test_size_sweep_smaller_micro_batch_syncs_more_often_on_the_same_tokens_and_validation(tmp_path, monkeypatch):
+def test_size_sweep_smaller_micro_batch_syncs_more_often_on_the_same_tokens_and_validation(tmp_path, monkeypatch,
+                                                                                          capsys):
     """--micro 8: the same pass over the corpus in 4x the steps (79 outer syncs, not 19), its own
     results, output and state folders, and validation on the same held-out sequences as micro-batch
     32 (64 eval micro-batches of 8, not 16: the rows read them in order); every committed row of
     every regime validated on those 512 sequences. A micro-batch that does not divide them is
-    refused, naming it, before anything runs."""
+    refused, naming it, before anything runs. `plan` prices a size without rows of its own at its
+    micro-batch-32 pace times the ratio measured where both exist."""
     import json
+    import re
     import sys
 
     import pytest
 
     ss = bench_module("size_sweep")
     assert ss.steps_for("60M", one_pass=True, micro=8)[0] == 79 * ss.H == 4 * ss.steps_for("60M", one_pass=True)[0] + 150
+
+    def pace(folder):  # the median GPU-seconds a step of the folder's rows, by hand
+        p = sorted(r["seconds"] * doc.get("gpus_per_row", 1) / r["steps"] for f in Path(folder).glob("paper_tables_*.json")
+                   for doc in [json.loads(f.read_text())] for r in doc["rows"])
+        return p[len(p) // 2]
+
+    # plan: 20M at its own rows' pace; 60M at its micro-batch-32 pace times 20M's measured ratio
+    assert ss.main(["plan", "--one-pass", "--micro", "8"]) == 0
+    out = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    own20 = pace(Path(ss.ONE_PASS) / "micro8" / "20M")
+    ratio = own20 / pace(Path(ss.RESULTS) / "20M")
+    for model, want in (("20M", own20), ("60M", pace(Path(ss.RESULTS) / "60M") * ratio)):
+        got = float(re.search(r"([0-9.]+) s a step", out[model])[1])
+        assert abs(got - want) < 6e-5 and "3950 steps (79 outer)" in out[model], out[model]
+    assert f"x {ratio:.2f}, measured at 20M" in out["60M"] and 0.3 < ratio < 1.5
     assert ss.results_folder(True, 8) == str(Path(ss.ONE_PASS) / "micro8") and ss.results_folder(True) == ss.ONE_PASS
     data = tmp_path / "c.pt"
     data.write_bytes(b"")
