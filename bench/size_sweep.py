@@ -39,6 +39,7 @@ sets it beside the committed run (`same_seed_repeats`) and leaves it out of ever
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import math
@@ -207,11 +208,11 @@ def plan(args) -> int:
     from hetloco_ds.presets import model_config_for
 
     total, results = 0.0, results_of(args)
+    load = functools.lru_cache(maxsize=None)(load_size)  # a folder read once, whichever of the roles below it plays
     # GPU-seconds a step, the same in either regime: a row run on G GPUs together took G GPUs' time.
     # The long rows first: a 950-step row's time is mostly its fixed cost (ROW_OVERHEAD_S).
-    base = {m: measured_pace(next((x for x in (load_size(m, RESULTS), load_size(m, ONE_PASS)) if x), None))
-            for m in SIZES}
-    own = {m: measured_pace(load_size(m, results)) if args.micro != MICRO else None for m in SIZES}
+    base = {m: measured_pace(next((x for x in (load(m, RESULTS), load(m, ONE_PASS)) if x), None)) for m in SIZES}
+    own = {m: measured_pace(load(m, results)) if args.micro != MICRO else None for m in SIZES}
     # Another micro-batch without rows of its own at a size: micro-batch MICRO's pace times the ratio
     # the sizes that have both measured (small rows do not scale with their tokens), else the tokens'.
     ratios = sorted(own[m] / base[m] for m in SIZES if own[m] and base[m])
@@ -220,7 +221,7 @@ def plan(args) -> int:
                         else (args.micro / MICRO, "scaled by the tokens"))
     for model in SIZES:
         steps, n = steps_for(model, args.one_pass, args.micro)
-        loaded = load_size(model, results)
+        loaded = load(model, results)
         timed = sorted(glob.glob(os.path.join(RESULTS, f"calibration_{model}_*_alone.json")))
         if own[model]:
             pace, how = own[model], "measured rows"
@@ -230,8 +231,8 @@ def plan(args) -> int:
         elif timed:
             with open(timed[0]) as f:
                 doc = json.load(f)
-            pace = doc["levels"][0]["s_per_step"][0] * args.micro / MICRO
-            how = f"calibrated on {doc['card']}" + ("" if args.micro == MICRO else f" at micro-batch {MICRO}, scaled")
+            pace = doc["levels"][0]["s_per_step"][0] * (1.0 if args.micro == MICRO else ratio)
+            how = f"calibrated on {doc['card']}" + ("" if args.micro == MICRO else f" at micro-batch {MICRO} {ratio_how}")
         else:
             llama = model_config_for(model, 8192)
             ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=args.micro, gas=GAS)
@@ -269,8 +270,8 @@ def run(args) -> int:
                         "--out", args.data, "--max-bytes", "1e9", "--roots", *[r for r in args.roots.split(",") if r]],
                        env=dict(os.environ, TOKENIZERS_PARALLELISM="true"), check=True)
     length = ["--passes", "1"] if args.one_pass else ["--tokens-per-param", str(TOKENS_PER_PARAM)]
-    state_dir = args.state_dir + ("_one_pass" if args.one_pass else "") + ("" if args.micro == MICRO else f"_micro{args.micro}")
-    sub = os.path.relpath(results_folder(args.one_pass, args.micro), RESULTS)
+    sub = os.path.relpath(results_folder(args.one_pass, args.micro), RESULTS)  # ".", one_pass, one_pass/micro8, ...
+    state_dir = args.state_dir + ("" if sub == "." else "_" + sub.replace(os.sep, "_"))
     status = 0
     for model in models:
         left = args.budget_s - (time.time() - t0)
