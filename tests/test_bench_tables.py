@@ -429,6 +429,7 @@ def test_size_sweep_smaller_micro_batch_syncs_more_often_on_the_same_tokens_and_
     micro-batch-32 pace times the ratio measured where both exist."""
     import json
     import re
+    import shutil
     import sys
 
     import pytest
@@ -441,8 +442,11 @@ def test_size_sweep_smaller_micro_batch_syncs_more_often_on_the_same_tokens_and_
                    for doc in [json.loads(f.read_text())] for r in doc["rows"])
         return p[len(p) // 2]
 
-    # plan: 20M at its own rows' pace; 60M at its micro-batch-32 pace times 20M's measured ratio
-    assert ss.main(["plan", "--one-pass", "--micro", "8"]) == 0
+    # plan, on a copy holding only 20M's micro-batch-8 rows: 20M at its own rows' pace; 60M at its
+    # micro-batch-32 pace times 20M's measured ratio
+    only20 = tmp_path / "only20"
+    shutil.copytree(Path(ss.ONE_PASS) / "micro8" / "20M", only20 / "20M")
+    assert ss.main(["plan", "--one-pass", "--micro", "8", "--results", str(only20)]) == 0
     out = {line.split(":")[0]: line for line in capsys.readouterr().out.splitlines()}
     own20 = pace(Path(ss.ONE_PASS) / "micro8" / "20M")
     ratio = own20 / pace(Path(ss.RESULTS) / "20M")
