@@ -3,10 +3,11 @@
 The paper-table regime (bench/paper_tables.py: M = 8 replicas x S = 4 virtual stages, H = 50,
 32 x 2 x 256 = 16,384 tokens per replica step, the compiled batched simulator) at the sizes of
 `SIZES`, every row trained on the same number of tokens per parameter (`TOKENS_PER_PARAM`, every
-replica's tokens counted; steps rounded up to whole outer steps). Rows: SparseLoCo, AdamW with its
-inner lr bracketed (`ADAMW_LRS`: the tuned one is the best of the bracket on seed 0), DiLoCo with
-its own Nesterov outer step; at the largest size also PP-Compress and Het at 1/8 and 1/96. The
-second seed repeats SparseLoCo, the tuned AdamW and DiLoCo.
+replica's tokens counted; steps rounded up to whole outer steps). Rows: SparseLoCo and AdamW, each
+with its inner lr bracketed (`LR_BRACKETS`, widened by one lr a call until the best on seed 0 has a
+worse lr on either side: the tuned lr), DiLoCo with its own Nesterov outer step; at the largest
+size also PP-Compress and Het at 1/8 and 1/96. The second seed repeats SparseLoCo and AdamW at their
+tuned lrs and DiLoCo; a gap read while a bracket is open is marked provisional (ringed in the plot).
 
 Three verbs, each a step of spending device time in pieces:
 
@@ -62,6 +63,11 @@ TOKENS_PER_PARAM = 10.0
 REPLICAS, STAGES, H, MICRO, GAS, SEQ = 8, 4, 50, 32, 2, 256
 SPARSELOCO_LR = 2e-3  # the best inner lr of SparseLoCo at 20M over 5000 steps (paper_tables_lr5k_h100x2)
 ADAMW_LRS = (2e-3, 4e-3, 1e-3)  # 4e-3 was AdamW's best at 20M over 5000 steps; one step either side
+# The inner lrs each tuned mode runs on seed 0 at every size, widened one lr at a time (lr_bracket)
+# until its best has a worse lr run on either side. Both modes, not AdamW alone: larger models take
+# smaller lrs, and a gap read between a bracketed AdamW and a SparseLoCo held at 20M's lr would
+# grow with size by that drift alone.
+LR_BRACKETS = {"sparseloco": (SPARSELOCO_LR,), "adamw": ADAMW_LRS}
 DILOCO = "diloco:outer_lr=0.7:outer_momentum=0.9:norm_clip=none"  # dense, Nesterov (Douillard et al.)
 COMPRESSED = ("pp:8", "het:8", "pp:96", "het:96")
 # Validation every 5 outer syncs: the corpus's one epoch (994 steps of 8 x 16,384 tokens) falls
@@ -96,7 +102,9 @@ LONG_20M_GAP_PCT = 100 * (1.7636 - 1.5723) / 1.5723
 LONG_20M = {"model": "20M", "n_params": 20453760, "outer_steps": 100,
             "epochs": 5000 * REPLICAS * MICRO * GAS * SEQ / 123559936,
             "gap_pct": LONG_20M_GAP_PCT, "seeds": [0], "regime": "5000 steps (paper_tables_lr5k_h100x2)",
-            "adamw_bracket_complete": True}
+            "lr": 2e-3, "adamw_lr": 4e-3,
+            # AdamW 2e-3 / 3e-3 / 4e-3 / 6e-3: 4e-3 inside; SparseLoCo 2e-3 / 3e-3: 2e-3 at the low edge
+            "adamw_bracket_complete": True, "sparseloco_bracket_complete": False}
 
 
 def lr_flag(lr: float) -> str:
@@ -124,22 +132,44 @@ def load_size(model: str, results: str = RESULTS) -> tuple[list[dict], dict] | N
     return None if runs is None else (summarize_tables.summarize(*runs), runs[1])
 
 
-def tuned_adamw_lr(summary: list[dict]) -> float | None:
-    """The bracket's best AdamW lr on seed 0 (None until every lr of the bracket has a seed-0 row)."""
-    seed0 = {r["lr"]: r["val_loss_per_seed"][r["seeds"].index(0)]
-             for r in summary if r["table_row"] == "adamw" and 0 in r["seeds"]}
-    if not all(any(math.isclose(lr, x) for x in seed0) for lr in ADAMW_LRS):
-        return None
-    return min(seed0, key=seed0.get)
+def lr_bracket(summary: list[dict], mode: str) -> dict:
+    """`mode`'s plain rows on seed 0 (summarize_tables.summarize's rows), by lr: {"best": the best lr
+    run so far (None without one), "complete": whether a worse lr was run on either side of it,
+    "next": the lr to run next}. "next" is None until every lr of LR_BRACKETS[mode] has run, and
+    once complete; else half the best at the low edge, twice it at the high edge (the low side
+    first when only one lr has run)."""
+    seed0 = {r["lr"]: r["val_loss_per_seed"][r["seeds"].index(0)] for r in summary
+             if r["table_row"] == mode and not r["sparseloco"] and 0 in r["seeds"]}
+    if not seed0:
+        return {"best": None, "complete": False, "next": None}
+    best = min(seed0, key=seed0.get)
+    if not all(any(math.isclose(lr, x) for x in seed0) for lr in LR_BRACKETS[mode]):
+        return {"best": best, "complete": False, "next": None}
+    nxt = best / 2 if best == min(seed0) else best * 2 if best == max(seed0) else None
+    return {"best": best, "complete": nxt is None, "next": nxt}
+
+
+def bracket_rows(model: str, results: str) -> list[str]:
+    """The rows that widen `model`'s open lr brackets by one lr each (seed 0), from the rows under
+    `results`."""
+    loaded = load_size(model, results)
+    if not loaded:
+        return []
+    return [f"{mode}:{lr_flag(b['next'])}" for mode in LR_BRACKETS
+            if (b := lr_bracket(loaded[0], mode))["next"] is not None]
 
 
 def second_seed_rows(model: str, results: str = RESULTS) -> list[str]:
+    """Seed 1's rows: SparseLoCo and AdamW at their tuned lrs, DiLoCo; refused while a bracket is open."""
     loaded = load_size(model, results)
-    best = tuned_adamw_lr(loaded[0]) if loaded else None
-    if best is None:
-        raise SystemExit(f"size_sweep: {model}'s AdamW bracket {ADAMW_LRS} has no seed-0 row for every lr yet "
-                         f"(under {os.path.join(results, model)}); run seed 0 first")
-    return [f"sparseloco:{lr_flag(SPARSELOCO_LR)}", f"adamw:{lr_flag(best)}", f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
+    brackets = {mode: lr_bracket(loaded[0] if loaded else [], mode) for mode in LR_BRACKETS}
+    open_ = [f"{mode} (best so far {'none' if b['best'] is None else lr_flag(b['best'])}"
+             + (f", next {lr_flag(b['next'])})" if b["next"] else ")") for mode, b in brackets.items() if not b["complete"]]
+    if open_:
+        raise SystemExit(f"size_sweep: {model}'s lr bracket of {'; '.join(open_)} is not complete under "
+                         f"{os.path.join(results, model)}: run seed 0's rows first (plan lists them)")
+    return [f"sparseloco:{lr_flag(brackets['sparseloco']['best'])}", f"adamw:{lr_flag(brackets['adamw']['best'])}",
+            f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
 
 
 def results_folder(one_pass: bool, micro: int = MICRO) -> str:
@@ -237,15 +267,24 @@ def plan(args) -> int:
             llama = model_config_for(model, 8192)
             ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=args.micro, gas=GAS)
             pace, how = paper_tables.row_flops(llama, ns, SEQ) / (paper_tables.PEAK_FLOPS * args.mfu), f"MFU {args.mfu}"
-        done = {(r["table_row"], r["row"], s) for r in (loaded[0] if loaded else []) for s in r["seeds"]}
-        # seed 0: every row of the size; seed 1: SparseLoCo, the tuned AdamW and DiLoCo, whatever their lr
-        left_rows = [r for r in first_seed_rows(model) if not any(row == r and s == 0 for _, row, s in done)]
-        left_rows += [t for t in ("sparseloco", "adamw", "diloco") if not any(row == t and s == 1 for row, _, s in done)]
+        summary = loaded[0] if loaded else []
+        done = {(r["row"], s) for r in summary for s in r["seeds"]}
+        # seed 0: every row of the size, and the next lr of each open bracket (at least one more row
+        # each); seed 1: SparseLoCo and AdamW at the best lr of seed 0 so far, DiLoCo
+        left_rows = [r for r in first_seed_rows(model) if (r, 0) not in done] + bracket_rows(model, results)
+        best = {mode: lr_bracket(summary, mode)["best"] for mode in LR_BRACKETS}
+        seed1 = [r for r in (f"sparseloco:{lr_flag(best['sparseloco'] or SPARSELOCO_LR)}",
+                             f"adamw:{lr_flag(best['adamw'] or ADAMW_LRS[0])}", f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}")
+                 if (r, 1) not in done]
+        left_rows += seed1
         minutes = (pace * steps + ROW_OVERHEAD_S) / 60
         left = minutes * len(left_rows)
         total += left
         print(f"{model}: {n / 1e6:.1f}M parameters, {steps} steps ({steps // H} outer), {pace:.4f} s a step ({how}): "
               f"{minutes:.1f} GPU-minutes a row; {len(left_rows)} row-seeds left, {left:.0f} GPU-minutes")
+        if left_rows:
+            print("  left: " + ", ".join(f"{r}@seed{int(i >= len(left_rows) - len(seed1))}"
+                                         for i, r in enumerate(left_rows)))
     print(f"all sizes: about {total / 60:.1f} GPU-hours left")
     return 0
 
@@ -262,7 +301,8 @@ def run(args) -> int:
         raise SystemExit(f"size_sweep: --model {args.model}: {', '.join(bad) or 'none'} not among {', '.join(SIZES)}")
     results = results_of(args)
     rows = {m: second_seed_rows(m, results) if args.seeds == "1" and not args.rows else
-            (args.rows.split(",") if args.rows else first_seed_rows(m)) for m in models}  # refused before the corpus
+            (args.rows.split(",") if args.rows else first_seed_rows(m) + bracket_rows(m, results))
+            for m in models}  # refused before the corpus
     if not os.path.isfile(args.data):
         # Its own process, with the Rust tokenizer's threads on: gpu.sh turns them off for the
         # benches, and serial encoding took 225 of the build's 232 s on a 32-core machine.
@@ -303,7 +343,7 @@ def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | 
 
 
 def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
-    best = tuned_adamw_lr(summary)
+    brackets = {mode: lr_bracket(summary, mode) for mode in LR_BRACKETS}
     steps_per_epoch = summarize_tables.steps_per_pass(meta, meta)
     out = []
     for r in summary:
@@ -311,7 +351,9 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
         cards = [c or meta["card"] for c in r["card_per_seed"]]
         out.append({
             "mode": mode, "model": model, "n_params": meta["n_params"], "lr": r["lr"],
-            "tuned": mode != "adamw" or (best is not None and math.isclose(r["lr"], best)),
+            # a mode with an lr bracket: its best lr once the bracket is complete; DiLoCo runs at one lr
+            "tuned": mode not in brackets or (brackets[mode]["complete"] and r["lr"] == brackets[mode]["best"]
+                                               and not r["sparseloco"]),
             "val_loss_mean": r["val_loss_mean"], "seeds": r["seeds"], "per_seed": r["val_loss_per_seed"],
             "outer_steps": r["outer_steps"], "tokens_per_param": r["tokens_per_param"],
             "tokens_per_replica_step": r["tokens_per_replica_step"], "epochs": r["epochs"],
@@ -337,17 +379,20 @@ def point_loss(key: str):
 
 
 def gaps(rows: list[dict], loss=final_loss) -> list[dict]:
-    """Per size: SparseLoCo's and DiLoCo's gap to the tuned AdamW, on the seeds all three share
-    where `loss(row, seed)` has a value (the final validation, or `point_loss`'s points)."""
+    """Per size: SparseLoCo's (at its tuned lr) and DiLoCo's gap to the tuned AdamW, on the seeds
+    they share where `loss(row, seed)` has a value (the final validation, or `point_loss`'s points).
+    Where a mode's lr bracket is still open, its best lr on seed 0 so far stands in, and the gap says
+    so (provisional)."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         pick = {r["mode"]: r for r in rows if r["model"] == model and r["tuned"] and r["mode"] in ("sparseloco", "adamw", "diloco")}
-        complete = "adamw" in pick
-        if not complete:  # the bracket is still open: a provisional gap to the best AdamW lr run so far
-            tried = [r for r in rows if r["model"] == model and r["mode"] == "adamw" and 0 in r["seeds"]]
-            if not tried:
-                continue
-            pick["adamw"] = min(tried, key=lambda r: final_loss(r, 0))
+        complete = {mode: mode in pick for mode in LR_BRACKETS}
+        for mode in LR_BRACKETS:
+            tried = [r for r in rows if r["model"] == model and r["mode"] == mode and 0 in r["seeds"]]
+            if mode not in pick and tried:
+                pick[mode] = min(tried, key=lambda r: final_loss(r, 0))
+        if "adamw" not in pick:
+            continue
         a = pick["adamw"]
         for mode in ("sparseloco", "diloco"):
             if mode not in pick:
@@ -358,9 +403,11 @@ def gaps(rows: list[dict], loss=final_loss) -> list[dict]:
                 continue
             diff = [loss(r, s) - loss(a, s) for s in seeds]
             mean_a = sum(loss(a, s) for s in seeds) / len(seeds)
-            out.append({"model": model, "n_params": r["n_params"], "mode": mode, "adamw_lr": a["lr"], "seeds": seeds,
-                        "gap_nats": sum(diff) / len(diff), "gap_pct": 100 * sum(diff) / len(diff) / mean_a,
-                        "per_seed_nats": diff, "adamw_bracket_complete": complete})
+            out.append({"model": model, "n_params": r["n_params"], "mode": mode, "lr": r["lr"], "adamw_lr": a["lr"],
+                        "seeds": seeds, "gap_nats": sum(diff) / len(diff), "gap_pct": 100 * sum(diff) / len(diff) / mean_a,
+                        "per_seed_nats": diff, "adamw_bracket_complete": complete["adamw"],
+                        # DiLoCo runs at SparseLoCo's base lr: only AdamW's bracket bears on its gap
+                        "sparseloco_bracket_complete": complete["sparseloco"] if mode == "sparseloco" else None})
     return out
 
 
@@ -380,7 +427,8 @@ def gaps_by_outer_steps() -> list[dict]:
         for g in gaps(rows):
             if g["mode"] == "sparseloco":
                 r = sl[g["model"]]
-                out.append({k: g[k] for k in ("model", "n_params", "gap_pct", "seeds", "adamw_bracket_complete")}
+                out.append({k: g[k] for k in ("model", "n_params", "gap_pct", "seeds", "lr", "adamw_lr",
+                                              "adamw_bracket_complete", "sparseloco_bracket_complete")}
                            | {"outer_steps": r["outer_steps"], "epochs": r["epochs"], "regime": regime})
     return out + [dict(LONG_20M)]
 
@@ -409,6 +457,17 @@ def same_seed_repeats(results: str) -> list[dict]:
     return out
 
 
+def brackets_complete(g: dict) -> bool:
+    """Whether every lr bracket a gap (of `gaps`) depends on is complete."""
+    return g["adamw_bracket_complete"] and g["sparseloco_bracket_complete"] is not False
+
+
+def open_brackets(g: dict) -> str:
+    return " and ".join(f"{mode}'s lr bracket is open ({lr_flag(g[key])} is the best so far)" for mode, key, done in
+                        (("SparseLoCo", "lr", g.get("sparseloco_bracket_complete")),
+                         ("AdamW", "adamw_lr", g["adamw_bracket_complete"])) if done is False)
+
+
 def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], by_syncs: list[dict],
          path: str) -> None:
     """`early`: more gap series by label (the gap after one pass, on the first pass's unseen batches);
@@ -421,7 +480,7 @@ def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], b
 
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 6.2))
     for i, model in enumerate(SIZES):
-        pts = sorted((g["outer_steps"], g["gap_pct"], g["adamw_bracket_complete"]) for g in by_syncs
+        pts = sorted((g["outer_steps"], g["gap_pct"], brackets_complete(g)) for g in by_syncs
                      if g["model"] == model)
         if pts:
             mid.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i + 2}", label=f"ours: {model}")
@@ -443,10 +502,10 @@ def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], b
         pts = sorted((g["n_params"], g["gap_pct"]) for g in gap_rows if g["mode"] == mode)
         if pts:
             left.plot(*zip(*pts), marker=marker, label=f"ours: {mode} - tuned AdamW")
-        open_ = [(g["n_params"], g["gap_pct"]) for g in gap_rows if g["mode"] == mode and not g["adamw_bracket_complete"]]
-        if open_:  # ringed: AdamW's lr bracket not yet complete at that size
+        open_ = [(g["n_params"], g["gap_pct"]) for g in gap_rows if g["mode"] == mode and not brackets_complete(g)]
+        if open_:  # ringed: an lr bracket the gap depends on is not yet complete at that size
             left.plot(*zip(*open_), "o", markersize=13, markerfacecolor="none", color="grey",
-                      label="AdamW bracket still open" if mode == "sparseloco" else None)
+                      label="lr bracket still open (ringed)" if mode == "sparseloco" else None)
         for (label, series), ls in zip(early.items(), ("--", ":")):
             pts = sorted((g["n_params"], g["gap_pct"]) for g in series if g["mode"] == mode)
             if pts:
@@ -522,8 +581,7 @@ def summarize(args) -> int:
         for g in some:
             print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}) at {when}: "
                   f"{g['gap_nats']:+.4f} nats ({g['gap_pct']:+.2f}%), seeds {g['seeds']}"
-                  + ("" if g["adamw_bracket_complete"]
-                     else f"; provisional: AdamW's bracket {ADAMW_LRS} is not complete"))
+                  + ("" if brackets_complete(g) else f"; provisional: {open_brackets(g)}"))
     for r in rows:
         if r["mode"] in ("sparseloco", "adamw", "diloco"):
             drops = "; ".join(f"{d['new_pass']:.3f} at a new pass, "
@@ -534,7 +592,8 @@ def summarize(args) -> int:
                   + (f"; train loss falls {drops}" if drops else ""))
     for g in doc["gaps_by_outer_steps"]:
         print(f"{g['model']:>5} sparseloco - AdamW after {g['outer_steps']} syncs, {g['epochs']:.1f} epochs "
-              f"({g['regime']}): {g['gap_pct']:+.2f}%, seeds {g['seeds']}")
+              f"({g['regime']}): {g['gap_pct']:+.2f}%, seeds {g['seeds']}"
+              + ("" if brackets_complete(g) else f"; provisional: {open_brackets(g)}"))
     for x in doc["same_seed_repeats"]:
         print(f"{x['model']:>5} {x['row']} run twice: {x['val_loss'][0]:.4f} then {x['val_loss'][1]:.4f} "
               f"({x['diff_pct']:+.2f}%)")
@@ -554,7 +613,8 @@ def main(argv=None) -> int:
     r = verbs.add_parser("run", help="one size's unfinished rows on this machine's GPUs")
     r.add_argument("--model", required=True,
                    help=f"one of {', '.join(SIZES)}, or several, comma-separated, run in turn")
-    r.add_argument("--seeds", default="0", help='"0": every row of the size; "1": SparseLoCo, the tuned AdamW, DiLoCo')
+    r.add_argument("--seeds", default="0", help='"0": every row of the size and the next lr of each open bracket; '
+                   '"1": SparseLoCo and AdamW at their tuned lrs, DiLoCo')
     r.add_argument("--rows", default="", help="comma-separated rows instead of the size's own")
     r.add_argument("--data", default="runs/size_sweep_corpus_seq256.pt")
     r.add_argument("--tokenizer", default=".benchdata/tokenizer")

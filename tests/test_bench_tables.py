@@ -15,6 +15,26 @@ def bench_module(name: str):
     return mod
 
 
+def add_row(folder: Path, like: str, name: str, dloss: float) -> None:
+    """A made-up row `name` in `folder` (a file of its own): the committed row `like` of `folder`
+    renamed, its lr and seed read from the new name, its validation loss `dloss` above the original."""
+    import json
+
+    for f in sorted(folder.glob("paper_tables_*.json")):
+        doc = json.loads(f.read_text())
+        found = [r for r in doc["rows"] if r["variant"]["name"] == like]
+        if found:
+            r = found[0]
+            r["variant"] = dict(r["variant"], name=name, lr=float(name.split("lr=")[1].split("@")[0]),
+                                seed=int(name.split("@seed")[1]))
+            r["val_loss"] += dloss
+            doc["rows"], doc["unfinished"] = [r], []
+            (folder / f"paper_tables_made_{len(list(folder.glob('paper_tables_made_*')))}_g0p0.json").write_text(
+                json.dumps(doc))
+            return
+    raise AssertionError(f"no row {like} under {folder}")
+
+
 def _row(mode: str, lr: float, per_seed: dict[int, float], **extra) -> dict:
     return {"mode": mode, "lr": lr, "compressed_replicas": 0, "sparseloco": {}, "seeds": list(per_seed),
             "val_loss_per_seed": list(per_seed.values()),
@@ -96,7 +116,8 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
     assert len(calls) == 2  # the sizes in the order given, one budget
     for model, argv in zip(("60M", "20M"), calls):
         flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-        assert flag["--model"] == model and flag["--rows"] == ",".join(ss.first_seed_rows(model))
+        # the size's rows, then one more lr of each open bracket: SparseLoCo has run 2e-3 alone
+        assert flag["--model"] == model and flag["--rows"] == ",".join(ss.first_seed_rows(model) + ["sparseloco:lr=0.001"])
         assert flag["--passes"] == "1" and "--tokens-per-param" not in flag and flag["--val-every"] == str(ss.VAL_EVERY)
         assert flag["--out"] == str(tmp_path / "o" / "one_pass" / model)
         assert flag["--state-dir"] == f"runs/size_sweep_state_one_pass/{model}"
@@ -106,13 +127,19 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
     done.mkdir(parents=True)
     for f in (Path(ss.RESULTS) / "20M").glob("paper_tables_*.json"):
         shutil.copy(f, done)
+    with pytest.raises(SystemExit, match=r"20M's lr bracket of sparseloco \(best so far lr=0.002, next lr=0.001\) "
+                                         "is not complete"):
+        ss.second_seed_rows("20M", str(tmp_path / "o" / "one_pass"))
+    for lr in ("0.001", "0.004"):  # worse on either side: 2e-3 bracketed
+        add_row(done, "sparseloco:lr=0.002@seed0", f"sparseloco:lr={lr}@seed0", +0.01)
     calls.clear()
     assert ss.main(["run", "--model", "20M", "--one-pass", "--seeds", "1", "--data", str(data),
                     "--out", str(tmp_path / "p"), "--results", str(tmp_path / "o" / "one_pass")]) == 0
     flag = {calls[0][i]: calls[0][i + 1] for i in range(len(calls[0]) - 1) if calls[0][i].startswith("--")}
     assert flag["--skip-done"] == str(done) and flag["--seeds"] == "1"
-    assert flag["--rows"] == ",".join(ss.second_seed_rows("20M", ss.RESULTS))
-    with pytest.raises(SystemExit, match="no seed-0 row for every lr"):  # the one-pass folder has none yet
+    assert flag["--rows"] == ",".join(["sparseloco:lr=0.002", "adamw:lr=0.002", f"{ss.DILOCO}:lr=0.002"])
+    with pytest.raises(SystemExit, match=r"60M's lr bracket of sparseloco \(best so far none\); adamw \(best so far "
+                                         r"none\) is not complete"):  # the one-pass folder has none yet
         ss.main(["run", "--model", "60M", "--one-pass", "--seeds", "1", "--data", str(data),
                  "--out", str(tmp_path / "p"), "--results", str(tmp_path / "o" / "one_pass")])
 
@@ -230,16 +257,33 @@ def test_size_sweep_plan_prices_rows_at_the_long_rows_pace(capsys):
         for f in (Path(ss.RESULTS) / model).glob("paper_tables_*.json"):
             doc = json.loads(f.read_text())
             paces += [r["seconds"] * doc.get("gpus_per_row", 1) / r["steps"] for r in doc["rows"]]
+        seed0 = {"sparseloco": {}, "adamw": {}}  # mode -> {lr: validation loss of seed 0}
         for f in (Path(ss.ONE_PASS) / model).glob("paper_tables_*.json"):
-            done |= {r["variant"]["name"] for r in json.loads(f.read_text())["rows"]}
+            for r in json.loads(f.read_text())["rows"]:
+                done.add(r["variant"]["name"])
+                name, seed = r["variant"]["name"].split("@seed")
+                mode, *flags = name.split(":")
+                if seed == "0" and mode in seed0 and len(flags) == 1:
+                    seed0[mode][float(flags[0][len("lr="):])] = r["val_loss"]
         pace = sorted(paces)[len(paces) // 2]
-        wanted = {f"{r}@seed0" for r in ss.first_seed_rows(model)}
-        left = len(wanted - done) + sum(not any(d.startswith(t) and d.endswith("@seed1") for d in done)
-                                        for t in ("sparseloco", "adamw", "diloco"))
-        line = next(line for line in out.splitlines() if line.startswith(f"{model}:"))
-        got = re.search(r"([0-9.]+) s a step .*: ([0-9.]+) GPU-minutes a row; (\d+) row-seeds left", line)
-        assert abs(float(got[1]) - pace) < 5e-4, line
-        assert abs(float(got[2]) - (pace * 950 + ss.ROW_OVERHEAD_S) / 60) < 0.05 and int(got[3]) == left, line
+        # seed 0: the size's rows and one more lr of each bracket whose best sits at an edge (the
+        # bracket's own lrs all run); seed 1: SparseLoCo and AdamW at their best so far, DiLoCo
+        wanted = [f"{r}@seed0" for r in ss.first_seed_rows(model) if f"{r}@seed0" not in done]
+        best = {}
+        for mode, tried in seed0.items():
+            best[mode] = min(tried, key=tried.get)
+            if set(ss.LR_BRACKETS[mode]) <= set(tried) and best[mode] in (min(tried), max(tried)):
+                wanted.append(f"{mode}:lr={best[mode] / 2 if best[mode] == min(tried) else best[mode] * 2:g}@seed0")
+        wanted += [r for r in (f"sparseloco:lr={best['sparseloco']:g}@seed1", f"adamw:lr={best['adamw']:g}@seed1",
+                               f"{ss.DILOCO}:lr=0.002@seed1") if r not in done]
+        lines = out.splitlines()
+        i = next(i for i, line in enumerate(lines) if line.startswith(f"{model}:"))
+        got = re.search(r"([0-9.]+) s a step .*: ([0-9.]+) GPU-minutes a row; (\d+) row-seeds left", lines[i])
+        assert abs(float(got[1]) - pace) < 5e-4, lines[i]
+        assert abs(float(got[2]) - (pace * 950 + ss.ROW_OVERHEAD_S) / 60) < 0.05 and int(got[3]) == len(wanted), lines[i]
+        assert lines[i + 1] == "  left: " + ", ".join(wanted)
+    # 105M's AdamW did best at the bracket's low edge (1e-3): the plan widens it to 5e-4
+    assert "adamw:lr=0.0005@seed0" in out
 
 
 def test_size_sweep_reads_each_rows_loss_after_one_epoch_and_its_train_validation_gap(tmp_path):
@@ -349,7 +393,10 @@ def test_size_sweep_names_the_card_of_every_seed_where_a_sizes_seeds_ran_on_diff
     assert doc["settings"]["60M"]["cards"] == sorted(set(card_of.values())) == doc["cards"]
 
 
-def test_size_sweep_second_seed_waits_for_the_whole_adamw_bracket(tmp_path):
+def test_size_sweep_second_seed_waits_for_every_lr_bracket(tmp_path):
+    """Seed 1 runs SparseLoCo and AdamW at their tuned lrs: refused, naming the bracket and its next
+    lr, while SparseLoCo has run only 2e-3 (committed 20M rows), then while AdamW's bracket lacks
+    1e-3; with both complete, the best of each on seed 0."""
     import json
     import shutil
 
@@ -357,13 +404,17 @@ def test_size_sweep_second_seed_waits_for_the_whole_adamw_bracket(tmp_path):
 
     ss = bench_module("size_sweep")
     shutil.copytree(Path(ss.RESULTS) / "20M", tmp_path / "20M")
+    with pytest.raises(SystemExit, match=r"sparseloco \(best so far lr=0.002, next lr=0.001\) is not complete"):
+        ss.second_seed_rows("20M", str(tmp_path))
+    add_row(tmp_path / "20M", "sparseloco:lr=0.002@seed0", "sparseloco:lr=0.001@seed0", +0.01)
+    add_row(tmp_path / "20M", "sparseloco:lr=0.002@seed0", "sparseloco:lr=0.004@seed0", +0.02)
     rows = ss.second_seed_rows("20M", str(tmp_path))
-    assert rows[1] == "adamw:lr=0.002" and rows[0].startswith("sparseloco") and rows[2].startswith("diloco")
+    assert rows == ["sparseloco:lr=0.002", "adamw:lr=0.002", f"{ss.DILOCO}:lr=0.002"]
     for f in (tmp_path / "20M").glob("paper_tables_*.json"):  # drop AdamW at 1e-3: the bracket is open
         doc = json.loads(f.read_text())
         doc["rows"] = [r for r in doc["rows"] if not r["variant"]["name"].startswith("adamw:lr=0.001@")]
         f.write_text(json.dumps(doc))
-    with pytest.raises(SystemExit, match="no seed-0 row for every lr"):
+    with pytest.raises(SystemExit, match=r"lr bracket of adamw \(best so far lr=0.002\) is not complete"):
         ss.second_seed_rows("20M", str(tmp_path))
 
 
@@ -481,3 +532,81 @@ def test_size_sweep_smaller_micro_batch_syncs_more_often_on_the_same_tokens_and_
         assert doc["eval_batches"] * doc["micro_batch"] == ss.EVAL_SEQS == 512, f
         seen.add(doc["micro_batch"])
     assert seen == {8, 32}
+
+
+def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, monkeypatch):
+    """lr_bracket: a mode's best lr on seed 0 is tuned once a worse lr was run on either side of it;
+    at an edge the next lr is half (low edge, or the only lr run) or twice (high edge) the best; no
+    widening before the bracket's own lrs have all run. On the committed one-pass micro-batch-8 rows
+    105M's AdamW did best at 1e-3 and SparseLoCo ran 2e-3 alone, so `run` adds both widening rows;
+    on a copy of 60M's rows given made-up rows, the gap follows each mode's best lr and is marked
+    provisional until both brackets close. Recomputed by hand."""
+    import json
+    import shutil
+    import sys
+
+    ss = bench_module("size_sweep")
+
+    def rows(mode, by_lr):
+        return [{"table_row": mode, "sparseloco": {}, "lr": lr, "seeds": [0], "val_loss_per_seed": [x]}
+                for lr, x in by_lr.items()]
+
+    adamw = {1e-3: 1.5, 2e-3: 1.6, 4e-3: 1.8}
+    assert ss.lr_bracket(rows("adamw", adamw), "adamw") == {"best": 1e-3, "complete": False, "next": 5e-4}
+    assert ss.lr_bracket(rows("adamw", adamw | {5e-4: 1.55}), "adamw") == {"best": 1e-3, "complete": True, "next": None}
+    assert ss.lr_bracket(rows("adamw", adamw | {5e-4: 1.45}), "adamw")["next"] == 2.5e-4
+    assert ss.lr_bracket(rows("adamw", {1e-3: 1.8, 2e-3: 1.6, 4e-3: 1.5}), "adamw")["next"] == 8e-3
+    assert ss.lr_bracket(rows("adamw", {1e-3: 1.0, 2e-3: 1.6}), "adamw") == {"best": 1e-3, "complete": False, "next": None}
+    assert ss.lr_bracket(rows("sparseloco", {2e-3: 1.0}), "sparseloco")["next"] == 1e-3
+    assert ss.lr_bracket(rows("sparseloco", {2e-3: 1.0, 1e-3: 1.1}), "sparseloco")["next"] == 4e-3
+    # a SparseLoCo variant (its own sparseloco settings) is no candidate, however low its loss
+    variant = rows("sparseloco", {5e-4: 0.1})[0] | {"sparseloco": {"aggregation": "mean"}}
+    assert ss.lr_bracket(rows("sparseloco", {2e-3: 1.0, 1e-3: 1.1, 4e-3: 1.2}) + [variant], "sparseloco") == \
+        {"best": 2e-3, "complete": True, "next": None}
+
+    micro8 = Path(ss.ONE_PASS) / "micro8"
+    seed0 = {}
+    for f in (micro8 / "105M").glob("paper_tables_*.json"):
+        for r in json.loads(f.read_text())["rows"]:
+            if r["variant"]["name"].startswith("adamw:") and r["variant"]["seed"] == 0:
+                seed0[r["variant"]["lr"]] = r["val_loss"]
+    assert min(seed0, key=seed0.get) == min(seed0) == 1e-3
+    assert ss.bracket_rows("105M", str(micro8)) == ["sparseloco:lr=0.001", "adamw:lr=0.0005"]
+    calls = []
+    monkeypatch.setitem(sys.modules, "paper_tables", type(sys)("paper_tables"))
+    sys.modules["paper_tables"].main = lambda argv: calls.append(argv) or 0
+    data = tmp_path / "c.pt"
+    data.write_bytes(b"")
+    assert ss.main(["run", "--model", "105M", "--one-pass", "--micro", "8", "--data", str(data), "--out", str(tmp_path)]) == 0
+    assert calls[0][calls[0].index("--rows") + 1].split(",") == ss.first_seed_rows("105M") + \
+        ["sparseloco:lr=0.001", "adamw:lr=0.0005"]
+
+    folder = tmp_path / "r" / "60M"
+    shutil.copytree(micro8 / "60M", folder)
+    add_row(folder, "sparseloco:lr=0.002@seed0", "sparseloco:lr=0.001@seed0", -0.05)  # better: 1e-3 at the low edge
+    add_row(folder, "adamw:lr=0.001@seed0", "adamw:lr=0.0005@seed0", +0.02)  # worse: AdamW's 1e-3 bracketed
+    loss = {}
+    for f in folder.glob("paper_tables_*.json"):
+        for r in json.loads(f.read_text())["rows"]:
+            loss[r["variant"]["name"]] = r["val_loss"]
+
+    def summary():
+        assert ss.main(["summarize", "--results", str(tmp_path / "r")]) == 0
+        return json.loads((tmp_path / "r" / "summary.json").read_text())
+
+    doc = summary()
+    g = next(g for g in doc["gaps"] if g["mode"] == "sparseloco")
+    a = loss["adamw:lr=0.001@seed0"]
+    assert (g["lr"], g["adamw_lr"], g["adamw_bracket_complete"], g["sparseloco_bracket_complete"]) == \
+        (0.001, 0.001, True, False)
+    assert abs(g["gap_pct"] - 100 * (loss["sparseloco:lr=0.001@seed0"] - a) / a) < 1e-9
+    assert [(r["mode"], r["lr"]) for r in doc["rows"] if r["tuned"] and r["mode"] in ("sparseloco", "adamw")] == \
+        [("adamw", 0.001)]
+    assert next(g for g in doc["gaps"] if g["mode"] == "diloco")["sparseloco_bracket_complete"] is None
+    add_row(folder, "sparseloco:lr=0.002@seed0", "sparseloco:lr=0.0005@seed0", +0.01)  # worse: 1e-3 bracketed
+    doc = summary()
+    g = next(g for g in doc["gaps"] if g["mode"] == "sparseloco")
+    assert g["adamw_bracket_complete"] and g["sparseloco_bracket_complete"] and g["lr"] == 0.001
+    assert sorted((r["mode"], r["lr"]) for r in doc["rows"] if r["tuned"] and r["mode"] in ("sparseloco", "adamw")) == \
+        [("adamw", 0.001), ("sparseloco", 0.001)]
+    assert ss.bracket_rows("60M", str(tmp_path / "r")) == []
