@@ -271,20 +271,18 @@ def plan(args) -> int:
         done = {(r["row"], s) for r in summary for s in r["seeds"]}
         # seed 0: every row of the size, and the next lr of each open bracket (at least one more row
         # each); seed 1: SparseLoCo and AdamW at the best lr of seed 0 so far, DiLoCo
-        left_rows = [r for r in first_seed_rows(model) if (r, 0) not in done] + bracket_rows(model, results)
+        left_rows = [(r, 0) for r in first_seed_rows(model) + bracket_rows(model, results) if (r, 0) not in done]
         best = {mode: lr_bracket(summary, mode)["best"] for mode in LR_BRACKETS}
-        seed1 = [r for r in (f"sparseloco:{lr_flag(best['sparseloco'] or SPARSELOCO_LR)}",
-                             f"adamw:{lr_flag(best['adamw'] or ADAMW_LRS[0])}", f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}")
-                 if (r, 1) not in done]
-        left_rows += seed1
+        left_rows += [(r, 1) for r in (f"sparseloco:{lr_flag(best['sparseloco'] or SPARSELOCO_LR)}",
+                                       f"adamw:{lr_flag(best['adamw'] or ADAMW_LRS[0])}",
+                                       f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}") if (r, 1) not in done]
         minutes = (pace * steps + ROW_OVERHEAD_S) / 60
         left = minutes * len(left_rows)
         total += left
         print(f"{model}: {n / 1e6:.1f}M parameters, {steps} steps ({steps // H} outer), {pace:.4f} s a step ({how}): "
               f"{minutes:.1f} GPU-minutes a row; {len(left_rows)} row-seeds left, {left:.0f} GPU-minutes")
         if left_rows:
-            print("  left: " + ", ".join(f"{r}@seed{int(i >= len(left_rows) - len(seed1))}"
-                                         for i, r in enumerate(left_rows)))
+            print("  left: " + ", ".join(f"{r}@seed{seed}" for r, seed in left_rows))
     print(f"all sizes: about {total / 60:.1f} GPU-hours left")
     return 0
 
