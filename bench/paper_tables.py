@@ -21,10 +21,11 @@ G processes on G GPUs that run each row together, each holding M/G of its replic
 the same losses as one process up to the kernels' summation order): a row too long for one GPU's
 session then fits. Its rank 0 takes, records and writes rows as a lone worker does.
 
-Budget: a worker starts no row it cannot finish before `--budget-s` (judged by `--s-per-step` or
-its previous row's pace), and a running row stops at its last outer-step boundary before the
-deadline: abandoned, or with `--state-dir` saved there and resumed by the next run on the same
-machine, so rows longer than one run's time limit still finish.
+Budget: a running row stops at its last outer-step boundary before the `--budget-s` deadline:
+with `--state-dir` saved there and resumed by the next run on the same machine, so rows longer
+than one run's time limit still finish (every row is then started while time is left); without
+it abandoned, and a worker starts no row it cannot finish in time (judged by `--s-per-step` or its
+previous row's pace).
 
     python bench/paper_tables.py --data .benchdata/code_bpe8192_seq256.pt --lr-sweep 3e-4,1e-3,2e-3 \\
         --steps 1000 --tag sweep --out $OUT                                  # short lr sweep, seed 0
@@ -564,6 +565,9 @@ def main(argv=None) -> int:
     if args.estimate:
         return estimate(args)
     gpus = gpu_ids(args.device)
+    if not gpus:
+        raise SystemExit(f"paper_tables: --device {args.device}: no CUDA device visible (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); --device cpu runs on this CPU")
     check_gpus_per_row(args, gpus)
     if args.calibrate:
         return calibrate(args, gpus)

@@ -22,7 +22,9 @@ BPE-8192 from `.benchdata/tokenizer`, which the call carries), then runs the siz
 (`--model 20M,60M`: each size's in turn, within one budget)
 through paper_tables.py, spread over the GPUs, rows already committed under
 bench/results/size_sweep/<model>/ skipped and rows stopped by the budget saved in
-runs/size_sweep_state/<model>/ (resumed by the next call on the same warm machine). Its JSONs go
+runs/size_sweep_state/<model>/ (resumed by the next call on the same warm machine; `--whole-rows`
+starts only rows that finish within the budget and saves none, for a call the machine may not
+outlive: it then ends when its last row does). Its JSONs go
 to $OUT/<model>/, to be committed beside the others. `--gpus-per-row G` runs each row on G GPUs
 together, each holding M/G of its replicas (paper_tables.py --gpus-per-row): a 105M row, 46 minutes
 alone on an H200, then fits one session's 30 device-minutes on 2 GPUs; its saved state resumes only
@@ -111,8 +113,10 @@ def lr_flag(lr: float) -> str:
     return f"lr={lr:g}"
 
 
-def first_seed_rows(model: str) -> list[str]:
-    rows = [f"sparseloco:{lr_flag(SPARSELOCO_LR)}", *(f"adamw:{lr_flag(lr)}" for lr in ADAMW_LRS),
+def first_seed_rows(model: str, widen: list[str] | tuple = ()) -> list[str]:
+    """Seed 0's rows of `model` in the order they start: SparseLoCo and AdamW, the rows that widen
+    their open lr brackets (`bracket_rows`: the gap waits on them), DiLoCo, the compressed rows."""
+    rows = [f"sparseloco:{lr_flag(SPARSELOCO_LR)}", *(f"adamw:{lr_flag(lr)}" for lr in ADAMW_LRS), *widen,
             f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
     if model == SIZES[-1]:
         rows += [f"{c}:{lr_flag(SPARSELOCO_LR)}" for c in COMPRESSED]
@@ -271,7 +275,7 @@ def plan(args) -> int:
         done = {(r["row"], s) for r in summary for s in r["seeds"]}
         # seed 0: every row of the size, and the next lr of each open bracket (at least one more row
         # each); seed 1: SparseLoCo and AdamW at the best lr of seed 0 so far, DiLoCo
-        left_rows = [(r, 0) for r in first_seed_rows(model) + bracket_rows(model, results) if (r, 0) not in done]
+        left_rows = [(r, 0) for r in first_seed_rows(model, bracket_rows(model, results)) if (r, 0) not in done]
         best = {mode: lr_bracket(summary, mode)["best"] for mode in LR_BRACKETS}
         left_rows += [(r, 1) for r in (f"sparseloco:{lr_flag(best['sparseloco'] or SPARSELOCO_LR)}",
                                        f"adamw:{lr_flag(best['adamw'] or ADAMW_LRS[0])}",
@@ -299,7 +303,7 @@ def run(args) -> int:
         raise SystemExit(f"size_sweep: --model {args.model}: {', '.join(bad) or 'none'} not among {', '.join(SIZES)}")
     results = results_of(args)
     rows = {m: second_seed_rows(m, results) if args.seeds == "1" and not args.rows else
-            (args.rows.split(",") if args.rows else first_seed_rows(m) + bracket_rows(m, results))
+            (args.rows.split(",") if args.rows else first_seed_rows(m, bracket_rows(m, results)))
             for m in models}  # refused before the corpus
     if not os.path.isfile(args.data):
         # Its own process, with the Rust tokenizer's threads on: gpu.sh turns them off for the
@@ -320,9 +324,15 @@ def run(args) -> int:
         argv = ["--data", args.data, "--model", model, *length,
                 "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(args.micro),
                 "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows[model]), "--seeds", args.seeds,
-                "--compile", "--budget-s", str(left), "--state-dir", os.path.join(state_dir, model),
+                "--compile", "--budget-s", str(left),
                 "--val-every", str(VAL_EVERY), "--eval-batches", str(EVAL_SEQS // args.micro), "--tag", args.tag,
                 "--out", os.path.normpath(os.path.join(args.out, sub, model))]
+        if not args.whole_rows:
+            argv += ["--state-dir", os.path.join(state_dir, model)]
+        elif (pace := measured_pace(load_size(model, results))) is not None:
+            # paper_tables then starts no row it cannot finish by the budget (a row on G GPUs takes
+            # 1/G of the GPU-seconds a step), and the call ends when the last one does
+            argv += ["--s-per-step", f"{pace / args.gpus_per_row:.4f}"]
         if args.gpus_per_row > 1:
             argv += ["--gpus-per-row", str(args.gpus_per_row)]
         if os.path.isdir(done):
@@ -621,6 +631,9 @@ def main(argv=None) -> int:
     r.add_argument("--budget-s", type=float, default=500, help="seconds from start (the corpus build included) "
                    "after which no row starts or continues")
     r.add_argument("--state-dir", default="runs/size_sweep_state")
+    r.add_argument("--whole-rows", action="store_true",
+                   help="start only rows that finish within the budget (at the regime's measured pace) and save "
+                        "none: for a call after which the machine may go back, taking any saved state with it")
     r.add_argument("--gpus-per-row", type=int, default=1,
                    help="GPUs that run one row together (paper_tables.py --gpus-per-row): 2 puts a 105M row in "
                         "one session; a saved row resumes only with the same value")

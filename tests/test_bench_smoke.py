@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -153,6 +154,17 @@ def test_corpus_then_paper_tables_then_summary(tmp_path):
     assert bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--val-every", "1",
                                               "--passes", repr(passes), "--out", str(out)]) == 0
     run = json.loads((out / "paper_tables_smoke_g0p0.json").read_text())
+    # a row judged (--s-per-step) not to finish within the budget is not started; with no --state-dir
+    # nothing is saved either, and the call ends at once (size_sweep.py run --whole-rows)
+    late = tmp_path / "late"
+    t0 = time.time()
+    assert bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--s-per-step", "100",
+                                              "--budget-s", "200", "--out", str(late)]) == 0
+    assert time.time() - t0 < 60 and not list(late.glob("*.json"))
+    if not torch.cuda.is_available():  # a GPU run on a machine without one: refused, naming the device
+        with pytest.raises(SystemExit, match="--device cuda: no CUDA device visible"):
+            bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--device", "cuda",
+                                               "--out", str(late)])
     assert run["val_every"] == 1 and run["steps"] == 3 and run["tokens_per_row"] <= passes * blob["train"].numel()
     for r in run["rows"]:  # the worker process got --val-every: a point a step, the last the final one
         assert r["train_losses_every"] == 10 and len(r["train_losses"]) == 1  # step 1 of 3

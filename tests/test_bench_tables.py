@@ -116,8 +116,10 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
     assert len(calls) == 2  # the sizes in the order given, one budget
     for model, argv in zip(("60M", "20M"), calls):
         flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-        # the size's rows, then one more lr of each open bracket: SparseLoCo has run 2e-3 alone
-        assert flag["--model"] == model and flag["--rows"] == ",".join(ss.first_seed_rows(model) + ["sparseloco:lr=0.001"])
+        # one more lr of each open bracket (SparseLoCo has run 2e-3 alone) after the bracketed rows, before DiLoCo
+        rows = ["sparseloco:lr=0.002", "adamw:lr=0.002", "adamw:lr=0.004", "adamw:lr=0.001", "sparseloco:lr=0.001",
+                f"{ss.DILOCO}:lr=0.002"]
+        assert flag["--model"] == model and flag["--rows"] == ",".join(rows)
         assert flag["--passes"] == "1" and "--tokens-per-param" not in flag and flag["--val-every"] == str(ss.VAL_EVERY)
         assert flag["--out"] == str(tmp_path / "o" / "one_pass" / model)
         assert flag["--state-dir"] == f"runs/size_sweep_state_one_pass/{model}"
@@ -578,8 +580,18 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     data = tmp_path / "c.pt"
     data.write_bytes(b"")
     assert ss.main(["run", "--model", "105M", "--one-pass", "--micro", "8", "--data", str(data), "--out", str(tmp_path)]) == 0
-    assert calls[0][calls[0].index("--rows") + 1].split(",") == ss.first_seed_rows("105M") + \
-        ["sparseloco:lr=0.001", "adamw:lr=0.0005"]
+    base = ss.first_seed_rows("105M")  # the widening rows start before DiLoCo and the compressed rows
+    assert calls[0][calls[0].index("--rows") + 1].split(",") == base[:4] + ["sparseloco:lr=0.001", "adamw:lr=0.0005"] + \
+        base[4:]
+    assert "--s-per-step" not in calls[0] and calls[0][calls[0].index("--state-dir") + 1].endswith("micro8/105M")
+    # --whole-rows: no saved state; paper_tables judges each start by the regime's median pace (2 GPUs a row: half)
+    paces = sorted(r["seconds"] / r["steps"] for f in (micro8 / "105M").glob("paper_tables_*.json")
+                   for r in json.loads(f.read_text())["rows"])
+    calls.clear()
+    assert ss.main(["run", "--model", "105M", "--one-pass", "--micro", "8", "--data", str(data), "--out", str(tmp_path),
+                    "--whole-rows", "--gpus-per-row", "2"]) == 0
+    assert "--state-dir" not in calls[0]
+    assert abs(float(calls[0][calls[0].index("--s-per-step") + 1]) - paces[len(paces) // 2] / 2) < 1e-4
 
     folder = tmp_path / "r" / "60M"
     shutil.copytree(micro8 / "60M", folder)
