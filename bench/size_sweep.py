@@ -153,14 +153,11 @@ def lr_bracket(summary: list[dict], mode: str) -> dict:
     return {"best": best, "complete": nxt is None, "next": nxt}
 
 
-def bracket_rows(model: str, results: str) -> list[str]:
-    """The rows that widen `model`'s open lr brackets by one lr each (seed 0), from the rows under
-    `results`."""
-    loaded = load_size(model, results)
-    if not loaded:
-        return []
+def bracket_rows(summary: list[dict]) -> list[str]:
+    """The rows (seed 0) that widen the open lr brackets of a size's rows (`load_size`'s summary) by
+    one lr each."""
     return [f"{mode}:{lr_flag(b['next'])}" for mode in LR_BRACKETS
-            if (b := lr_bracket(loaded[0], mode))["next"] is not None]
+            if (b := lr_bracket(summary, mode))["next"] is not None]
 
 
 def second_seed_rows(model: str, results: str = RESULTS) -> list[str]:
@@ -275,7 +272,7 @@ def plan(args) -> int:
         done = {(r["row"], s) for r in summary for s in r["seeds"]}
         # seed 0: every row of the size, and the next lr of each open bracket (at least one more row
         # each); seed 1: SparseLoCo and AdamW at the best lr of seed 0 so far, DiLoCo
-        left_rows = [(r, 0) for r in first_seed_rows(model, bracket_rows(model, results)) if (r, 0) not in done]
+        left_rows = [(r, 0) for r in first_seed_rows(model, bracket_rows(summary)) if (r, 0) not in done]
         best = {mode: lr_bracket(summary, mode)["best"] for mode in LR_BRACKETS}
         left_rows += [(r, 1) for r in (f"sparseloco:{lr_flag(best['sparseloco'] or SPARSELOCO_LR)}",
                                        f"adamw:{lr_flag(best['adamw'] or ADAMW_LRS[0])}",
@@ -302,8 +299,9 @@ def run(args) -> int:
     if bad or not models:
         raise SystemExit(f"size_sweep: --model {args.model}: {', '.join(bad) or 'none'} not among {', '.join(SIZES)}")
     results = results_of(args)
+    load = functools.lru_cache(maxsize=None)(load_size)  # a size's folder read once: its rows, then its pace
     rows = {m: second_seed_rows(m, results) if args.seeds == "1" and not args.rows else
-            (args.rows.split(",") if args.rows else first_seed_rows(m, bracket_rows(m, results)))
+            (args.rows.split(",") if args.rows else first_seed_rows(m, bracket_rows(load(m, results)[0] if load(m, results) else [])))
             for m in models}  # refused before the corpus
     if not os.path.isfile(args.data):
         # Its own process, with the Rust tokenizer's threads on: gpu.sh turns them off for the
@@ -329,7 +327,7 @@ def run(args) -> int:
                 "--out", os.path.normpath(os.path.join(args.out, sub, model))]
         if not args.whole_rows:
             argv += ["--state-dir", os.path.join(state_dir, model)]
-        elif (pace := measured_pace(load_size(model, results))) is not None:
+        elif (pace := measured_pace(load(model, results))) is not None:
             # paper_tables then starts no row it cannot finish by the budget (a row on G GPUs takes
             # 1/G of the GPU-seconds a step), and the call ends when the last one does
             argv += ["--s-per-step", f"{pace / args.gpus_per_row:.4f}"]
@@ -352,6 +350,10 @@ def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | 
 
 def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
     brackets = {mode: lr_bracket(summary, mode) for mode in LR_BRACKETS}
+
+    def best_so_far(r: dict) -> bool:
+        return r["table_row"] in brackets and not r["sparseloco"] and r["lr"] == brackets[r["table_row"]]["best"]
+
     steps_per_epoch = summarize_tables.steps_per_pass(meta, meta)
     out = []
     for r in summary:
@@ -359,9 +361,10 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
         cards = [c or meta["card"] for c in r["card_per_seed"]]
         out.append({
             "mode": mode, "model": model, "n_params": meta["n_params"], "lr": r["lr"],
-            # a mode with an lr bracket: its best lr once the bracket is complete; DiLoCo runs at one lr
-            "tuned": mode not in brackets or (brackets[mode]["complete"] and r["lr"] == brackets[mode]["best"]
-                                               and not r["sparseloco"]),
+            # a mode with an lr bracket: its best lr on seed 0 so far, tuned once the bracket is complete;
+            # DiLoCo runs at one lr
+            "best_lr_so_far": best_so_far(r),
+            "tuned": mode not in brackets or (best_so_far(r) and brackets[mode]["complete"]),
             "val_loss_mean": r["val_loss_mean"], "seeds": r["seeds"], "per_seed": r["val_loss_per_seed"],
             "outer_steps": r["outer_steps"], "tokens_per_param": r["tokens_per_param"],
             "tokens_per_replica_step": r["tokens_per_replica_step"], "epochs": r["epochs"],
@@ -393,12 +396,8 @@ def gaps(rows: list[dict], loss=final_loss) -> list[dict]:
     so (provisional)."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        pick = {r["mode"]: r for r in rows if r["model"] == model and r["tuned"] and r["mode"] in ("sparseloco", "adamw", "diloco")}
-        complete = {mode: mode in pick for mode in LR_BRACKETS}
-        for mode in LR_BRACKETS:
-            tried = [r for r in rows if r["model"] == model and r["mode"] == mode and 0 in r["seeds"]]
-            if mode not in pick and tried:
-                pick[mode] = min(tried, key=lambda r: final_loss(r, 0))
+        pick = {r["mode"]: r for r in rows if r["model"] == model and (r["mode"] == "diloco" or r["best_lr_so_far"])}
+        complete = {mode: mode in pick and pick[mode]["tuned"] for mode in LR_BRACKETS}
         if "adamw" not in pick:
             continue
         a = pick["adamw"]
@@ -472,7 +471,7 @@ def brackets_complete(g: dict) -> bool:
 
 def open_brackets(g: dict) -> str:
     return " and ".join(f"{mode}'s lr bracket is open ({lr_flag(g[key])} is the best so far)" for mode, key, done in
-                        (("SparseLoCo", "lr", g.get("sparseloco_bracket_complete")),
+                        (("SparseLoCo", "lr", g["sparseloco_bracket_complete"]),
                          ("AdamW", "adamw_lr", g["adamw_bracket_complete"])) if done is False)
 
 

@@ -573,7 +573,7 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
             if r["variant"]["name"].startswith("adamw:") and r["variant"]["seed"] == 0:
                 seed0[r["variant"]["lr"]] = r["val_loss"]
     assert min(seed0, key=seed0.get) == min(seed0) == 1e-3
-    assert ss.bracket_rows("105M", str(micro8)) == ["sparseloco:lr=0.001", "adamw:lr=0.0005"]
+    assert ss.bracket_rows(ss.load_size("105M", str(micro8))[0]) == ["sparseloco:lr=0.001", "adamw:lr=0.0005"]
     calls = []
     monkeypatch.setitem(sys.modules, "paper_tables", type(sys)("paper_tables"))
     sys.modules["paper_tables"].main = lambda argv: calls.append(argv) or 0
@@ -621,4 +621,4 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     assert g["adamw_bracket_complete"] and g["sparseloco_bracket_complete"] and g["lr"] == 0.001
     assert sorted((r["mode"], r["lr"]) for r in doc["rows"] if r["tuned"] and r["mode"] in ("sparseloco", "adamw")) == \
         [("adamw", 0.001), ("sparseloco", 0.001)]
-    assert ss.bracket_rows("60M", str(tmp_path / "r")) == []
+    assert ss.bracket_rows(ss.load_size("60M", str(tmp_path / "r"))[0]) == []
