@@ -308,7 +308,12 @@ def worker(args) -> int:
     for v in variants:
         state = states[v.name]
         if pace and not state and time.time() + pace * args.steps + 60 > args.deadline:
-            continue  # would not end in time; another worker or a later run takes it
+            # another worker or a later run takes it; said, since a call that starts nothing is
+            # otherwise silent
+            print(f"[{args.worker}] {v.name:<28} not started: {pace * args.steps + 60:.0f} s at {pace:.3f} s a "
+                  f"step and the last minute's margin, {args.deadline - time.time():.0f} s of the budget left",
+                  flush=True)
+            continue
         if not claim(args.claims, v.name):
             continue
         group.first(v.name)  # the group's other processes start this row

@@ -224,10 +224,15 @@ def results_of(args) -> str:
     return args.results or results_folder(args.one_pass, args.micro)
 
 
-def measured_pace(loaded: tuple[list[dict], dict] | None) -> float | None:
-    """The median GPU-seconds a step of a size's finished rows (`load_size`), None without any."""
-    paces = sorted(s * g / loaded[1]["steps"] for r in (loaded[0] if loaded else [])
-                   for s, g in zip(r["seconds_per_seed"], r["gpus_per_seed"]) if s)
+def measured_pace(loaded: tuple[list[dict], dict] | None, card: str | None = None, gpus: int = 1) -> float | None:
+    """Seconds a step of a row on `gpus` GPUs, from a size's finished rows (`load_size`; None without
+    any): the median of the rows run that way on `card` where there are any (a fresh card alone can
+    be faster than the rows that shared a machine, and a sharded row takes more than 1/G of its
+    GPU-time), else the median GPU-seconds a step over `gpus`."""
+    seeds = [(s / loaded[1]["steps"], g, c or loaded[1]["card"]) for r in (loaded[0] if loaded else [])
+             for s, g, c in zip(r["seconds_per_seed"], r["gpus_per_seed"], r["card_per_seed"]) if s]
+    paces = sorted(p for p, g, c in seeds if card is not None and (c, g) == (card, gpus)) or \
+        sorted(p * g / gpus for p, g, _ in seeds)
     return paces[len(paces) // 2] if paces else None
 
 
@@ -292,8 +297,10 @@ def run(args) -> int:
     """Each size of --model in turn (comma-separated), its rows through paper_tables within what is
     left of the one budget."""
     import paper_tables
+    import torch
 
     t0 = time.time()
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else None  # the rows' pace on it, if measured
     models = args.model.split(",")
     bad = [m for m in models if m not in SIZES]
     if bad or not models:
@@ -327,10 +334,10 @@ def run(args) -> int:
                 "--out", os.path.normpath(os.path.join(args.out, sub, model))]
         if not args.whole_rows:
             argv += ["--state-dir", os.path.join(state_dir, model)]
-        elif (pace := measured_pace(load(model, results))) is not None:
-            # paper_tables then starts no row it cannot finish by the budget (a row on G GPUs takes
-            # 1/G of the GPU-seconds a step), and the call ends when the last one does
-            argv += ["--s-per-step", f"{pace / args.gpus_per_row:.4f}"]
+        elif (pace := measured_pace(load(model, results), card, args.gpus_per_row)) is not None:
+            # paper_tables then starts no row it cannot finish by the budget, and the call ends when
+            # the last one does
+            argv += ["--s-per-step", f"{pace:.4f}"]
         if args.gpus_per_row > 1:
             argv += ["--gpus-per-row", str(args.gpus_per_row)]
         if os.path.isdir(done):
@@ -631,7 +638,8 @@ def main(argv=None) -> int:
                    "after which no row starts or continues")
     r.add_argument("--state-dir", default="runs/size_sweep_state")
     r.add_argument("--whole-rows", action="store_true",
-                   help="start only rows that finish within the budget (at the regime's measured pace) and save "
+                   help="start only rows that finish within the budget (at the regime's measured pace, of rows run on "
+                        "this card and as many GPUs a row where there are any) and save "
                         "none: for a call after which the machine may go back, taking any saved state with it")
     r.add_argument("--gpus-per-row", type=int, default=1,
                    help="GPUs that run one row together (paper_tables.py --gpus-per-row): 2 puts a 105M row in "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -117,7 +118,7 @@ def test_tied_embeddings_rows_start_from_the_same_model_and_part_after_it(tmp_pa
     assert got == pytest.approx(want, abs=1e-3)
 
 
-def test_corpus_then_paper_tables_then_summary(tmp_path):
+def test_corpus_then_paper_tables_then_summary(tmp_path, capfd):
     """make_corpus.py -> paper_tables.py -> summarize_tables.py, as the tables are made. Breaks if the
     corpus stops decoding to its source text, a table row stops training on it, the FLOP count's
     parameter rule drifts from transformers', or the summary loses a row."""
@@ -161,6 +162,7 @@ def test_corpus_then_paper_tables_then_summary(tmp_path):
     assert bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--s-per-step", "100",
                                               "--budget-s", "200", "--out", str(late)]) == 0
     assert time.time() - t0 < 60 and not list(late.glob("*.json"))
+    assert re.search(r"sparseloco@seed0 +not started: \d+ s at 100\.000 s a step", capfd.readouterr().out)
     if not torch.cuda.is_available():  # a GPU run on a machine without one: refused, naming the device
         with pytest.raises(SystemExit, match="--device cuda: no CUDA device visible"):
             bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--device", "cuda",

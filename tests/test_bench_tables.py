@@ -549,10 +549,13 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     widening before the bracket's own lrs have all run. On the committed one-pass micro-batch-8 rows
     105M's AdamW did best at 1e-3 and SparseLoCo ran 2e-3 alone, so `run` adds both widening rows;
     on a copy of 60M's rows given made-up rows, the gap follows each mode's best lr and is marked
-    provisional until both brackets close. Recomputed by hand."""
+    provisional until both brackets close; `--whole-rows` judges a row by the pace of rows run on
+    the same card and GPUs a row where there are any. Recomputed by hand."""
     import json
     import shutil
     import sys
+
+    import pytest
 
     ss = bench_module("size_sweep")
 
@@ -599,6 +602,18 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
                     "--whole-rows", "--gpus-per-row", "2"]) == 0
     assert "--state-dir" not in calls[0]
     assert abs(float(calls[0][calls[0].index("--s-per-step") + 1]) - paces[len(paces) // 2] / 2) < 1e-4
+    # on a card that has run rows of the size on as many GPUs a row: those rows' own median seconds a
+    # step (105M one pass: 1 GPU a row on an H200 beside 2 GPUs a row on H100s); else GPU-seconds / G
+    timed = [(doc["card"], doc.get("gpus_per_row", 1), r["seconds"] / r["steps"])
+             for f in (Path(ss.ONE_PASS) / "105M").glob("paper_tables_*.json")
+             for doc in [json.loads(f.read_text())] for r in doc["rows"]]
+    loaded = ss.load_size("105M", ss.ONE_PASS)
+    for card, gpus in (("NVIDIA H200", 1), ("NVIDIA H100 80GB HBM3", 2)):
+        own = sorted(p for c, g, p in timed if (c, g) == (card, gpus))
+        assert len(own) >= 3 and ss.measured_pace(loaded, card, gpus) == own[len(own) // 2]
+    gpu_s = sorted(p * g for _, g, p in timed)
+    for card, gpus in (("NVIDIA H200", 2), ("NVIDIA B200", 1), (None, 1)):
+        assert ss.measured_pace(loaded, card, gpus) == pytest.approx(gpu_s[len(gpu_s) // 2] / gpus)
 
     folder = tmp_path / "r" / "60M"
     shutil.copytree(micro8 / "60M", folder)
