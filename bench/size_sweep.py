@@ -19,7 +19,8 @@ Three verbs, each a step of spending device time in pieces:
 
 `run` builds the corpus on the GPU machine once (bench/make_corpus.py: its Python and CUDA sources,
 BPE-8192 from `.benchdata/tokenizer`, which the call carries), then runs the size's unfinished rows
-(`--model 20M,60M`: each size's in turn, within one budget)
+(`--model 20M,60M`: each size's in turn, within one budget; with `--side-by-side` at once, each on
+its share of the GPUs, so that a size's last row does not leave the other GPUs idle)
 through paper_tables.py, spread over the GPUs, rows already committed under
 bench/results/size_sweep/<model>/ skipped and rows stopped by the budget saved in
 runs/size_sweep_state/<model>/ (resumed by the next call on the same warm machine; `--whole-rows`
@@ -42,6 +43,7 @@ sets it beside the committed run (`same_seed_repeats`) and leaves it out of ever
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import glob
 import json
@@ -293,9 +295,37 @@ def plan(args) -> int:
     return 0
 
 
+def side_by_side(work: dict[str, tuple[int, float]], blocks: list[list[str]]) -> list[tuple[list[str], list[str]]]:
+    """Sizes run side by side on one machine: lanes of (GPU ids, the sizes they run in turn), from
+    each size's (rows left, seconds a row) and the machine's GPU blocks (one block runs one row).
+    With a block for every size or more: a lane a size, each further block to the size whose rows
+    would end last, never more blocks than rows. With fewer: a lane a block, the longest size first
+    to the lane that ends first. Sizes with no row left get none."""
+    todo = {m: w for m, w in work.items() if w[0]}
+    if len(blocks) >= len(todo):
+        share = dict.fromkeys(todo, 1)
+        for _ in range(len(blocks) - len(todo)):
+            wider = [m for m in todo if share[m] < todo[m][0]]
+            if not wider:
+                break
+            share[max(wider, key=lambda m: math.ceil(todo[m][0] / share[m]) * todo[m][1])] += 1
+        out, i = [], 0
+        for m in todo:
+            out.append(([g for b in blocks[i:i + share[m]] for g in b], [m]))
+            i += share[m]
+        return out
+    ends, lanes = [0.0] * len(blocks), [[] for _ in blocks]
+    for m in sorted(todo, key=lambda m: -todo[m][0] * todo[m][1]):
+        j = min(range(len(blocks)), key=ends.__getitem__)
+        lanes[j].append(m)
+        ends[j] += todo[m][0] * todo[m][1]
+    return [(blocks[j], lanes[j]) for j in range(len(blocks)) if lanes[j]]
+
+
 def run(args) -> int:
     """Each size of --model in turn (comma-separated), its rows through paper_tables within what is
-    left of the one budget."""
+    left of the one budget; with --side-by-side the sizes share the machine's GPUs at once
+    (`side_by_side`)."""
     import paper_tables
     import torch
 
@@ -310,6 +340,26 @@ def run(args) -> int:
     rows = {m: second_seed_rows(m, results) if args.seeds == "1" and not args.rows else
             (args.rows.split(",") if args.rows else first_seed_rows(m, bracket_rows(load(m, results)[0] if load(m, results) else [])))
             for m in models}  # refused before the corpus
+    lanes = [(None, models)]
+    if args.side_by_side:
+        gpus = paper_tables.gpu_ids("cuda")
+        blocks = [gpus[i:i + args.gpus_per_row] for i in range(0, len(gpus) - args.gpus_per_row + 1, args.gpus_per_row)]
+        if not blocks:
+            raise SystemExit(f"size_sweep: --side-by-side: {len(gpus)} GPU(s) visible, fewer than --gpus-per-row "
+                             f"{args.gpus_per_row} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        paces = {m: measured_pace(load(m, results), card, args.gpus_per_row) for m in models}
+        work = {}
+        for m in models:
+            steps, n = steps_for(m, args.one_pass, args.micro)
+            done = {(r["row"], s) for r in (load(m, results) or ([], None))[0] for s in r["seeds"]}
+            left = sum((r, int(seed)) not in done for r in rows[m] for seed in args.seeds.split(","))
+            # measured seconds a row where every size has some, else in proportion to its FLOPs
+            work[m] = (left, paces[m] * steps + ROW_OVERHEAD_S if all(paces.values()) else n * steps)
+        lanes = side_by_side(work, blocks)
+        if not lanes:
+            print(f"size_sweep: no row left at {args.model}", flush=True)
+            return 0
+        print("side by side: " + "; ".join(f"GPUs {','.join(g)}: {', '.join(ms)}" for g, ms in lanes), flush=True)
     if not os.path.isfile(args.data):
         # Its own process, with the Rust tokenizer's threads on: gpu.sh turns them off for the
         # benches, and serial encoding took 225 of the build's 232 s on a 32-core machine.
@@ -319,31 +369,42 @@ def run(args) -> int:
     length = ["--passes", "1"] if args.one_pass else ["--tokens-per-param", str(TOKENS_PER_PARAM)]
     sub = os.path.relpath(results_folder(args.one_pass, args.micro), RESULTS)  # ".", one_pass, one_pass/micro8, ...
     state_dir = args.state_dir + ("" if sub == "." else "_" + sub.replace(os.sep, "_"))
-    status = 0
-    for model in models:
-        left = args.budget_s - (time.time() - t0)
-        if left < 60:  # paper_tables stops a row a minute before its deadline: nothing would run
-            print(f"size_sweep: {model} not started, {left:.0f} s of the budget left", flush=True)
-            break
-        done = os.path.join(results, model)
-        argv = ["--data", args.data, "--model", model, *length,
-                "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(args.micro),
-                "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows[model]), "--seeds", args.seeds,
-                "--compile", "--budget-s", str(left),
-                "--val-every", str(VAL_EVERY), "--eval-batches", str(EVAL_SEQS // args.micro), "--tag", args.tag,
-                "--out", os.path.normpath(os.path.join(args.out, sub, model))]
-        if not args.whole_rows:
-            argv += ["--state-dir", os.path.join(state_dir, model)]
-        elif (pace := measured_pace(load(model, results), card, args.gpus_per_row)) is not None:
-            # paper_tables then starts no row it cannot finish by the budget, and the call ends when
-            # the last one does
-            argv += ["--s-per-step", f"{pace:.4f}"]
-        if args.gpus_per_row > 1:
-            argv += ["--gpus-per-row", str(args.gpus_per_row)]
-        if os.path.isdir(done):
-            argv += ["--skip-done", done]
-        status = max(status, paper_tables.main(argv))
-    return status
+
+    def lane(gpus: list[str] | None, sizes: list[str]) -> int:
+        status = 0
+        for model in sizes:
+            left = args.budget_s - (time.time() - t0)
+            if left < 60:  # paper_tables stops a row a minute before its deadline: nothing would run
+                print(f"size_sweep: {model} not started, {left:.0f} s of the budget left", flush=True)
+                break
+            done = os.path.join(results, model)
+            argv = ["--data", args.data, "--model", model, *length,
+                    "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(args.micro),
+                    "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows[model]), "--seeds", args.seeds,
+                    "--compile", "--budget-s", str(left),
+                    "--val-every", str(VAL_EVERY), "--eval-batches", str(EVAL_SEQS // args.micro), "--tag", args.tag,
+                    "--out", os.path.normpath(os.path.join(args.out, sub, model))]
+            if not args.whole_rows:
+                argv += ["--state-dir", os.path.join(state_dir, model)]
+            elif (pace := measured_pace(load(model, results), card, args.gpus_per_row)) is not None:
+                # paper_tables then starts no row it cannot finish by the budget, and the call ends when
+                # the last one does
+                argv += ["--s-per-step", f"{pace:.4f}"]
+            if args.gpus_per_row > 1:
+                argv += ["--gpus-per-row", str(args.gpus_per_row)]
+            if gpus is not None:
+                argv += ["--gpu-ids", ",".join(gpus)]
+            if os.path.isdir(done):
+                argv += ["--skip-done", done]
+            status = max(status, paper_tables.main(argv))
+        return status
+
+    if len(lanes) == 1:
+        return lane(*lanes[0])
+    # paper_tables.main only waits on its worker processes, so a thread a lane; result() re-raises
+    # a lane's SystemExit here
+    with concurrent.futures.ThreadPoolExecutor(len(lanes)) as pool:
+        return max(f.result() for f in [pool.submit(lane, *x) for x in lanes])
 
 
 def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | None:
@@ -641,6 +702,9 @@ def main(argv=None) -> int:
                    help="start only rows that finish within the budget (at the regime's measured pace, of rows run on "
                         "this card and as many GPUs a row where there are any) and save "
                         "none: for a call after which the machine may go back, taking any saved state with it")
+    r.add_argument("--side-by-side", action="store_true",
+                   help="run the sizes of --model at once, each on its share of the visible GPUs (more to the "
+                        "size with the most rows left), not in turn on all of them")
     r.add_argument("--gpus-per-row", type=int, default=1,
                    help="GPUs that run one row together (paper_tables.py --gpus-per-row): 2 puts a 105M row in "
                         "one session; a saved row resumes only with the same value")

@@ -644,3 +644,57 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     assert sorted((r["mode"], r["lr"]) for r in doc["rows"] if r["tuned"] and r["mode"] in ("sparseloco", "adamw")) == \
         [("adamw", 0.001), ("sparseloco", 0.001)]
     assert ss.bracket_rows(ss.load_size("60M", str(tmp_path / "r"))[0]) == []
+
+
+def test_size_sweep_side_by_side_shares_the_gpus_among_the_sizes(monkeypatch, capsys):
+    """run --side-by-side: each size of --model on its own share of the visible GPUs at once (the
+    further GPU to the size whose rows would end last, by the committed rows' pace), each size's
+    paper_tables told its GPUs (--gpu-ids); with fewer GPUs than sizes, the longest size alone and
+    the others in turn beside it; a lane's error reaches the caller; no GPU, one line. Breaks if two
+    sizes could be handed the same GPU or a GPU went to a size with no row left for it."""
+    import sys
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    pt = bench_module("paper_tables")
+    assert pt.gpu_ids("cuda", "3,5") == ["3", "5"]
+    big, mid, small = (7, 500.0), (2, 300.0), (1, 200.0)
+    four = [["0"], ["1"], ["2"], ["3"]]
+    assert ss.side_by_side({"105M": big, "60M": mid, "20M": small}, four) == \
+        [(["0", "1"], ["105M"]), (["2"], ["60M"]), (["3"], ["20M"])]
+    assert ss.side_by_side({"105M": big, "60M": mid, "20M": small}, four[:2]) == \
+        [(["0"], ["105M"]), (["1"], ["60M", "20M"])]
+    assert ss.side_by_side({"105M": (0, 500.0), "20M": small}, four) == [(["0"], ["20M"])]  # one row: one GPU
+    assert ss.side_by_side({"105M": (2, 500.0), "60M": (1, 300.0)}, [["0", "1"], ["2", "3"], ["4", "5"]]) == \
+        [(["0", "1", "2", "3"], ["105M"]), (["4", "5"], ["60M"])]
+
+    calls = []
+
+    def fake_main(argv):
+        flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+        calls.append((flag["--model"], flag["--gpu-ids"], flag["--rows"]))
+        if flag["--model"] == "20M" and "fail" in flag["--tag"]:
+            raise SystemExit("paper_tables: made up")
+        return 0
+
+    monkeypatch.setattr(pt, "main", fake_main)
+    monkeypatch.setitem(sys.modules, "paper_tables", pt)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    rows = "sparseloco:lr=0.0001,adamw:lr=0.0001,pp:8:lr=0.0001"  # never run: three rows left at each size
+    base = ["run", "--model", "20M,105M", "--one-pass", "--rows", rows, "--data", __file__, "--side-by-side"]
+    assert ss.main(base + ["--out", "/tmp/unused"]) == 0
+    # 105M's rows take longer at the committed pace: it gets the third GPU
+    assert sorted(calls) == [("105M", "1,2", rows), ("20M", "0", rows)]
+    assert "side by side: GPUs 0: 20M; GPUs 1,2: 105M" in capsys.readouterr().out
+    calls.clear()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    assert ss.main(base + ["--model", "20M,60M,105M", "--out", "/tmp/unused"]) == 0
+    assert [c[:2] for c in calls] == [("105M", "4"), ("60M", "4"), ("20M", "4")]  # one lane, longest first
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(SystemExit, match="made up"):
+        ss.main(base + ["--tag", "fail", "--out", "/tmp/unused"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(SystemExit, match=r"--side-by-side: 1 GPU\(s\) visible, fewer than --gpus-per-row 2 "
+                                         r"\(CUDA_VISIBLE_DEVICES='0'\)"):
+        ss.main(base + ["--gpus-per-row", "2", "--out", "/tmp/unused"])
