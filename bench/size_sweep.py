@@ -340,9 +340,10 @@ def run(args) -> int:
     rows = {m: second_seed_rows(m, results) if args.seeds == "1" and not args.rows else
             (args.rows.split(",") if args.rows else first_seed_rows(m, bracket_rows(load(m, results)[0] if load(m, results) else [])))
             for m in models}  # refused before the corpus
-    lanes = [(None, models)]
+    lanes, threads_a_gpu = [(None, models)], 0
     if args.side_by_side:
         gpus = paper_tables.gpu_ids("cuda")
+        threads_a_gpu = max(1, (os.cpu_count() or 1) // max(1, len(gpus)))  # one process a GPU
         blocks = [gpus[i:i + args.gpus_per_row] for i in range(0, len(gpus) - args.gpus_per_row + 1, args.gpus_per_row)]
         if not blocks:
             raise SystemExit(f"size_sweep: --side-by-side: {len(gpus)} GPU(s) visible, fewer than --gpus-per-row "
@@ -393,7 +394,8 @@ def run(args) -> int:
             if args.gpus_per_row > 1:
                 argv += ["--gpus-per-row", str(args.gpus_per_row)]
             if gpus is not None:
-                argv += ["--gpu-ids", ",".join(gpus)]
+                # each lane's paper_tables would otherwise give its workers every core of the machine
+                argv += ["--gpu-ids", ",".join(gpus), "--threads", str(threads_a_gpu)]
             if os.path.isdir(done):
                 argv += ["--skip-done", done]
             status = max(status, paper_tables.main(argv))

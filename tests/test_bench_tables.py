@@ -649,9 +649,10 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
 def test_size_sweep_side_by_side_shares_the_gpus_among_the_sizes(monkeypatch, capsys):
     """run --side-by-side: each size of --model on its own share of the visible GPUs at once (the
     further GPU to the size whose rows would end last, by the committed rows' pace), each size's
-    paper_tables told its GPUs (--gpu-ids); with fewer GPUs than sizes, the longest size alone and
+    paper_tables told its GPUs (--gpu-ids) and its share of the cores; with fewer GPUs than sizes, the longest size alone and
     the others in turn beside it; a lane's error reaches the caller; no GPU, one line. Breaks if two
     sizes could be handed the same GPU or a GPU went to a size with no row left for it."""
+    import os
     import sys
 
     import pytest
@@ -674,6 +675,7 @@ def test_size_sweep_side_by_side_shares_the_gpus_among_the_sizes(monkeypatch, ca
     def fake_main(argv):
         flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
         calls.append((flag["--model"], flag["--gpu-ids"], flag["--rows"]))
+        assert flag["--threads"] == str(max(1, (os.cpu_count() or 1) // len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))))
         if flag["--model"] == "20M" and "fail" in flag["--tag"]:
             raise SystemExit("paper_tables: made up")
         return 0
