@@ -135,6 +135,11 @@ def ordered_variants(args) -> list:
     return parse_variants(row_list(args), args.replicas, seeds)
 
 
+def who(args) -> str:
+    """A worker's prefix on its lines: the model too, since runs of several sizes print to one log."""
+    return f"[{args.model} {args.worker}]"
+
+
 def gpu_ids(device: str, chosen: str | None = None) -> list[str]:
     """Visible GPUs as CUDA_VISIBLE_DEVICES entries, or `chosen` of them (--gpu-ids: a share of a
     machine another run shares); one pseudo-GPU on the CPU."""
@@ -245,7 +250,7 @@ def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dic
         if not args.compile or isinstance(err, torch.cuda.OutOfMemoryError):
             raise
         # A group's processes compile the same graph, so they fail (and fall back) alike.
-        print(f"[{args.model} {args.worker}] {v.name}: compiled run failed ({type(err).__name__}: {str(err)[:200]}); "
+        print(f"{who(args)} {v.name}: compiled run failed ({type(err).__name__}: {str(err)[:200]}); "
               "this row runs eager", flush=True)
         meta["eager_rows"] = meta.get("eager_rows", []) + [v.name]
         t0 = time.time()
@@ -313,7 +318,7 @@ def worker(args) -> int:
         if pace and not state and time.time() + pace * args.steps + 60 > args.deadline:
             # another worker or a later run takes it; said, since a call that starts nothing is
             # otherwise silent
-            print(f"[{args.model} {args.worker}] {v.name:<28} not started: {pace * args.steps + 60:.0f} s at {pace:.3f} s a "
+            print(f"{who(args)} {v.name:<28} not started: {pace * args.steps + 60:.0f} s at {pace:.3f} s a "
                   f"step and the last minute's margin, {args.deadline - time.time():.0f} s of the budget left",
                   flush=True)
             continue
@@ -321,12 +326,12 @@ def worker(args) -> int:
             continue
         group.first(v.name)  # the group's other processes start this row
         # A row that the call's limit kills before its first save leaves only this line to say it ran.
-        print(f"[{args.model} {args.worker}] {v.name:<28} {'resumed' if saved_state(state) else 'started'} with "
+        print(f"{who(args)} {v.name:<28} {'resumed' if saved_state(state) else 'started'} with "
               f"{args.deadline - time.time():.0f} s of the budget left", flush=True)
         r, t0 = run_row(args, v, run, llama, corpus, device, state, meta)
         if r["status"] != "done":
             unfinished.append({k: r[k] for k in ("status", "step", "steps", "seconds")} | {"row": v.name})
-            print(f"[{args.model} {args.worker}] {v.name:<28} {r['status']} at step {r['step']} of {args.steps}", flush=True)
+            print(f"{who(args)} {v.name:<28} {r['status']} at step {r['step']} of {args.steps}", flush=True)
         else:
             pace = (time.time() - t0) / args.steps
             record_row(args, r, marks[v.name], results)
@@ -360,7 +365,7 @@ def record_row(args, r: dict, mark: str | None, results: list) -> None:
     r["train_losses_every"] = TRAIN_LOSSES_EVERY
     results.append(r)
     last = r["outer"][-1] if r["outer"] else {}
-    print(f"[{args.model} {args.worker}] {r['variant']['name']:<28} val {r['val_loss']:.4f} train {r['final_train_loss']:.4f} "
+    print(f"{who(args)} {r['variant']['name']:<28} val {r['val_loss']:.4f} train {r['final_train_loss']:.4f} "
           f"overlap {last.get('replicas_per_selected') or 0:.2f} cos {last.get('update_cosine') or 0:.2f} "
           f"({r['seconds']:.0f}s, {r['seconds'] / args.steps:.3f} s/step)", flush=True)
 

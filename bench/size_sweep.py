@@ -155,6 +155,11 @@ def lr_bracket(summary: list[dict], mode: str) -> dict:
     return {"best": best, "complete": nxt is None, "next": nxt}
 
 
+def done_row_seeds(summary: list[dict]) -> set[tuple[str, int]]:
+    """(row, seed) of every finished row-seed of a size's rows (`load_size`'s summary)."""
+    return {(r["row"], s) for r in summary for s in r["seeds"]}
+
+
 def bracket_rows(summary: list[dict]) -> list[str]:
     """The rows (seed 0) that widen the open lr brackets of a size's rows (`load_size`'s summary) by
     one lr each."""
@@ -276,7 +281,7 @@ def plan(args) -> int:
             ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=args.micro, gas=GAS)
             pace, how = paper_tables.row_flops(llama, ns, SEQ) / (paper_tables.PEAK_FLOPS * args.mfu), f"MFU {args.mfu}"
         summary = loaded[0] if loaded else []
-        done = {(r["row"], s) for r in summary for s in r["seeds"]}
+        done = done_row_seeds(summary)
         # seed 0: every row of the size, and the next lr of each open bracket (at least one more row
         # each); seed 1: SparseLoCo and AdamW at the best lr of seed 0 so far, DiLoCo
         left_rows = [(r, 0) for r in first_seed_rows(model, bracket_rows(summary)) if (r, 0) not in done]
@@ -337,14 +342,18 @@ def run(args) -> int:
         raise SystemExit(f"size_sweep: --model {args.model}: {', '.join(bad) or 'none'} not among {', '.join(SIZES)}")
     results = results_of(args)
     load = functools.lru_cache(maxsize=None)(load_size)  # a size's folder read once: its rows, then its pace
+
+    def summary(model: str) -> list[dict]:
+        return (load(model, results) or ([], None))[0]
+
     rows = {m: second_seed_rows(m, results) if args.seeds == "1" and not args.rows else
-            (args.rows.split(",") if args.rows else first_seed_rows(m, bracket_rows(load(m, results)[0] if load(m, results) else [])))
+            (args.rows.split(",") if args.rows else first_seed_rows(m, bracket_rows(summary(m))))
             for m in models}  # refused before the corpus
     lanes, threads_a_gpu = [(None, models)], 0
     if args.side_by_side:
         gpus = paper_tables.gpu_ids("cuda")
         threads_a_gpu = max(1, (os.cpu_count() or 1) // max(1, len(gpus)))  # one process a GPU
-        blocks = [gpus[i:i + args.gpus_per_row] for i in range(0, len(gpus) - args.gpus_per_row + 1, args.gpus_per_row)]
+        blocks = paper_tables.gpu_blocks(args, gpus)
         if not blocks:
             raise SystemExit(f"size_sweep: --side-by-side: {len(gpus)} GPU(s) visible, fewer than --gpus-per-row "
                              f"{args.gpus_per_row} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
@@ -352,7 +361,7 @@ def run(args) -> int:
         work = {}
         for m in models:
             steps, n = steps_for(m, args.one_pass, args.micro)
-            done = {(r["row"], s) for r in (load(m, results) or ([], None))[0] for s in r["seeds"]}
+            done = done_row_seeds(summary(m))
             left = sum((r, int(seed)) not in done for r in rows[m] for seed in args.seeds.split(","))
             # measured seconds a row where every size has some, else in proportion to its FLOPs
             work[m] = (left, paces[m] * steps + ROW_OVERHEAD_S if all(paces.values()) else n * steps)
