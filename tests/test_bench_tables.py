@@ -15,6 +15,11 @@ def bench_module(name: str):
     return mod
 
 
+def flags(argv: list[str]) -> dict[str, str]:
+    """An argv's options by name: each --flag and the value after it."""
+    return {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+
+
 def add_row(folder: Path, like: str, name: str, dloss: float) -> None:
     """A made-up row `name` in `folder` (a file of its own): the committed row `like` of `folder`
     renamed, its lr and seed read from the new name, its validation loss `dloss` above the original."""
@@ -118,7 +123,7 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
     # 2e-3 at 60M (next 5e-4) and lost to it at 20M (next 4e-3)
     widen = {"60M": "sparseloco:lr=0.0005", "20M": "sparseloco:lr=0.004"}
     for model, argv in zip(("60M", "20M"), calls):
-        flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+        flag = flags(argv)
         rows = ["sparseloco:lr=0.002", "adamw:lr=0.002", "adamw:lr=0.004", "adamw:lr=0.001", widen[model],
                 f"{ss.DILOCO}:lr=0.002"]
         assert flag["--model"] == model and flag["--rows"] == ",".join(rows)
@@ -139,7 +144,7 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
     calls.clear()
     assert ss.main(["run", "--model", "20M", "--one-pass", "--seeds", "1", "--data", str(data),
                     "--out", str(tmp_path / "p"), "--results", str(tmp_path / "o" / "one_pass")]) == 0
-    flag = {calls[0][i]: calls[0][i + 1] for i in range(len(calls[0]) - 1) if calls[0][i].startswith("--")}
+    flag = flags(calls[0])
     assert flag["--skip-done"] == str(done) and flag["--seeds"] == "1"
     assert flag["--rows"] == ",".join(["sparseloco:lr=0.002", "adamw:lr=0.002", f"{ss.DILOCO}:lr=0.002"])
     with pytest.raises(SystemExit, match=r"60M's lr bracket of sparseloco \(best so far none\); adamw \(best so far "
@@ -526,14 +531,14 @@ def test_size_sweep_smaller_micro_batch_syncs_more_often_on_the_same_tokens_and_
     assert calls == []
     assert ss.main(["run", "--model", "20M", "--one-pass", "--micro", "8", "--data", str(data),
                     "--out", str(tmp_path / "o")]) == 0
-    flag = {calls[0][i]: calls[0][i + 1] for i in range(len(calls[0]) - 1) if calls[0][i].startswith("--")}
+    flag = flags(calls[0])
     assert flag["--micro"] == "8" and flag["--eval-batches"] == "64" and flag["--passes"] == "1"
     assert flag["--out"] == str(tmp_path / "o" / "one_pass" / "micro8" / "20M")
     assert flag["--state-dir"] == "runs/size_sweep_state_one_pass_micro8/20M"
     assert flag["--skip-done"] == str(Path(ss.ONE_PASS) / "micro8" / "20M")
     calls.clear()
     ss.main(["run", "--model", "20M", "--data", str(data), "--out", str(tmp_path / "d")])
-    flag = {calls[0][i]: calls[0][i + 1] for i in range(len(calls[0]) - 1) if calls[0][i].startswith("--")}
+    flag = flags(calls[0])
     assert flag["--micro"] == "32" and flag["--eval-batches"] == "16" and flag["--out"] == str(tmp_path / "d" / "20M")
     seen = set()
     for f in Path(ss.RESULTS).glob("**/paper_tables_*.json"):
@@ -673,7 +678,7 @@ def test_size_sweep_side_by_side_shares_the_gpus_among_the_sizes(monkeypatch, ca
     calls = []
 
     def fake_main(argv):
-        flag = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+        flag = flags(argv)
         calls.append((flag["--model"], flag["--gpu-ids"], flag["--rows"]))
         assert flag["--threads"] == str(max(1, (os.cpu_count() or 1) // len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))))
         if flag["--model"] == "20M" and "fail" in flag["--tag"]:
