@@ -136,7 +136,13 @@ def run(a) -> dict | None:
     nparams = nparams.item() / replicas
     tokens = a.mb * a.gas * a.seq * replicas
     dt = statistics.median(steady)
-    if eng.global_rank != 0:
+    rank = eng.global_rank
+    # The ranks leave the group together: a rank that exits while its peer still holds their gloo
+    # connection can abort in the group's destructor at interpreter exit (SIGABRT, "terminate
+    # called without an active exception": 2 smoke runs in 6 on 2 cores)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    if rank != 0:
         return None
     flops_tok = 6 * nparams + 12 * cfg.num_hidden_layers * cfg.hidden_size * a.seq
     return dict(system="stock_deepspeed", model=a.model, stages=a.stages, replicas=replicas, nparams=nparams,
