@@ -119,14 +119,20 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
     assert calls == []
     assert ss.main(["run", "--model", "60M,20M", "--one-pass", "--data", str(data), "--out", str(tmp_path / "o")]) == 0
     assert len(calls) == 2  # the sizes in the order given, one budget
-    # one more lr of each open bracket after the bracketed rows, before DiLoCo: SparseLoCo's 1e-3 beat
-    # 2e-3 at 60M (next 5e-4) and lost to it at 20M (next 4e-3)
-    widen = {"60M": "sparseloco:lr=0.0005", "20M": "sparseloco:lr=0.004"}
+    # every bracket of both sizes is closed at one pass (SparseLoCo's 5e-4 at 60M and 4e-3 at 20M lost
+    # to their best), so no further lr; at micro-batch 8 SparseLoCo's 1e-3 beat 2e-3 at both sizes, so
+    # its 5e-4 comes after the bracketed rows, before DiLoCo
+    bracketed = ["sparseloco:lr=0.002", "adamw:lr=0.002", "adamw:lr=0.004", "adamw:lr=0.001"]
+    assert ss.main(["run", "--model", "60M,20M", "--one-pass", "--micro", "8", "--data", str(data),
+                    "--out", str(tmp_path / "o")]) == 0
+    for model, argv in zip(("60M", "20M"), calls[2:]):
+        flag = flags(argv)
+        assert flag["--rows"] == ",".join(bracketed + ["sparseloco:lr=0.0005", f"{ss.DILOCO}:lr=0.002"])
+        assert flag["--micro"] == "8" and flag["--out"] == str(tmp_path / "o" / "one_pass" / "micro8" / model)
+    del calls[2:]
     for model, argv in zip(("60M", "20M"), calls):
         flag = flags(argv)
-        rows = ["sparseloco:lr=0.002", "adamw:lr=0.002", "adamw:lr=0.004", "adamw:lr=0.001", widen[model],
-                f"{ss.DILOCO}:lr=0.002"]
-        assert flag["--model"] == model and flag["--rows"] == ",".join(rows)
+        assert flag["--model"] == model and flag["--rows"] == ",".join(bracketed + [f"{ss.DILOCO}:lr=0.002"])
         assert flag["--passes"] == "1" and "--tokens-per-param" not in flag and flag["--val-every"] == str(ss.VAL_EVERY)
         assert flag["--out"] == str(tmp_path / "o" / "one_pass" / model)
         assert flag["--state-dir"] == f"runs/size_sweep_state_one_pass/{model}"
@@ -293,11 +299,11 @@ def test_size_sweep_plan_prices_rows_at_the_long_rows_pace(capsys):
         got = re.search(r"([0-9.]+) s a step .*: ([0-9.]+) GPU-minutes a row; (\d+) row-seeds left", lines[i])
         assert abs(float(got[1]) - pace) < 5e-4, lines[i]
         assert abs(float(got[2]) - (pace * 950 + ss.ROW_OVERHEAD_S) / 60) < 0.05 and int(got[3]) == len(wanted), lines[i]
-        assert lines[i + 1] == "  left: " + ", ".join(wanted)
-    # SparseLoCo's 1e-3 beat 2e-3 at 60M and lost to it at 20M: the plan widens to 5e-4 and to 4e-3;
-    # at 105M both brackets are closed (1e-3 each), so only seed 1 of SparseLoCo's tuned lr is left
-    assert "  left: sparseloco:lr=0.0005@seed0, sparseloco:lr=0.001@seed1" in out
-    assert "  left: sparseloco:lr=0.004@seed0\n" in out and "  left: sparseloco:lr=0.001@seed1\n" in out
+        assert (lines[i + 1] == "  left: " + ", ".join(wanted)) if wanted else not lines[i + 1].startswith("  left:")
+    # every bracket is closed at one pass (SparseLoCo's 5e-4 at 60M and 4e-3 at 20M lost to their best):
+    # 20M has both seeds of its tuned rows; at 60M and 105M only seed 1 of SparseLoCo's tuned lr is left
+    assert out.count("  left: sparseloco:lr=0.001@seed1\n") == 2 and "20M: 20.5M parameters" in out
+    assert re.search(r"^20M: .* 0 row-seeds left", out, re.M)
 
 
 def test_size_sweep_reads_each_rows_loss_after_one_epoch_and_its_train_validation_gap(tmp_path):
@@ -552,9 +558,10 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     """lr_bracket: a mode's best lr on seed 0 is tuned once a worse lr was run on either side of it;
     at an edge the next lr is half (low edge, or the only lr run) or twice (high edge) the best; no
     widening before the bracket's own lrs have all run. On the committed one-pass micro-batch-8 rows
-    105M's AdamW did best at 1e-3 and SparseLoCo ran 2e-3 alone, so `run` adds both widening rows;
-    on a copy of 60M's rows given made-up rows, the gap follows each mode's best lr and is marked
-    provisional until both brackets close; `--whole-rows` judges a row by the pace of rows run on
+    105M's AdamW and SparseLoCo both did best at 1e-3, their lowest lr, so `run` adds both 5e-4 rows;
+    on a copy of 60M's rows (SparseLoCo's 1e-3 beat 2e-3, AdamW's 1e-3 beat 5e-4 and 2e-3), then a
+    made-up SparseLoCo 5e-4, the gap follows each mode's best lr and is marked provisional until
+    both brackets close; `--whole-rows` judges a row by the pace of rows run on
     the same card and GPUs a row where there are any. Recomputed by hand."""
     import json
     import shutil
@@ -588,7 +595,7 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
             if r["variant"]["name"].startswith("adamw:") and r["variant"]["seed"] == 0:
                 seed0[r["variant"]["lr"]] = r["val_loss"]
     assert min(seed0, key=seed0.get) == min(seed0) == 1e-3
-    assert ss.bracket_rows(ss.load_size("105M", str(micro8))[0]) == ["sparseloco:lr=0.001", "adamw:lr=0.0005"]
+    assert ss.bracket_rows(ss.load_size("105M", str(micro8))[0]) == ["sparseloco:lr=0.0005", "adamw:lr=0.0005"]
     calls = []
     monkeypatch.setitem(sys.modules, "paper_tables", type(sys)("paper_tables"))
     sys.modules["paper_tables"].main = lambda argv: calls.append(argv) or 0
@@ -596,7 +603,7 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     data.write_bytes(b"")
     assert ss.main(["run", "--model", "105M", "--one-pass", "--micro", "8", "--data", str(data), "--out", str(tmp_path)]) == 0
     base = ss.first_seed_rows("105M")  # the widening rows start before DiLoCo and the compressed rows
-    assert calls[0][calls[0].index("--rows") + 1].split(",") == base[:4] + ["sparseloco:lr=0.001", "adamw:lr=0.0005"] + \
+    assert calls[0][calls[0].index("--rows") + 1].split(",") == base[:4] + ["sparseloco:lr=0.0005", "adamw:lr=0.0005"] + \
         base[4:]
     assert "--s-per-step" not in calls[0] and calls[0][calls[0].index("--state-dir") + 1].endswith("micro8/105M")
     # --whole-rows: no saved state; paper_tables judges each start by the regime's median pace (2 GPUs a row: half)
@@ -622,12 +629,14 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
 
     folder = tmp_path / "r" / "60M"
     shutil.copytree(micro8 / "60M", folder)
-    add_row(folder, "sparseloco:lr=0.002@seed0", "sparseloco:lr=0.001@seed0", -0.05)  # better: 1e-3 at the low edge
-    add_row(folder, "adamw:lr=0.001@seed0", "adamw:lr=0.0005@seed0", +0.02)  # worse: AdamW's 1e-3 bracketed
     loss = {}
     for f in folder.glob("paper_tables_*.json"):
         for r in json.loads(f.read_text())["rows"]:
             loss[r["variant"]["name"]] = r["val_loss"]
+    # SparseLoCo's 1e-3 at the low edge of its bracket; AdamW's 1e-3 bracketed
+    assert loss["sparseloco:lr=0.001@seed0"] < loss["sparseloco:lr=0.002@seed0"]
+    assert loss["adamw:lr=0.001@seed0"] < min(loss["adamw:lr=0.0005@seed0"], loss["adamw:lr=0.002@seed0"])
+    assert "sparseloco:lr=0.0005@seed0" not in loss
 
     def summary():
         assert ss.main(["summarize", "--results", str(tmp_path / "r")]) == 0
