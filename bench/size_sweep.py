@@ -9,11 +9,12 @@ worse lr on either side: the tuned lr), DiLoCo with its own Nesterov outer step;
 size also PP-Compress and Het at 1/8 and 1/96. The second seed repeats SparseLoCo and AdamW at their
 tuned lrs and DiLoCo; a gap read while a bracket is open is marked provisional (ringed in the plot).
 
-Three verbs, each a step of spending device time in pieces:
+Four verbs, each a step of spending device time in pieces:
 
     python bench/size_sweep.py plan                          # each size's rows, steps and GPU-minutes
     OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 20M --out $OUT [--seeds 1]
     OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 105M --gpus-per-row 2 --out $OUT
+    OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py fill --regimes one_pass,one_pass/micro8 --budget-s 560
     python bench/size_sweep.py summarize                     # bench/results/size_sweep/summary.json + .png
     ... plan | run | summarize --one-pass                    # every row within one pass: size_sweep/one_pass/
 
@@ -37,6 +38,11 @@ the whole outer steps that fit in one pass), at 6.1 tokens per parameter at 20M 
 `--micro 8` (any regime, every verb) runs the same tokens in replica steps of micro-batch 8, four
 times the outer syncs (79 in one pass), under <regime's folder>/micro8/, validating on the same
 held-out sequences (EVAL_SEQS).
+`fill` keeps every GPU of a short call busy with whole rows, one a GPU, across regimes, sizes and
+seeds (seed 1 of a size as soon as its brackets close, in the same call), and saves no state: the
+calls of a session whose machine may go back between them. Its rows go to runs/size_sweep_fill/
+<regime>/<model>/ on the machine (a later call skips them); `tar czf $OUT/fill.tgz -C runs
+size_sweep_fill` brings them back, to be copied under bench/results/size_sweep/.
 A row run a second time with the same seed goes under <results>/repeats/<model>/: `summarize`
 sets it beside the committed run (`same_seed_repeats`) and leaves it out of everything else.
 """
@@ -46,6 +52,7 @@ import argparse
 import concurrent.futures
 import functools
 import glob
+import itertools
 import json
 import math
 import os
@@ -84,6 +91,9 @@ EVAL_SEQS = 16 * MICRO
 # in the next call. Measured in the one-pass rows (4x H100): 30-70 s with the compile cache warm,
 # 150-190 s for a machine's first row or a row resumed across calls.
 ROW_OVERHEAD_S = 120
+# What `fill` adds to a row's steps at its measured pace before it starts one: paper_tables' own
+# last-minute margin (it starts no row within 60 s of its deadline) and its start, 10-25 s.
+FILL_MARGIN_S = 90
 
 # The paper's points (DCLM, M = 8, S = 4, H = 50): degradation over SparseLoCo in % (Table 1: 178M,
 # 512M; Table 2: 512M; Table 7: 1B), and SparseLoCo's gap to AdamW at 512M (Tables 1 and 4).
@@ -167,17 +177,38 @@ def bracket_rows(summary: list[dict]) -> list[str]:
             if (b := lr_bracket(summary, mode))["next"] is not None]
 
 
+def open_lr_brackets(summary: list[dict]) -> list[str]:
+    """Each mode whose lr bracket is open in a size's rows (`load_size`'s summary), with its best
+    and next lr so far."""
+    brackets = {mode: lr_bracket(summary, mode) for mode in LR_BRACKETS}
+    return [f"{mode} (best so far {'none' if b['best'] is None else lr_flag(b['best'])}"
+            + (f", next {lr_flag(b['next'])})" if b["next"] else ")") for mode, b in brackets.items() if not b["complete"]]
+
+
+def tuned_rows(summary: list[dict]) -> list[str]:
+    """Seed 1's rows once both brackets are complete: SparseLoCo and AdamW at their tuned lrs, DiLoCo."""
+    return [f"{mode}:{lr_flag(lr_bracket(summary, mode)['best'])}" for mode in LR_BRACKETS] + \
+        [f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
+
+
 def second_seed_rows(model: str, results: str = RESULTS) -> list[str]:
-    """Seed 1's rows: SparseLoCo and AdamW at their tuned lrs, DiLoCo; refused while a bracket is open."""
+    """Seed 1's rows (`tuned_rows`); refused while a bracket is open."""
     loaded = load_size(model, results)
-    brackets = {mode: lr_bracket(loaded[0] if loaded else [], mode) for mode in LR_BRACKETS}
-    open_ = [f"{mode} (best so far {'none' if b['best'] is None else lr_flag(b['best'])}"
-             + (f", next {lr_flag(b['next'])})" if b["next"] else ")") for mode, b in brackets.items() if not b["complete"]]
-    if open_:
+    summary = loaded[0] if loaded else []
+    if open_ := open_lr_brackets(summary):
         raise SystemExit(f"size_sweep: {model}'s lr bracket of {'; '.join(open_)} is not complete under "
                          f"{os.path.join(results, model)}: run seed 0's rows first (plan lists them)")
-    return [f"sparseloco:{lr_flag(brackets['sparseloco']['best'])}", f"adamw:{lr_flag(brackets['adamw']['best'])}",
-            f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
+    return tuned_rows(summary)
+
+
+def rows_ready(model: str, summary: list[dict]) -> list[tuple[str, int]]:
+    """(row, seed) of a size that can start now, in the order they should: seed 0's rows with the
+    widening rows of its open brackets, then seed 1's once both brackets are complete; none finished."""
+    done = done_row_seeds(summary)
+    ready = [(r, 0) for r in first_seed_rows(model, bracket_rows(summary))]
+    if not open_lr_brackets(summary):
+        ready += [(r, 1) for r in tuned_rows(summary)]
+    return [x for x in ready if x not in done]
 
 
 def results_folder(one_pass: bool, micro: int = MICRO) -> str:
@@ -243,43 +274,52 @@ def measured_pace(loaded: tuple[list[dict], dict] | None, card: str | None = Non
     return paces[len(paces) // 2] if paces else None
 
 
-def plan(args) -> int:
-    """Each size's rows, steps and GPU-minutes: from a measured pace (seconds a step of a finished
-    row of that size, else of `paper_tables.py --calibrate` alone on a GPU, committed as
-    calibration_<model>_<card>_alone.json), else FLOPs at an MFU."""
+def estimated_paces(one_pass: bool, micro: int, results: str, mfu: float, load=load_size) -> dict[str, tuple[float, str]]:
+    """Each size's GPU-seconds a step in a regime and how it was found: from a measured pace
+    (seconds a step of a finished row of that size, else of `paper_tables.py --calibrate` alone on a
+    GPU, committed as calibration_<model>_<card>_alone.json), else FLOPs at `mfu`."""
     import paper_tables
     from hetloco_ds.presets import model_config_for
 
-    total, results = 0.0, results_of(args)
-    load = functools.lru_cache(maxsize=None)(load_size)  # a folder read once, whichever of the roles below it plays
     # GPU-seconds a step, the same in either regime: a row run on G GPUs together took G GPUs' time.
     # The long rows first: a 950-step row's time is mostly its fixed cost (ROW_OVERHEAD_S).
     base = {m: measured_pace(next((x for x in (load(m, RESULTS), load(m, ONE_PASS)) if x), None)) for m in SIZES}
-    own = {m: measured_pace(load(m, results)) if args.micro != MICRO else None for m in SIZES}
+    own = {m: measured_pace(load(m, results)) if micro != MICRO else None for m in SIZES}
     # Another micro-batch without rows of its own at a size: micro-batch MICRO's pace times the ratio
     # the sizes that have both measured (small rows do not scale with their tokens), else the tokens'.
     ratios = sorted(own[m] / base[m] for m in SIZES if own[m] and base[m])
     ratio, ratio_how = ((ratios[len(ratios) // 2], f"x {ratios[len(ratios) // 2]:.2f}, measured at "
                          + ", ".join(m for m in SIZES if own[m] and base[m])) if ratios
-                        else (args.micro / MICRO, "scaled by the tokens"))
+                        else (micro / MICRO, "scaled by the tokens"))
+    out = {}
     for model in SIZES:
-        steps, n = steps_for(model, args.one_pass, args.micro)
-        loaded = load(model, results)
         timed = sorted(glob.glob(os.path.join(RESULTS, f"calibration_{model}_*_alone.json")))
         if own[model]:
-            pace, how = own[model], "measured rows"
+            out[model] = own[model], "measured rows"
         elif base[model]:
-            pace = base[model] * (1.0 if args.micro == MICRO else ratio)
-            how = "measured rows" + ("" if args.micro == MICRO else f" of micro-batch {MICRO} {ratio_how}")
+            out[model] = (base[model] * (1.0 if micro == MICRO else ratio),
+                          "measured rows" + ("" if micro == MICRO else f" of micro-batch {MICRO} {ratio_how}"))
         elif timed:
             with open(timed[0]) as f:
                 doc = json.load(f)
-            pace = doc["levels"][0]["s_per_step"][0] * (1.0 if args.micro == MICRO else ratio)
-            how = f"calibrated on {doc['card']}" + ("" if args.micro == MICRO else f" at micro-batch {MICRO} {ratio_how}")
+            out[model] = (doc["levels"][0]["s_per_step"][0] * (1.0 if micro == MICRO else ratio),
+                          f"calibrated on {doc['card']}" + ("" if micro == MICRO else f" at micro-batch {MICRO} {ratio_how}"))
         else:
             llama = model_config_for(model, 8192)
-            ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=args.micro, gas=GAS)
-            pace, how = paper_tables.row_flops(llama, ns, SEQ) / (paper_tables.PEAK_FLOPS * args.mfu), f"MFU {args.mfu}"
+            ns = argparse.Namespace(steps=1, replicas=REPLICAS, micro=micro, gas=GAS)
+            out[model] = paper_tables.row_flops(llama, ns, SEQ) / (paper_tables.PEAK_FLOPS * mfu), f"MFU {mfu}"
+    return out
+
+
+def plan(args) -> int:
+    """Each size's rows, steps and GPU-minutes (`estimated_paces`)."""
+    total, results = 0.0, results_of(args)
+    load = functools.lru_cache(maxsize=None)(load_size)  # a folder read once, whichever of the roles below it plays
+    paces = estimated_paces(args.one_pass, args.micro, results, args.mfu, load)
+    for model in SIZES:
+        steps, n = steps_for(model, args.one_pass, args.micro)
+        loaded = load(model, results)
+        pace, how = paces[model]
         summary = loaded[0] if loaded else []
         done = done_row_seeds(summary)
         # seed 0: every row of the size, and the next lr of each open bracket (at least one more row
@@ -327,6 +367,34 @@ def side_by_side(work: dict[str, tuple[int, float]], blocks: list[list[str]]) ->
     return [(blocks[j], lanes[j]) for j in range(len(blocks)) if lanes[j]]
 
 
+def ensure_corpus(args) -> None:
+    if not os.path.isfile(args.data):
+        # Its own process, with the Rust tokenizer's threads on: gpu.sh turns them off for the
+        # benches, and serial encoding took 225 of the build's 232 s on a 32-core machine.
+        subprocess.run([sys.executable, os.path.join(HERE, "make_corpus.py"), "--tokenizer", args.tokenizer,
+                        "--out", args.data, "--max-bytes", "1e9", "--roots", *[r for r in args.roots.split(",") if r]],
+                       env=dict(os.environ, TOKENIZERS_PARALLELISM="true"), check=True)
+
+
+def sizes_of(arg: str) -> list[str]:
+    models = arg.split(",")
+    bad = [m for m in models if m not in SIZES]
+    if bad or not models:
+        raise SystemExit(f"size_sweep: --model {arg}: {', '.join(bad) or 'none'} not among {', '.join(SIZES)}")
+    return models
+
+
+def paper_tables_argv(data: str, model: str, one_pass: bool, micro: int, rows: list[str], seeds: str, budget_s: float,
+                      tag: str, out: str) -> list[str]:
+    """paper_tables.py's options for `rows` of `model` in a regime of this sweep."""
+    length = ["--passes", "1"] if one_pass else ["--tokens-per-param", str(TOKENS_PER_PARAM)]
+    return ["--data", data, "--model", model, *length,
+            "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(micro),
+            "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows), "--seeds", seeds,
+            "--compile", "--budget-s", str(budget_s),
+            "--val-every", str(VAL_EVERY), "--eval-batches", str(EVAL_SEQS // micro), "--tag", tag, "--out", out]
+
+
 def run(args) -> int:
     """Each size of --model in turn (comma-separated), its rows through paper_tables within what is
     left of the one budget; with --side-by-side the sizes share the machine's GPUs at once
@@ -336,10 +404,7 @@ def run(args) -> int:
 
     t0 = time.time()
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else None  # the rows' pace on it, if measured
-    models = args.model.split(",")
-    bad = [m for m in models if m not in SIZES]
-    if bad or not models:
-        raise SystemExit(f"size_sweep: --model {args.model}: {', '.join(bad) or 'none'} not among {', '.join(SIZES)}")
+    models = sizes_of(args.model)
     results = results_of(args)
     load = functools.lru_cache(maxsize=None)(load_size)  # a size's folder read once: its rows, then its pace
 
@@ -370,13 +435,7 @@ def run(args) -> int:
             print(f"size_sweep: no row left at {args.model}", flush=True)
             return 0
         print("side by side: " + "; ".join(f"GPUs {','.join(g)}: {', '.join(ms)}" for g, ms in lanes), flush=True)
-    if not os.path.isfile(args.data):
-        # Its own process, with the Rust tokenizer's threads on: gpu.sh turns them off for the
-        # benches, and serial encoding took 225 of the build's 232 s on a 32-core machine.
-        subprocess.run([sys.executable, os.path.join(HERE, "make_corpus.py"), "--tokenizer", args.tokenizer,
-                        "--out", args.data, "--max-bytes", "1e9", "--roots", *[r for r in args.roots.split(",") if r]],
-                       env=dict(os.environ, TOKENIZERS_PARALLELISM="true"), check=True)
-    length = ["--passes", "1"] if args.one_pass else ["--tokens-per-param", str(TOKENS_PER_PARAM)]
+    ensure_corpus(args)
     sub = os.path.relpath(results_folder(args.one_pass, args.micro), RESULTS)  # ".", one_pass, one_pass/micro8, ...
     state_dir = args.state_dir + ("" if sub == "." else "_" + sub.replace(os.sep, "_"))
 
@@ -388,12 +447,8 @@ def run(args) -> int:
                 print(f"size_sweep: {model} not started, {left:.0f} s of the budget left", flush=True)
                 break
             done = os.path.join(results, model)
-            argv = ["--data", args.data, "--model", model, *length,
-                    "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(args.micro),
-                    "--gas", str(GAS), "--lr", str(SPARSELOCO_LR), "--rows", ",".join(rows[model]), "--seeds", args.seeds,
-                    "--compile", "--budget-s", str(left),
-                    "--val-every", str(VAL_EVERY), "--eval-batches", str(EVAL_SEQS // args.micro), "--tag", args.tag,
-                    "--out", os.path.normpath(os.path.join(args.out, sub, model))]
+            argv = paper_tables_argv(args.data, model, args.one_pass, args.micro, rows[model], args.seeds, left,
+                                     args.tag, os.path.normpath(os.path.join(args.out, sub, model)))
             if not args.whole_rows:
                 argv += ["--state-dir", os.path.join(state_dir, model)]
             elif (pace := measured_pace(load(model, results), card, args.gpus_per_row)) is not None:
@@ -416,6 +471,107 @@ def run(args) -> int:
     # a lane's SystemExit here
     with concurrent.futures.ThreadPoolExecutor(len(lanes)) as pool:
         return max(f.result() for f in [pool.submit(lane, *x) for x in lanes])
+
+
+def regime_of(sub: str) -> tuple[bool, int]:
+    """(one_pass, micro) of a regime named by its folder under bench/results/size_sweep/ (".",
+    "one_pass", "one_pass/micro8", "micro8")."""
+    parts = [x for x in os.path.normpath(sub).split(os.sep) if x != "."]
+    one_pass = parts[:1] == ["one_pass"]
+    rest = parts[1:] if one_pass else parts
+    micro = MICRO
+    if rest and rest[0].startswith("micro") and rest[0][len("micro"):].isdigit():
+        micro = int(rest.pop(0)[len("micro"):])
+    if rest or micro < 1 or EVAL_SEQS % micro or \
+            os.path.relpath(results_folder(one_pass, micro), RESULTS) != os.path.normpath(sub):
+        raise SystemExit(f"size_sweep: --regimes: {sub!r} is not a regime's folder (one of ., one_pass, micro8, "
+                         f"one_pass/micro8, ...: micro<N> with N dividing {EVAL_SEQS}, not {MICRO})")
+    return one_pass, micro
+
+
+def fill(args) -> int:
+    """Whole rows of several regimes and sizes on every visible GPU until the budget. Each GPU in
+    turn takes the first row that can start (regime order, then seed 0 before seed 1, then size,
+    then the size's own order: `rows_ready`) and that it can finish in the time left at the row's
+    measured pace on this card, one GPU a row. The rows are read again before every pick, from the
+    committed results and this machine's --out together, so a row that closes an lr bracket lets
+    that size's seed 1 start in the same call, and a later call on the same machine skips what an
+    earlier one finished. No state is saved: a machine given back between calls takes nothing with
+    it, and no GPU waits on another's size."""
+    import threading
+
+    import paper_tables
+    import torch
+
+    t0 = time.time()
+    models = sizes_of(args.model)
+    regimes = {sub: regime_of(sub) for sub in dict.fromkeys(args.regimes.split(","))}
+    gpus = paper_tables.gpu_ids("cuda")
+    if not gpus:
+        raise SystemExit("size_sweep: fill: no CUDA device visible "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    threads = max(1, (os.cpu_count() or 1) // len(gpus))
+    steps = functools.lru_cache(maxsize=None)(steps_for)
+    guess = {sub: estimated_paces(*regimes[sub], results_folder(*regimes[sub]), 0.25) for sub in regimes}
+    ensure_corpus(args)
+    lock, running, tried, order = threading.Lock(), set(), set(), itertools.count(1)
+    stamp = time.strftime("%m%d%H%M")  # with the pick's number, a file name no other call on the machine gives
+
+    def rows_now(sub: str, model: str) -> tuple[list[dict], float]:
+        """The size's finished rows in the committed results and --out together, and its pace."""
+        runs = [x for x in (load_runs(os.path.join(results_folder(*regimes[sub]), model)),
+                            load_runs(os.path.join(args.out, sub, model))) if x]
+        if not runs:
+            return [], guess[sub][model][0]
+        names = {r["variant"]["name"] for r in runs[0][0]}
+        rows = runs[0][0] + [r for x in runs[1:] for r in x[0] if r["variant"]["name"] not in names]
+        loaded = (summarize_tables.summarize(rows, runs[0][1]), runs[0][1])
+        return loaded[0], measured_pace(loaded, card, 1) or guess[sub][model][0]
+
+    def pick() -> tuple | None:
+        left = args.budget_s - (time.time() - t0)
+        with lock:
+            for sub in regimes:
+                ready = {m: rows_now(sub, m) for m in models}
+                for seed in (0, 1):
+                    for model in models:
+                        summary, pace = ready[model]
+                        for row, s in rows_ready(model, summary):
+                            key = (sub, model, row, s)
+                            if s != seed or key in running or key in tried:
+                                continue
+                            need = pace * steps(model, *regimes[sub])[0] + FILL_MARGIN_S
+                            if need > left:  # the budget only shrinks: said once, not tried again
+                                tried.add(key)
+                                print(f"fill: {sub}/{model} {row}@seed{s} not started: {need:.0f} s at {pace:.3f} s "
+                                      f"a step, {left:.0f} s of the budget left", flush=True)
+                                continue
+                            running.add(key)
+                            return key, pace, next(order)
+        return None
+
+    def lane(gpu: str) -> int:
+        status = 0
+        while (got := pick()) is not None:
+            (sub, model, row, seed), pace, n = got
+            out = os.path.normpath(os.path.join(args.out, sub, model))
+            print(f"fill: GPU {gpu}: {sub}/{model} {row}@seed{seed} at {pace:.3f} s a step", flush=True)
+            try:
+                argv = paper_tables_argv(args.data, model, *regimes[sub], [row], str(seed),
+                                         args.budget_s - (time.time() - t0), f"{args.tag}{stamp}_{n}", out)
+                status = max(status, paper_tables.main(argv + ["--s-per-step", f"{pace:.4f}", "--gpu-ids", gpu,
+                                                               "--threads", str(threads)]))
+            finally:
+                with lock:  # finished, it leaves the queue by its JSON; not finished, it is not tried again
+                    running.discard((sub, model, row, seed))
+                    tried.add((sub, model, row, seed))
+        return status
+
+    print(f"fill: {', '.join(models)} in {', '.join(regimes)} on GPUs {','.join(gpus)}, {args.budget_s:.0f} s",
+          flush=True)
+    with concurrent.futures.ThreadPoolExecutor(len(gpus)) as pool:
+        return max(f.result() for f in [pool.submit(lane, g) for g in gpus])
 
 
 def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | None:
@@ -702,12 +858,21 @@ def main(argv=None) -> int:
     r.add_argument("--seeds", default="0", help='"0": every row of the size and the next lr of each open bracket; '
                    '"1": SparseLoCo and AdamW at their tuned lrs, DiLoCo')
     r.add_argument("--rows", default="", help="comma-separated rows instead of the size's own")
-    r.add_argument("--data", default="runs/size_sweep_corpus_seq256.pt")
-    r.add_argument("--tokenizer", default=".benchdata/tokenizer")
-    r.add_argument("--roots", default="/opt/torch/.venv/lib/python3.12/site-packages,/usr/lib/python3.12,"
-                                      "/usr/local/cuda/include")
-    r.add_argument("--budget-s", type=float, default=500, help="seconds from start (the corpus build included) "
-                   "after which no row starts or continues")
+    fl = verbs.add_parser("fill", help="whole rows of several regimes and sizes, one a GPU, until the budget")
+    fl.add_argument("--model", default=",".join(SIZES), help="sizes, comma-separated, in the order their rows go first")
+    fl.add_argument("--regimes", required=True,
+                    help="regimes by their folders under bench/results/size_sweep, comma-separated, in the order "
+                         "their rows go first: e.g. one_pass,one_pass/micro8")
+    fl.add_argument("--tag", default="fill")
+    fl.add_argument("--out", default="runs/size_sweep_fill",
+                    help="<regime>/<model>/ of finished rows: keep it on the machine, so that a later call skips them")
+    for verb in (r, fl):
+        verb.add_argument("--data", default="runs/size_sweep_corpus_seq256.pt")
+        verb.add_argument("--tokenizer", default=".benchdata/tokenizer")
+        verb.add_argument("--roots", default="/opt/torch/.venv/lib/python3.12/site-packages,/usr/lib/python3.12,"
+                                             "/usr/local/cuda/include")
+        verb.add_argument("--budget-s", type=float, default=500, help="seconds from start (the corpus build "
+                          "included) after which no row starts or continues")
     r.add_argument("--state-dir", default="runs/size_sweep_state")
     r.add_argument("--whole-rows", action="store_true",
                    help="start only rows that finish within the budget (at the regime's measured pace, of rows run on "
@@ -734,6 +899,8 @@ def main(argv=None) -> int:
                           help=f"sequences a replica micro-batch (default {MICRO}; {GAS} a step): the same tokens "
                                "in more replica steps, so more outer syncs (results under .../micro<N>/)")
     args = p.parse_args(argv)
+    if args.verb == "fill":
+        return fill(args)
     if args.micro < 1 or EVAL_SEQS % args.micro:
         raise SystemExit(f"size_sweep: --micro {args.micro}: must divide the {EVAL_SEQS} held-out sequences every "
                          "regime validates on")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -658,6 +659,70 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     assert sorted((r["mode"], r["lr"]) for r in doc["rows"] if r["tuned"] and r["mode"] in ("sparseloco", "adamw")) == \
         [("adamw", 0.001), ("sparseloco", 0.001)]
     assert ss.bracket_rows(ss.load_size("60M", str(tmp_path / "r"))[0]) == []
+
+
+def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its_bracket_closes(tmp_path, monkeypatch,
+                                                                                                  capsys):
+    """fill over the one-pass regime and its micro-batch-8 regime at 20M and 60M on two GPUs, the
+    committed rows done and a stand-in paper_tables.main that finishes each row at once (writing it
+    into --out from the committed row of its mode): 60M's one-pass seed 1 goes first (its regime
+    first); then 20M's SparseLoCo 5e-4 at micro-batch 8, and, once that lost to 1e-3 and closed the
+    bracket, 20M's seed 1 of SparseLoCo 1e-3 in the same call; 60M's micro-batch-8 rows, 392 s at
+    their measured pace with the margin, do not fit 350 s and are said not started. Each row once,
+    one GPU a row, its pace passed on, no state saved; a second call on the same --out starts
+    nothing. Breaks if fill read the rows only once, ignored --out or started a row it cannot finish."""
+    import json
+    import sys
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    pt = bench_module("paper_tables")
+    calls = []
+
+    def fake_main(argv):
+        flag = flags(argv)
+        row, seed = flag["--rows"], int(flag["--seeds"])
+        sub = "one_pass" if flag["--micro"] == "32" else "one_pass/micro8"
+        calls.append((sub, flag["--model"], row, seed))
+        assert "--state-dir" not in flag and flag["--passes"] == "1" and flag["--gpu-ids"] in ("0", "1")
+        assert float(flag["--budget-s"]) <= 350 and flag["--out"] == str(tmp_path / "o" / sub / flag["--model"])
+        mode = row.split(":lr=")[0]
+        for f in sorted((Path(ss.RESULTS) / sub / flag["--model"]).glob("paper_tables_*.json")):
+            doc = json.loads(f.read_text())
+            like = [r for r in doc["rows"] if r["variant"]["name"].startswith(mode + ":lr=0.001@seed0")]
+            if like:
+                r = like[0]
+                r["variant"] = dict(r["variant"], name=f"{row}@seed{seed}", lr=float(row.split("lr=")[1]), seed=seed)
+                r["val_loss"] += 0.05 if row == "sparseloco:lr=0.0005" else 0.0  # worse than 1e-3
+                doc["rows"], doc["unfinished"] = [r], []
+                os.makedirs(flag["--out"], exist_ok=True)
+                Path(flag["--out"], f"paper_tables_{flag['--tag']}_g0p0.json").write_text(json.dumps(doc))
+                return 0
+        raise AssertionError(f"no committed {mode} row at {sub}/{flag['--model']}")
+
+    monkeypatch.setattr(pt, "main", fake_main)
+    monkeypatch.setitem(sys.modules, "paper_tables", pt)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    data = tmp_path / "c.pt"
+    data.write_bytes(b"")
+    argv = ["fill", "--model", "20M,60M", "--regimes", "one_pass,one_pass/micro8", "--data", str(data),
+            "--out", str(tmp_path / "o"), "--budget-s", "350"]
+    assert ss.main(argv) == 0
+    assert calls[0] == ("one_pass", "60M", "sparseloco:lr=0.001", 1)
+    assert sorted(calls[1:]) == [("one_pass/micro8", "20M", "sparseloco:lr=0.0005", 0),
+                                 ("one_pass/micro8", "20M", "sparseloco:lr=0.001", 1)]
+    assert calls.index(("one_pass/micro8", "20M", "sparseloco:lr=0.001", 1)) == 2
+    out = capsys.readouterr().out
+    micro8 = ss.results_folder(True, 8)
+    pace = ss.measured_pace(ss.load_size("60M", micro8))
+    need = pace * ss.steps_for("60M", True, 8)[0] + ss.FILL_MARGIN_S
+    assert 350 < need < 400 and f"one_pass/micro8/60M sparseloco:lr=0.0005@seed0 not started: {need:.0f} s" in out
+    assert len({p.name for p in (tmp_path / "o").glob("**/paper_tables_*.json")}) == 3
+    calls.clear()
+    assert ss.main(argv) == 0 and calls == []
+    with pytest.raises(SystemExit, match="'one_pass/micro32' is not a regime's folder"):
+        ss.main(argv[:4] + ["one_pass/micro32"] + argv[5:])
 
 
 def test_size_sweep_side_by_side_shares_the_gpus_among_the_sizes(monkeypatch, capsys):
