@@ -551,27 +551,35 @@ def fill(args) -> int:
                             return key, pace, next(order)
         return None
 
-    def lane(gpu: str) -> int:
-        status = 0
+    def lane(gpu: str) -> tuple[int, int, float]:
+        """(exit status, rows finished, seconds busy) of one GPU's rows."""
+        status, finished, busy = 0, 0, 0.0
         while (got := pick()) is not None:
             (sub, model, row, seed), pace, n = got
             out = os.path.normpath(os.path.join(args.out, sub, model))
             print(f"fill: GPU {gpu}: {sub}/{model} {row}@seed{seed} at {pace:.3f} s a step", flush=True)
+            start = time.time()
             try:
                 argv = paper_tables_argv(args.data, model, *regimes[sub], [row], str(seed),
                                          args.budget_s - (time.time() - t0), f"{args.tag}{stamp}_{n}", out)
                 status = max(status, paper_tables.main(argv + ["--s-per-step", f"{pace:.4f}", "--gpu-ids", gpu,
                                                                "--threads", str(threads)]))
             finally:
+                busy += time.time() - start
                 with lock:  # finished, it leaves the queue by its JSON; not finished, it is not tried again
                     running.discard((sub, model, row, seed))
                     tried.add((sub, model, row, seed))
-        return status
+            finished += (row, seed) in done_row_seeds(rows_now(sub, model)[0])
+        return status, finished, busy
 
     print(f"fill: {', '.join(models)} in {', '.join(regimes)} on GPUs {','.join(gpus)}, {args.budget_s:.0f} s",
           flush=True)
     with concurrent.futures.ThreadPoolExecutor(len(gpus)) as pool:
-        return max(f.result() for f in [pool.submit(lane, g) for g in gpus])
+        lanes = [f.result() for f in [pool.submit(lane, g) for g in gpus]]
+    # what the call's GPU time bought, for the call's notes
+    print(f"fill: {sum(x[1] for x in lanes)} rows finished in {time.time() - t0:.0f} s; busy "
+          + ", ".join(f"GPU {g} {x[2]:.0f} s" for g, x in zip(gpus, lanes)), flush=True)
+    return max(x[0] for x in lanes)
 
 
 def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | None:

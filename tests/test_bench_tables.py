@@ -718,6 +718,7 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
     pace = ss.measured_pace(ss.load_size("60M", micro8))
     need = pace * ss.steps_for("60M", True, 8)[0] + ss.FILL_MARGIN_S
     assert 350 < need < 400 and f"one_pass/micro8/60M sparseloco:lr=0.0005@seed0 not started: {need:.0f} s" in out
+    assert "fill: 3 rows finished in " in out
     assert len({p.name for p in (tmp_path / "o").glob("**/paper_tables_*.json")}) == 3
     calls.clear()
     assert ss.main(argv) == 0 and calls == []
