@@ -496,8 +496,8 @@ def fill(args) -> int:
     measured pace on this card, one GPU a row. The rows are read again before every pick, from the
     committed results and this machine's --out together, so a row that closes an lr bracket lets
     that size's seed 1 start in the same call, and a later call on the same machine skips what an
-    earlier one finished. No state is saved: a machine given back between calls takes nothing with
-    it, and no GPU waits on another's size."""
+    earlier one finished; a GPU with nothing to start waits while rows run, since one may. No state
+    is saved: a machine given back between calls takes nothing with it."""
     import threading
 
     import paper_tables
@@ -515,7 +515,8 @@ def fill(args) -> int:
     steps = functools.lru_cache(maxsize=None)(steps_for)
     guess = {sub: estimated_paces(*regimes[sub], results_folder(*regimes[sub]), 0.25) for sub in regimes}
     ensure_corpus(args)
-    lock, running, tried, order = threading.Lock(), set(), set(), itertools.count(1)
+    running, tried, order = set(), set(), itertools.count(1)
+    ended = threading.Condition()  # a row ended; its lock guards running and tried
     stamp = time.strftime("%m%d%H%M")  # with the pick's number, a file name no other call on the machine gives
 
     def rows_now(sub: str, model: str) -> tuple[list[dict], float]:
@@ -530,25 +531,34 @@ def fill(args) -> int:
         return loaded[0], measured_pace(loaded, card, 1) or guess[sub][model][0]
 
     def pick() -> tuple | None:
-        left = args.budget_s - (time.time() - t0)
-        with lock:
-            for sub in regimes:
-                ready = {m: rows_now(sub, m) for m in models}
-                for seed in (0, 1):
-                    for model in models:
-                        summary, pace = ready[model]
-                        for row, s in rows_ready(model, summary):
-                            key = (sub, model, row, s)
-                            if s != seed or key in running or key in tried:
-                                continue
-                            need = pace * steps(model, *regimes[sub])[0] + FILL_MARGIN_S
-                            if need > left:  # the budget only shrinks: said once, not tried again
-                                tried.add(key)
-                                print(f"fill: {sub}/{model} {row}@seed{s} not started: {need:.0f} s at {pace:.3f} s "
-                                      f"a step, {left:.0f} s of the budget left", flush=True)
-                                continue
-                            running.add(key)
-                            return key, pace, next(order)
+        """The next row for a free GPU; while none can start but rows still run, waits for one of
+        them to end (it may close a bracket and so let seed 1 start)."""
+        with ended:
+            while (got := first_fit(args.budget_s - (time.time() - t0))) is None and running:
+                ended.wait(timeout=30)
+            return got
+
+    def first_fit(left: float) -> tuple | None:
+        """The first row ready (regime, seed, size, the size's order) that fits `left` seconds; rows
+        that do not fit are said once and not tried again, as the budget only shrinks. Called with
+        `ended` held."""
+        for sub in regimes:
+            ready = {m: rows_now(sub, m) for m in models}
+            for seed in (0, 1):
+                for model in models:
+                    summary, pace = ready[model]
+                    for row, s in rows_ready(model, summary):
+                        key = (sub, model, row, s)
+                        if s != seed or key in running or key in tried:
+                            continue
+                        need = pace * steps(model, *regimes[sub])[0] + FILL_MARGIN_S
+                        if need > left:
+                            tried.add(key)
+                            print(f"fill: {sub}/{model} {row}@seed{s} not started: {need:.0f} s at {pace:.3f} s "
+                                  f"a step, {left:.0f} s of the budget left", flush=True)
+                            continue
+                        running.add(key)
+                        return key, pace, next(order)
         return None
 
     def lane(gpu: str) -> tuple[int, int, float]:
@@ -566,9 +576,10 @@ def fill(args) -> int:
                                                                "--threads", str(threads)]))
             finally:
                 busy += time.time() - start
-                with lock:  # finished, it leaves the queue by its JSON; not finished, it is not tried again
+                with ended:  # finished, it leaves the queue by its JSON; not finished, it is not tried again
                     running.discard((sub, model, row, seed))
                     tried.add((sub, model, row, seed))
+                    ended.notify_all()
             finished += (row, seed) in done_row_seeds(rows_now(sub, model)[0])
         return status, finished, busy
 

@@ -670,30 +670,38 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
     bracket, 20M's seed 1 of SparseLoCo 1e-3 in the same call; 60M's micro-batch-8 rows, 392 s at
     their measured pace with the margin, do not fit 350 s and are said not started. Each row once,
     one GPU a row, its pace passed on, no state saved; a second call on the same --out starts
-    nothing. Breaks if fill read the rows only once, ignored --out or started a row it cannot finish."""
+    nothing. With one row able to start, the other GPU waits for it and shares the seed-1 rows it
+    unlocks. Breaks if fill read the rows only once, ignored --out, started a row it cannot finish
+    or let a GPU go while a running row could still give it work."""
     import json
     import sys
+    import time
 
     import pytest
 
     ss = bench_module("size_sweep")
     pt = bench_module("paper_tables")
-    calls = []
+    calls, gpu_of = [], {}
+    budget, out_dir = 350, tmp_path / "o"
 
     def fake_main(argv):
         flag = flags(argv)
         row, seed = flag["--rows"], int(flag["--seeds"])
         sub = "one_pass" if flag["--micro"] == "32" else "one_pass/micro8"
         calls.append((sub, flag["--model"], row, seed))
+        gpu_of[(flag["--model"], row, seed)] = flag["--gpu-ids"]
+        time.sleep(0.1)  # a row takes time: the other GPU looks for work meanwhile
         assert "--state-dir" not in flag and flag["--passes"] == "1" and flag["--gpu-ids"] in ("0", "1")
-        assert float(flag["--budget-s"]) <= 350 and flag["--out"] == str(tmp_path / "o" / sub / flag["--model"])
+        assert float(flag["--budget-s"]) <= budget and flag["--out"] == str(out_dir / sub / flag["--model"])
         mode = row.split(":lr=")[0]
-        for f in sorted((Path(ss.RESULTS) / sub / flag["--model"]).glob("paper_tables_*.json")):
+        for f in sorted((Path(ss.RESULTS) / sub / flag["--model"]).glob("paper_tables_*.json"),
+                        key=lambda f: "sparseloco:lr=0.001@seed0" not in f.read_text()):
             doc = json.loads(f.read_text())
-            like = [r for r in doc["rows"] if r["variant"]["name"].startswith(mode + ":lr=0.001@seed0")]
+            like = sorted((r for r in doc["rows"] if r["variant"]["name"].startswith(mode + ":lr=")
+                           and r["variant"]["seed"] == 0), key=lambda r: r["variant"]["lr"] != 1e-3)  # 1e-3's first
             if like:
                 r = like[0]
-                r["variant"] = dict(r["variant"], name=f"{row}@seed{seed}", lr=float(row.split("lr=")[1]), seed=seed)
+                r["variant"] = dict(r["variant"], name=f"{row}@seed{seed}", lr=float(row.rsplit(":lr=")[1]), seed=seed)
                 r["val_loss"] += 0.05 if row == "sparseloco:lr=0.0005" else 0.0  # worse than 1e-3
                 doc["rows"], doc["unfinished"] = [r], []
                 os.makedirs(flag["--out"], exist_ok=True)
@@ -724,6 +732,17 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
     assert ss.main(argv) == 0 and calls == []
     with pytest.raises(SystemExit, match="'one_pass/micro32' is not a regime's folder"):
         ss.main(argv[:4] + ["one_pass/micro32"] + argv[5:])
+    # 60M alone at micro-batch 8 with time enough: its SparseLoCo 5e-4 is the one row that can start,
+    # so the other GPU waits; when it loses to 1e-3, the three seed-1 rows it lets start go to both GPUs
+    calls.clear()
+    budget, out_dir = 100000, tmp_path / "o2"
+    argv = ["fill", "--model", "60M", "--regimes", "one_pass/micro8", "--data", str(data),
+            "--out", str(out_dir), "--budget-s", str(budget)]
+    assert ss.main(argv) == 0
+    assert calls[0] == ("one_pass/micro8", "60M", "sparseloco:lr=0.0005", 0)
+    seed1 = [("sparseloco:lr=0.001", 1), ("adamw:lr=0.001", 1), (f"{ss.DILOCO}:lr=0.002", 1)]
+    assert sorted(c[2:] for c in calls[1:]) == sorted(seed1)
+    assert {gpu_of[("60M", *r)] for r in seed1} == {"0", "1"}
 
 
 def test_size_sweep_side_by_side_shares_the_gpus_among_the_sizes(monkeypatch, capsys):
