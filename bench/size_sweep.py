@@ -92,8 +92,10 @@ EVAL_SEQS = 16 * MICRO
 # 150-190 s for a machine's first row or a row resumed across calls.
 ROW_OVERHEAD_S = 120
 # What `fill` adds to a row's steps at its measured pace before it starts one: paper_tables' own
-# last-minute margin (it starts no row within 60 s of its deadline) and its start, 10-25 s.
-FILL_MARGIN_S = 90
+# last-minute margin (it starts no row within 60 s of its deadline) and its start (11 s on 2x H200,
+# 2026-11-28). Every second counts: a fresh machine's call has about 525 s left after the corpus,
+# and a 105M micro-batch-8 row takes 467 s.
+FILL_MARGIN_S = 75
 
 # The paper's points (DCLM, M = 8, S = 4, H = 50): degradation over SparseLoCo in % (Table 1: 178M,
 # 512M; Table 2: 512M; Table 7: 1B), and SparseLoCo's gap to AdamW at 512M (Tables 1 and 4).

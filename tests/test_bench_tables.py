@@ -667,7 +667,7 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
     committed rows done and a stand-in paper_tables.main that finishes each row at once (writing it
     into --out from the committed row of its mode): 60M's one-pass seed 1 goes first (its regime
     first); then 20M's SparseLoCo 5e-4 at micro-batch 8, and, once that lost to 1e-3 and closed the
-    bracket, 20M's seed 1 of SparseLoCo 1e-3 in the same call; 60M's micro-batch-8 rows, 392 s at
+    bracket, 20M's seed 1 of SparseLoCo 1e-3 in the same call; 60M's micro-batch-8 rows, 377 s at
     their measured pace with the margin, do not fit 350 s and are said not started. Each row once,
     one GPU a row, its pace passed on, no state saved; a second call on the same --out starts
     nothing. With one row able to start, the other GPU waits for it and shares the seed-1 rows it
