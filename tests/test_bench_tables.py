@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -21,22 +20,25 @@ def flags(argv: list[str]) -> dict[str, str]:
     return {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
 
 
-def add_row(folder: Path, like: str, name: str, dloss: float) -> None:
-    """A made-up row `name` in `folder` (a file of its own): the committed row `like` of `folder`
-    renamed, its lr and seed read from the new name, its validation loss `dloss` above the original."""
+def add_row(folder: Path, like: str, name: str, dloss: float, into: Path | None = None, file: str = "") -> None:
+    """A made-up row `name` in `into` (default `folder`; a file of its own, `file` or the next
+    paper_tables_made_<n>_g0p0.json): the committed row `like` of `folder` renamed, its lr and seed
+    read from the new name, its validation loss `dloss` above the original."""
     import json
 
+    into = into or folder
     for f in sorted(folder.glob("paper_tables_*.json")):
         doc = json.loads(f.read_text())
         found = [r for r in doc["rows"] if r["variant"]["name"] == like]
         if found:
             r = found[0]
-            r["variant"] = dict(r["variant"], name=name, lr=float(name.split("lr=")[1].split("@")[0]),
+            r["variant"] = dict(r["variant"], name=name, lr=float(name.rsplit(":lr=")[1].split("@")[0]),
                                 seed=int(name.split("@seed")[1]))
             r["val_loss"] += dloss
             doc["rows"], doc["unfinished"] = [r], []
-            (folder / f"paper_tables_made_{len(list(folder.glob('paper_tables_made_*')))}_g0p0.json").write_text(
-                json.dumps(doc))
+            into.mkdir(parents=True, exist_ok=True)
+            file = file or f"paper_tables_made_{len(list(into.glob('paper_tables_made_*')))}_g0p0.json"
+            (into / file).write_text(json.dumps(doc))
             return
     raise AssertionError(f"no row {like} under {folder}")
 
@@ -673,7 +675,6 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
     nothing. With one row able to start, the other GPU waits for it and shares the seed-1 rows it
     unlocks. Breaks if fill read the rows only once, ignored --out, started a row it cannot finish
     or let a GPU go while a running row could still give it work."""
-    import json
     import sys
     import time
 
@@ -694,20 +695,11 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
         assert "--state-dir" not in flag and flag["--passes"] == "1" and flag["--gpu-ids"] in ("0", "1")
         assert float(flag["--budget-s"]) <= budget and flag["--out"] == str(out_dir / sub / flag["--model"])
         mode = row.split(":lr=")[0]
-        for f in sorted((Path(ss.RESULTS) / sub / flag["--model"]).glob("paper_tables_*.json"),
-                        key=lambda f: "sparseloco:lr=0.001@seed0" not in f.read_text()):
-            doc = json.loads(f.read_text())
-            like = sorted((r for r in doc["rows"] if r["variant"]["name"].startswith(mode + ":lr=")
-                           and r["variant"]["seed"] == 0), key=lambda r: r["variant"]["lr"] != 1e-3)  # 1e-3's first
-            if like:
-                r = like[0]
-                r["variant"] = dict(r["variant"], name=f"{row}@seed{seed}", lr=float(row.rsplit(":lr=")[1]), seed=seed)
-                r["val_loss"] += 0.05 if row == "sparseloco:lr=0.0005" else 0.0  # worse than 1e-3
-                doc["rows"], doc["unfinished"] = [r], []
-                os.makedirs(flag["--out"], exist_ok=True)
-                Path(flag["--out"], f"paper_tables_{flag['--tag']}_g0p0.json").write_text(json.dumps(doc))
-                return 0
-        raise AssertionError(f"no committed {mode} row at {sub}/{flag['--model']}")
+        like = f"{mode}:lr={0.002 if mode == ss.DILOCO else 0.001}@seed0"  # each mode's committed row
+        add_row(Path(ss.RESULTS) / sub / flag["--model"], like, f"{row}@seed{seed}",
+                0.05 if row == "sparseloco:lr=0.0005" else 0.0,  # worse than 1e-3
+                into=Path(flag["--out"]), file=f"paper_tables_{flag['--tag']}_g0p0.json")
+        return 0
 
     monkeypatch.setattr(pt, "main", fake_main)
     monkeypatch.setitem(sys.modules, "paper_tables", pt)
