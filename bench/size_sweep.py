@@ -378,6 +378,11 @@ def ensure_corpus(args) -> None:
                        env=dict(os.environ, TOKENIZERS_PARALLELISM="true"), check=True)
 
 
+def cores_a_gpu(gpus: list[str]) -> int:
+    """The cores each GPU's paper_tables gets when several share the machine (one process a GPU)."""
+    return max(1, (os.cpu_count() or 1) // max(1, len(gpus)))
+
+
 def sizes_of(arg: str) -> list[str]:
     models = arg.split(",")
     bad = [m for m in models if m not in SIZES]
@@ -419,7 +424,7 @@ def run(args) -> int:
     lanes, threads_a_gpu = [(None, models)], 0
     if args.side_by_side:
         gpus = paper_tables.gpu_ids("cuda")
-        threads_a_gpu = max(1, (os.cpu_count() or 1) // max(1, len(gpus)))  # one process a GPU
+        threads_a_gpu = cores_a_gpu(gpus)
         blocks = paper_tables.gpu_blocks(args, gpus)
         if not blocks:
             raise SystemExit(f"size_sweep: --side-by-side: {len(gpus)} GPU(s) visible, fewer than --gpus-per-row "
@@ -513,7 +518,7 @@ def fill(args) -> int:
         raise SystemExit("size_sweep: fill: no CUDA device visible "
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    threads = max(1, (os.cpu_count() or 1) // len(gpus))
+    threads = cores_a_gpu(gpus)
     steps = functools.lru_cache(maxsize=None)(steps_for)
     guess = {sub: estimated_paces(*regimes[sub], results_folder(*regimes[sub]), 0.25) for sub in regimes}
     ensure_corpus(args)
