@@ -230,6 +230,12 @@ def claim(claims: str, name: str) -> bool:
         return False
 
 
+def row_margin_s(state: str | None) -> float:
+    """Seconds before the deadline by which a row must stop: a saved row's state takes time to
+    write; an abandoned row writes nothing, and a finished one only its validation and JSON."""
+    return 60 if state else 15
+
+
 def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dict, float]:
     """One row (`simulate_variant`), compiled if asked, and the time its last attempt started; a
     compiler failure reruns it eager (noted in `meta`). In a group of --gpus-per-row processes
@@ -244,7 +250,7 @@ def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dic
     kw = {"shards": args.gpus_per_row} if args.gpus_per_row > 1 else {}
     try:
         return simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
-                                compile=args.compile, deadline=args.deadline - 60, state_path=state,
+                                compile=args.compile, deadline=args.deadline - row_margin_s(state), state_path=state,
                                 val_every=args.val_every, **kw), t0
     except Exception as err:  # noqa: BLE001 - a compiler failure costs the row's speed, not the row
         if not args.compile or isinstance(err, torch.cuda.OutOfMemoryError):
@@ -255,7 +261,7 @@ def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dic
         meta["eager_rows"] = meta.get("eager_rows", []) + [v.name]
         t0 = time.time()
         return simulate_variant(run, v, llama, corpus, args.replicas, args.stages, args.steps, device, progress=False,
-                                compile=False, deadline=args.deadline - 60, state_path=state,
+                                compile=False, deadline=args.deadline - row_margin_s(state), state_path=state,
                                 val_every=args.val_every, **kw), t0
 
 

@@ -273,6 +273,32 @@ def test_a_saved_row_resumes_where_it_stopped(tmp_path):
     assert row(deadline=0.0)["status"] == "abandoned"
 
 
+def test_an_unsaved_row_is_abandoned_by_its_steady_pace_not_its_first_interval(tmp_path, monkeypatch):
+    """Without a state path, a row whose first interval is slow (as a compile makes it: step 1
+    takes 2 s) runs to the end when its later pace fits the deadline, though the average pace at
+    the first boundary projects past it; a row whose steps slow to 1.5 s after the first boundary
+    is abandoned at the second one (step 4 of 6). Breaks if the first interval's pace decides, or
+    if the projection ignores the pace after it."""
+    import time
+
+    from hetloco_ds.sim import rows
+
+    row, plain = _het4_row(tmp_path), rows.step_batches
+    seconds, calls = {}, []
+
+    def slow(*a, **kw):
+        calls.append(1)
+        time.sleep(seconds.get(len(calls), seconds.get(0, 0.0)))
+        return plain(*a, **kw)
+
+    monkeypatch.setattr(rows, "step_batches", slow)
+    seconds.update({1: 2.0})
+    assert row(deadline=time.time() + 4.5)["status"] == "done"
+    calls.clear(), seconds.clear(), seconds.update({1: 0.0, 2: 0.0, 0: 1.5})
+    late = row(deadline=time.time() + 4.0)
+    assert (late["status"], late["step"]) == ("abandoned", 4)
+
+
 def test_a_rows_validation_curve_is_each_shorter_rows_final_validation(tmp_path):
     """simulate_variant(val_every=2) of het:4 over 6 steps (H = 2): its val_curve holds steps 2, 4
     and 6, and the point at step s is, bit for bit, the final validation of the same row run for s

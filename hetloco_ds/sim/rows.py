@@ -217,7 +217,9 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     steps) the row stops when, at this call's pace, it could not reach the next boundary before
     the deadline. With `state_path` it then saves its state there ("status": "saved") and a later
     call with the same path continues from it, ending exactly as an uninterrupted run; without,
-    it stops as soon as it is projected to end after the deadline ("status": "abandoned").
+    it stops as soon as it is projected to end after the deadline ("status": "abandoned"): at the
+    first boundary only if the deadline has passed, later at its pace since that boundary, since
+    the first interval's pace holds the compile and would abandon a row that fits.
 
     `shards` G > 1: this process is one of the G processes of the torch.distributed world that
     run the row together (sim/sharded.py), holding replicas [g M/G, (g+1) M/G); every process
@@ -246,6 +248,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         raise ConfigError(f"{variant.name}: val_every {val_every} must be a multiple of the {log.H} steps between "
                           "outer steps (0: validate at the end only)")
     interval = log.H if log.enabled else 50  # steps between boundaries (nothing pending)
+    first = None  # (step, time) of this call's first boundary: the steady pace is measured from it
     for step in range(done + 1, steps + 1):
         log.pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
         if log.syncs(step):
@@ -260,9 +263,13 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
             val_curve.append({"step": step, "loss": sum(losses) / len(losses)})
         if deadline is None or step == steps or step % interval:
             continue
-        pace = (time.perf_counter() - t0) / (step - done)
-        stop = (time.time() + pace * interval > deadline if state_path
-                else time.time() + pace * (steps - step) > deadline)
+        now = time.perf_counter()
+        if state_path:
+            stop = time.time() + (now - t0) / (step - done) * interval > deadline
+        elif first is None:
+            first, stop = (step, now), time.time() > deadline
+        else:
+            stop = time.time() + (now - first[1]) / (step - first[0]) * (steps - step) > deadline
         if batched:
             stop = sim.shards.first(stop)  # every block stops at the same boundary
         if stop:
