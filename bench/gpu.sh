@@ -18,8 +18,10 @@
 #   4. the bench: python3 bench/SCRIPT.py ARGS..., bounded by --timeout seconds (default 570; its
 #      whole process group is signalled), its output also in $OUT/SCRIPT.log.
 # --cpu: no wheels, no GPU check, this checkout's package with what is installed here; $OUT defaults
-# to a temporary folder. BENCH_PACK=1: $OUT's files are also packed into $OUT/bench.tgz every 15 s and
-# at the end (written aside, then renamed), for machines that give back only a few files.
+# to a temporary folder. On a GPU machine (BENCH_PACK=0 turns it off; BENCH_PACK=1 turns it on with
+# --cpu) $OUT's files are also packed into $OUT/bench.tgz every 15 s and at the end (written aside,
+# then renamed): the lending machine gives back 8 files at most, none more than 2 folders down, and
+# size_sweep.py's rows land 3 down ($OUT/one_pass/micro8/105M/).
 # Exit status: the bench's (124 when the timeout stopped it), or 1 when the preparation failed.
 set -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -44,7 +46,7 @@ NAME=${SCRIPT%.py}
 T0=$(date +%s)
 stamp() { echo "[gpu.sh] $(( $(date +%s) - T0 )) s: $*"; }
 
-if [ "${BENCH_PACK:-0}" = 1 ]; then
+if [ "${BENCH_PACK:-$((1 - CPU))}" = 1 ]; then
   pack() { tar czf "$OUT/.bench.tgz.part" -C "$OUT" --exclude bench.tgz --exclude .bench.tgz.part . \
              && mv -f "$OUT/.bench.tgz.part" "$OUT/bench.tgz"; }
   ( while sleep 15; do pack; done ) & PACKER=$!

@@ -275,10 +275,10 @@ def test_a_saved_row_resumes_where_it_stopped(tmp_path):
 
 def test_an_unsaved_row_is_abandoned_by_its_steady_pace_not_its_first_interval(tmp_path, monkeypatch):
     """Without a state path, a row whose first interval is slow (as a compile makes it: step 1
-    takes 2 s) runs to the end when its later pace fits the deadline, though the average pace at
-    the first boundary projects past it; a row whose steps slow to 1.5 s after the first boundary
-    is abandoned at the second one (step 4 of 6). Breaks if the first interval's pace decides, or
-    if the projection ignores the pace after it."""
+    takes 2 s) runs to the end when its later pace fits the deadline, though the mean pace at the
+    first boundary projects past it; a row whose steps slow to 1.5 s after the first boundary is
+    abandoned at the second one (step 4 of 6), as even that pace cannot end it in time. Breaks if
+    the first interval's pace decides, or if the projection ignores the pace after it."""
     import time
 
     from hetloco_ds.sim import rows

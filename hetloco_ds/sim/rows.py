@@ -217,9 +217,11 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     steps) the row stops when, at this call's pace, it could not reach the next boundary before
     the deadline. With `state_path` it then saves its state there ("status": "saved") and a later
     call with the same path continues from it, ending exactly as an uninterrupted run; without,
-    it stops as soon as it is projected to end after the deadline ("status": "abandoned"): at the
-    first boundary only if the deadline has passed, later at its pace since that boundary, since
-    the first interval's pace holds the compile and would abandon a row that fits.
+    it stops as soon as it cannot end before the deadline ("status": "abandoned"): at the first
+    boundary only if the deadline has passed, later when even its fastest interval's pace since
+    that boundary projects past it. An abandoned row's steps are lost, so the projection is the
+    optimistic one: the first interval holds the compile, and later ones may hold recompiles that
+    a mean pace would carry to every step left.
 
     `shards` G > 1: this process is one of the G processes of the torch.distributed world that
     run the row together (sim/sharded.py), holding replicas [g M/G, (g+1) M/G); every process
@@ -248,7 +250,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         raise ConfigError(f"{variant.name}: val_every {val_every} must be a multiple of the {log.H} steps between "
                           "outer steps (0: validate at the end only)")
     interval = log.H if log.enabled else 50  # steps between boundaries (nothing pending)
-    first = None  # (step, time) of this call's first boundary: the steady pace is measured from it
+    last, fastest = None, float("inf")  # (step, time) of the last boundary; the fastest interval's pace
     for step in range(done + 1, steps + 1):
         log.pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
         if log.syncs(step):
@@ -266,10 +268,12 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         now = time.perf_counter()
         if state_path:
             stop = time.time() + (now - t0) / (step - done) * interval > deadline
-        elif first is None:
-            first, stop = (step, now), time.time() > deadline
+        elif last is None:
+            stop = time.time() > deadline
         else:
-            stop = time.time() + (now - first[1]) / (step - first[0]) * (steps - step) > deadline
+            fastest = min(fastest, (now - last[1]) / (step - last[0]))
+            stop = time.time() + fastest * (steps - step) > deadline
+        last = (step, now)
         if batched:
             stop = sim.shards.first(stop)  # every block stops at the same boundary
         if stop:
