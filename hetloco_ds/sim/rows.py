@@ -220,8 +220,8 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     it stops as soon as it cannot end before the deadline ("status": "abandoned"): at the first
     boundary only if the deadline has passed, later when even its fastest interval's pace since
     that boundary projects past it. An abandoned row's steps are lost, so the projection is the
-    optimistic one: the first interval holds the compile, and later ones may hold recompiles that
-    a mean pace would carry to every step left.
+    optimistic one: the first interval holds the compile, and a later one may hold a validation
+    (the first compiles its own graph) that a mean pace would carry to every step left.
 
     `shards` G > 1: this process is one of the G processes of the torch.distributed world that
     run the row together (sim/sharded.py), holding replicas [g M/G, (g+1) M/G); every process
