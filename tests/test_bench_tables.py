@@ -43,6 +43,25 @@ def add_row(folder: Path, like: str, name: str, dloss: float, into: Path | None 
     raise AssertionError(f"no row {like} under {folder}")
 
 
+def results_without(ss, tmp_path: Path, monkeypatch, drop: dict[str, list[str]]) -> Path:
+    """size_sweep's committed results copied under tmp_path without the rows `drop` names (by
+    "<regime>/<model>" folder, e.g. "one_pass/micro8/20M"), and `ss` reading the copy: a test
+    of what is left to run then holds as later rows are committed."""
+    import json
+    import shutil
+
+    copy = tmp_path / "results"
+    shutil.copytree(ss.RESULTS, copy)
+    for sub, names in drop.items():
+        for f in (copy / sub).glob("paper_tables_*.json"):
+            doc = json.loads(f.read_text())
+            doc["rows"] = [r for r in doc["rows"] if r["variant"]["name"] not in names]
+            f.write_text(json.dumps(doc)) if doc["rows"] else f.unlink()
+    monkeypatch.setattr(ss, "RESULTS", str(copy))
+    monkeypatch.setattr(ss, "ONE_PASS", str(copy / "one_pass"))
+    return copy
+
+
 def _row(mode: str, lr: float, per_seed: dict[int, float], **extra) -> dict:
     return {"mode": mode, "lr": lr, "compressed_replicas": 0, "sparseloco": {}, "seeds": list(per_seed),
             "val_loss_per_seed": list(per_seed.values()),
@@ -666,15 +685,17 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
 def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its_bracket_closes(tmp_path, monkeypatch,
                                                                                                   capsys):
     """fill over the one-pass regime and its micro-batch-8 regime at 20M and 60M on two GPUs, the
-    committed rows done and a stand-in paper_tables.main that finishes each row at once (writing it
-    into --out from the committed row of its mode): the one-pass regime is complete, so 20M's
-    SparseLoCo 5e-4 at micro-batch 8 goes first, and, once that lost to 1e-3 and closed the
-    bracket, 20M's seed 1 of SparseLoCo 1e-3 in the same call; 60M's micro-batch-8 rows, 377 s
-    at their measured pace with the margin, do not fit 350 s and are said not started. Each row
-    once, one GPU a row, its pace passed on, no state saved; a second call on the same --out
-    starts nothing. With one row able to start, the other GPU waits for it and shares the seed-1
-    rows it unlocks. Breaks if fill read the rows only once, ignored --out, started a row it
-    cannot finish or let a GPU go while a running row could still give it work."""
+    committed rows done but those `results_without` drops (60M's one-pass seed 1 of SparseLoCo;
+    20M's and 60M's micro-batch-8 SparseLoCo 5e-4 and the seed-1 rows after it), and a stand-in
+    paper_tables.main that finishes each row at once (writing it into --out from the committed
+    row of its mode): 60M's one-pass seed 1 goes first (its regime first); then 20M's SparseLoCo
+    5e-4 at micro-batch 8, and, once that lost to 1e-3 and closed the bracket, 20M's seed 1 of
+    SparseLoCo 1e-3 in the same call; 60M's micro-batch-8 rows, 350-400 s at their measured pace
+    with the margin, do not fit 350 s and are said not started. Each row once, one GPU a row, its
+    pace passed on, no state saved; a second call on the same --out starts nothing. With one row
+    able to start, the other GPU waits for it and shares the seed-1 rows it unlocks. Breaks if
+    fill read the rows only once, ignored --out, started a row it cannot finish or let a GPU go
+    while a running row could still give it work."""
     import sys
     import time
 
@@ -682,6 +703,11 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
 
     ss = bench_module("size_sweep")
     pt = bench_module("paper_tables")
+    seed1 = [("sparseloco:lr=0.001", 1), ("adamw:lr=0.001", 1), (f"{ss.DILOCO}:lr=0.002", 1)]
+    results_without(ss, tmp_path, monkeypatch, {
+        "one_pass/60M": ["sparseloco:lr=0.001@seed1"],
+        "one_pass/micro8/20M": ["sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.001@seed1"],
+        "one_pass/micro8/60M": ["sparseloco:lr=0.0005@seed0"] + [f"{r}@seed{s}" for r, s in seed1]})
     calls, gpu_of = [], {}
     budget, out_dir = 350, tmp_path / "o"
 
@@ -709,15 +735,17 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
     argv = ["fill", "--model", "20M,60M", "--regimes", "one_pass,one_pass/micro8", "--data", str(data),
             "--out", str(tmp_path / "o"), "--budget-s", "350"]
     assert ss.main(argv) == 0
-    assert calls == [("one_pass/micro8", "20M", "sparseloco:lr=0.0005", 0),
-                     ("one_pass/micro8", "20M", "sparseloco:lr=0.001", 1)]
+    assert calls[0] == ("one_pass", "60M", "sparseloco:lr=0.001", 1)
+    assert sorted(calls[1:]) == [("one_pass/micro8", "20M", "sparseloco:lr=0.0005", 0),
+                                 ("one_pass/micro8", "20M", "sparseloco:lr=0.001", 1)]
+    assert calls.index(("one_pass/micro8", "20M", "sparseloco:lr=0.001", 1)) == 2
     out = capsys.readouterr().out
     micro8 = ss.results_folder(True, 8)
     pace = ss.measured_pace(ss.load_size("60M", micro8))
     need = pace * ss.steps_for("60M", True, 8)[0] + ss.FILL_MARGIN_S
     assert 350 < need < 400 and f"one_pass/micro8/60M sparseloco:lr=0.0005@seed0 not started: {need:.0f} s" in out
-    assert "fill: 2 rows finished in " in out
-    assert len({p.name for p in (tmp_path / "o").glob("**/paper_tables_*.json")}) == 2
+    assert "fill: 3 rows finished in " in out
+    assert len({p.name for p in (tmp_path / "o").glob("**/paper_tables_*.json")}) == 3
     calls.clear()
     assert ss.main(argv) == 0 and calls == []
     with pytest.raises(SystemExit, match="'one_pass/micro32' is not a regime's folder"):
@@ -730,7 +758,6 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
             "--out", str(out_dir), "--budget-s", str(budget)]
     assert ss.main(argv) == 0
     assert calls[0] == ("one_pass/micro8", "60M", "sparseloco:lr=0.0005", 0)
-    seed1 = [("sparseloco:lr=0.001", 1), ("adamw:lr=0.001", 1), (f"{ss.DILOCO}:lr=0.002", 1)]
     assert sorted(c[2:] for c in calls[1:]) == sorted(seed1)
     assert {gpu_of[("60M", *r)] for r in seed1} == {"0", "1"}
 
