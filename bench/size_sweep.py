@@ -450,7 +450,7 @@ def run(args) -> int:
         status = 0
         for model in sizes:
             left = args.budget_s - (time.time() - t0)
-            if left < 60:  # paper_tables stops a row a minute before its deadline: nothing would run
+            if left < 60:  # paper_tables starts no row in its last minute (a saved one stops there): nothing would run
                 print(f"size_sweep: {model} not started, {left:.0f} s of the budget left", flush=True)
                 break
             done = os.path.join(results, model)

@@ -56,7 +56,10 @@ def results_without(ss, tmp_path: Path, monkeypatch, drop: dict[str, list[str]])
         for f in (copy / sub).glob("paper_tables_*.json"):
             doc = json.loads(f.read_text())
             doc["rows"] = [r for r in doc["rows"] if r["variant"]["name"] not in names]
-            f.write_text(json.dumps(doc)) if doc["rows"] else f.unlink()
+            if doc["rows"]:
+                f.write_text(json.dumps(doc))
+            else:
+                f.unlink()
     monkeypatch.setattr(ss, "RESULTS", str(copy))
     monkeypatch.setattr(ss, "ONE_PASS", str(copy / "one_pass"))
     return copy

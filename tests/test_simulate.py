@@ -294,7 +294,9 @@ def test_an_unsaved_row_is_abandoned_by_its_steady_pace_not_its_first_interval(t
     monkeypatch.setattr(rows, "step_batches", slow)
     seconds.update({1: 2.0})
     assert row(deadline=time.time() + 4.5)["status"] == "done"
-    calls.clear(), seconds.clear(), seconds.update({1: 0.0, 2: 0.0, 0: 1.5})
+    calls.clear()
+    seconds.clear()
+    seconds.update({1: 0.0, 2: 0.0, 0: 1.5})
     late = row(deadline=time.time() + 4.0)
     assert (late["status"], late["step"]) == ("abandoned", 4)
 
