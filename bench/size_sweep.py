@@ -39,7 +39,7 @@ the whole outer steps that fit in one pass), at 6.1 tokens per parameter at 20M 
 times the outer syncs (79 in one pass), under <regime's folder>/micro8/, validating on the same
 held-out sequences (EVAL_SEQS).
 `fill` keeps every GPU of a short call busy with whole rows, one a GPU, across regimes, sizes and
-seeds (seed 1 of a size as soon as its brackets close, in the same call), and saves no state: the
+seeds (a mode's seed 1 as soon as its own bracket closes, in the same call), and saves no state: the
 calls of a session whose machine may go back between them. Its rows go to runs/size_sweep_fill/
 <regime>/<model>/ on the machine (a later call skips them); `tar czf $OUT/fill.tgz -C runs
 size_sweep_fill` brings them back, to be copied under bench/results/size_sweep/.
@@ -188,8 +188,9 @@ def open_lr_brackets(summary: list[dict]) -> list[str]:
 
 
 def tuned_rows(summary: list[dict]) -> list[str]:
-    """Seed 1's rows once both brackets are complete: SparseLoCo and AdamW at their tuned lrs, DiLoCo."""
-    return [f"{mode}:{lr_flag(lr_bracket(summary, mode)['best'])}" for mode in LR_BRACKETS] + \
+    """Seed 1's rows that can run: SparseLoCo and AdamW each at its tuned lr once its own bracket is
+    complete (one mode's seed 1 does not wait on the other's bracket), DiLoCo at its one lr."""
+    return [f"{mode}:{lr_flag(b['best'])}" for mode in LR_BRACKETS if (b := lr_bracket(summary, mode))["complete"]] + \
         [f"{DILOCO}:{lr_flag(SPARSELOCO_LR)}"]
 
 
@@ -205,11 +206,10 @@ def second_seed_rows(model: str, results: str = RESULTS) -> list[str]:
 
 def rows_ready(model: str, summary: list[dict]) -> list[tuple[str, int]]:
     """(row, seed) of a size that can start now, in the order they should: seed 0's rows with the
-    widening rows of its open brackets, then seed 1's once both brackets are complete; none finished."""
+    widening rows of its open brackets, then seed 1's (`tuned_rows`: a mode's once its own bracket is
+    complete); none finished."""
     done = done_row_seeds(summary)
-    ready = [(r, 0) for r in first_seed_rows(model, bracket_rows(summary))]
-    if not open_lr_brackets(summary):
-        ready += [(r, 1) for r in tuned_rows(summary)]
+    ready = [(r, 0) for r in first_seed_rows(model, bracket_rows(summary))] + [(r, 1) for r in tuned_rows(summary)]
     return [x for x in ready if x not in done]
 
 

@@ -122,6 +122,10 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
 
     ss = bench_module("size_sweep")
     pt = bench_module("paper_tables")
+    # the micro-batch-8 brackets as they stood before SparseLoCo's lower lrs ran there
+    results_without(ss, tmp_path, monkeypatch, {f"one_pass/micro8/{m}": ["sparseloco:lr=0.0005@seed0",
+                                                                         "sparseloco:lr=0.00025@seed0"]
+                                                for m in ("20M", "60M")})
     corpus = json.loads((Path(ss.RESULTS) / "summary.json").read_text())["settings"]["20M"]["corpus_train_tokens"]
     per_step = ss.REPLICAS * ss.MICRO * ss.GAS * ss.SEQ
     for model in ss.SIZES:
@@ -583,7 +587,7 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     """lr_bracket: a mode's best lr on seed 0 is tuned once a worse lr was run on either side of it;
     at an edge the next lr is half (low edge, or the only lr run) or twice (high edge) the best; no
     widening before the bracket's own lrs have all run. On the committed one-pass micro-batch-8 rows
-    105M's AdamW and SparseLoCo both did best at 1e-3, their lowest lr, so `run` adds both 5e-4 rows;
+    without their lower lrs (`results_without`), 105M's AdamW and SparseLoCo both did best at 1e-3, their lowest lr, so `run` adds both 5e-4 rows;
     on a copy of 60M's rows (SparseLoCo's 1e-3 beat 2e-3, AdamW's 1e-3 beat 5e-4 and 2e-3), then a
     made-up SparseLoCo 5e-4, the gap follows each mode's best lr and is marked provisional until
     both brackets close; `--whole-rows` judges a row by the pace of rows run on
@@ -613,6 +617,10 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     assert ss.lr_bracket(rows("sparseloco", {2e-3: 1.0, 1e-3: 1.1, 4e-3: 1.2}) + [variant], "sparseloco") == \
         {"best": 2e-3, "complete": True, "next": None}
 
+    # the brackets as they stood before the lower lrs ran at micro-batch 8
+    results_without(ss, tmp_path, monkeypatch, {
+        "one_pass/micro8/105M": ["sparseloco:lr=0.0005@seed0", "adamw:lr=0.0005@seed0"],
+        "one_pass/micro8/60M": ["sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.00025@seed0"]})
     micro8 = Path(ss.ONE_PASS) / "micro8"
     seed0 = {}
     for f in (micro8 / "105M").glob("paper_tables_*.json"):
@@ -695,10 +703,10 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
     5e-4 at micro-batch 8, and, once that lost to 1e-3 and closed the bracket, 20M's seed 1 of
     SparseLoCo 1e-3 in the same call; 60M's micro-batch-8 rows, 350-400 s at their measured pace
     with the margin, do not fit 350 s and are said not started. Each row once, one GPU a row, its
-    pace passed on, no state saved; a second call on the same --out starts nothing. With one row
-    able to start, the other GPU waits for it and shares the seed-1 rows it unlocks. Breaks if
-    fill read the rows only once, ignored --out, started a row it cannot finish or let a GPU go
-    while a running row could still give it work."""
+    pace passed on, no state saved; a second call on the same --out starts nothing. A mode whose
+    bracket is closed starts its seed 1 beside the other mode's open bracket. Breaks if fill read
+    the rows only once, ignored --out, started a row it cannot finish, let a GPU go while a running
+    row could still give it work, or left a GPU idle while a seed-1 row could run."""
     import sys
     import time
 
@@ -710,7 +718,8 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
     results_without(ss, tmp_path, monkeypatch, {
         "one_pass/60M": ["sparseloco:lr=0.001@seed1"],
         "one_pass/micro8/20M": ["sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.001@seed1"],
-        "one_pass/micro8/60M": ["sparseloco:lr=0.0005@seed0"] + [f"{r}@seed{s}" for r, s in seed1]})
+        "one_pass/micro8/60M": ["sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.00025@seed0"]
+        + [f"{r}@seed{s}" for r, s in seed1]})
     calls, gpu_of = [], {}
     budget, out_dir = 350, tmp_path / "o"
 
@@ -753,15 +762,19 @@ def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its
     assert ss.main(argv) == 0 and calls == []
     with pytest.raises(SystemExit, match="'one_pass/micro32' is not a regime's folder"):
         ss.main(argv[:4] + ["one_pass/micro32"] + argv[5:])
-    # 60M alone at micro-batch 8 with time enough: its SparseLoCo 5e-4 is the one row that can start,
-    # so the other GPU waits; when it loses to 1e-3, the three seed-1 rows it lets start go to both GPUs
+    # 60M alone at micro-batch 8 with time enough: SparseLoCo's bracket is open (5e-4 not run), AdamW's
+    # closed, so the other GPU starts AdamW's seed 1 (and DiLoCo's) beside SparseLoCo 5e-4 instead of
+    # waiting on it (a GPU idled a whole call so on 2x H200); SparseLoCo's seed 1 waits for 5e-4 to
+    # lose to 1e-3
     calls.clear()
     budget, out_dir = 100000, tmp_path / "o2"
     argv = ["fill", "--model", "60M", "--regimes", "one_pass/micro8", "--data", str(data),
             "--out", str(out_dir), "--budget-s", str(budget)]
     assert ss.main(argv) == 0
-    assert calls[0] == ("one_pass/micro8", "60M", "sparseloco:lr=0.0005", 0)
-    assert sorted(c[2:] for c in calls[1:]) == sorted(seed1)
+    rows = [c[2:] for c in calls]
+    assert sorted(rows[:2]) == [("adamw:lr=0.001", 1), ("sparseloco:lr=0.0005", 0)]
+    assert sorted(rows) == sorted(seed1 + [("sparseloco:lr=0.0005", 0)])
+    assert rows.index(("sparseloco:lr=0.001", 1)) > rows.index(("sparseloco:lr=0.0005", 0))
     assert {gpu_of[("60M", *r)] for r in seed1} == {"0", "1"}
 
 
