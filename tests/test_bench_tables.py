@@ -587,8 +587,8 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     """lr_bracket: a mode's best lr on seed 0 is tuned once a worse lr was run on either side of it;
     at an edge the next lr is half (low edge, or the only lr run) or twice (high edge) the best; no
     widening before the bracket's own lrs have all run. On the committed one-pass micro-batch-8 rows
-    without their lower lrs (`results_without`), 105M's AdamW and SparseLoCo both did best at 1e-3, their lowest lr, so `run` adds both 5e-4 rows;
-    on a copy of 60M's rows (SparseLoCo's 1e-3 beat 2e-3, AdamW's 1e-3 beat 5e-4 and 2e-3), then a
+    without their lower lrs (`results_without`), 105M's AdamW and SparseLoCo both did best at 1e-3,
+    their lowest lr, so `run` adds both 5e-4 rows; on a copy of 60M's rows (SparseLoCo's 1e-3 beat 2e-3, AdamW's 1e-3 beat 5e-4 and 2e-3), then a
     made-up SparseLoCo 5e-4, the gap follows each mode's best lr and is marked provisional until
     both brackets close; `--whole-rows` judges a row by the pace of rows run on
     the same card and GPUs a row where there are any. Recomputed by hand."""
