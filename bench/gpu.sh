@@ -19,9 +19,9 @@
 #      whole process group is signalled), its output also in $OUT/SCRIPT.log.
 # --cpu: no wheels, no GPU check, this checkout's package with what is installed here; $OUT defaults
 # to a temporary folder. On a GPU machine (BENCH_PACK=0 turns it off; BENCH_PACK=1 turns it on with
-# --cpu) $OUT's files are also packed into $OUT/bench.tgz every 15 s and at the end (written aside,
-# then renamed): the lending machine gives back 8 files at most, none more than 2 folders down, and
-# size_sweep.py's rows land 3 down ($OUT/one_pass/micro8/105M/).
+# --cpu) $OUT's files are also packed into $OUT/bench.tgz every 15 s (BENCH_PACK_EVERY) and at the
+# end (written aside, then renamed): the lending machine gives back 8 files at most, none more than
+# 2 folders down, and size_sweep.py's rows land 3 down ($OUT/one_pass/micro8/105M/).
 # Exit status: the bench's (124 when the timeout stopped it), or 1 when the preparation failed.
 set -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -47,10 +47,17 @@ T0=$(date +%s)
 stamp() { echo "[gpu.sh] $(( $(date +%s) - T0 )) s: $*"; }
 
 if [ "${BENCH_PACK:-$((1 - CPU))}" = 1 ]; then
-  pack() { tar czf "$OUT/.bench.tgz.part" -C "$OUT" --exclude bench.tgz --exclude .bench.tgz.part . \
-             && mv -f "$OUT/.bench.tgz.part" "$OUT/bench.tgz"; }
-  ( while sleep 15; do pack; done ) & PACKER=$!
-  trap 'kill $PACKER 2> /dev/null; pack' EXIT
+  pack() {  # each pack its own part file: one cut off at the end never writes into the last one's
+    local part rc
+    part=$(mktemp "$OUT/.bench.tgz.XXXXXX") || return 1
+    tar czf "$part" --warning=no-file-changed -C "$OUT" --exclude bench.tgz --exclude '.bench.tgz.*' .
+    rc=$?
+    # 1: a file changed while it was read (the log grows); the archive is whole, that file as it was
+    if [ "$rc" -le 1 ]; then chmod 644 "$part"; mv -f "$part" "$OUT/bench.tgz"; else rm -f "$part"; return 1; fi
+  }
+  ( while sleep "${BENCH_PACK_EVERY:-15}"; do pack; done ) & PACKER=$!
+  trap 'pkill -P $PACKER 2> /dev/null; kill $PACKER 2> /dev/null; wait $PACKER 2> /dev/null
+        rm -f "$OUT"/.bench.tgz.*; pack' EXIT
 fi
 
 if [ "$CPU" = 1 ]; then

@@ -73,6 +73,27 @@ def test_gpu_sh_stops_before_the_bench_without_the_gpus_it_asks_for(tmp_path):
     assert not (tmp_path / "pf").exists()
 
 
+def test_gpu_sh_packs_every_result_into_one_whole_archive(tmp_path):
+    """BENCH_PACK=1: $OUT's files, three folders down included, end up in $OUT/bench.tgz as they
+    are at the end (the log whole), with no part file left, though packs run every 0.1 s while
+    the bench writes. Breaks if a pack cut off at the end could leave or corrupt the archive, or if
+    a pack that found a file changing (the growing log; tar's exit status 1) were thrown away."""
+    import tarfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    # 24 MB that gzip cannot shrink: each pack takes long enough that one is under way at the end
+    (out / "big.bin").write_bytes(os.urandom(24 << 20))
+    _run(["bash", "bench/gpu.sh", "--cpu", "plan_figures.py", "--out", str(out / "a" / "b" / "c" / "pf")],
+         timeout=300, OUT=str(out), BENCH_PACK="1", BENCH_PACK_EVERY="0.1")
+    kept = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "bench.tgz"}
+    assert "a/b/c/pf/plan_figures.json" in kept and "plan_figures.log" in kept
+    assert not [k for k in kept if k.startswith(".bench.tgz")]
+    with tarfile.open(out / "bench.tgz") as tar:
+        packed = {m.name.removeprefix("./"): tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    assert packed == kept
+
+
 def test_outer_step_payload_is_what_the_size_rule_says(tmp_path):
     """Breaks if outer_step.py's byte and parameter counts stop being the real ones."""
     os_ = bench_module("outer_step")
