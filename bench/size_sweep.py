@@ -42,7 +42,9 @@ held-out sequences (EVAL_SEQS).
 seeds (a mode's seed 1 as soon as its own bracket closes, in the same call), and saves no state: the
 calls of a session whose machine may go back between them. Its rows go to runs/size_sweep_fill/
 <regime>/<model>/ on the machine (a later call skips them); `tar czf $OUT/fill.tgz -C runs
-size_sweep_fill` brings them back, to be copied under bench/results/size_sweep/.
+size_sweep_fill` brings them back, and `ingest <the device tool's files_at> --tag TAG` puts them
+(and the call's log) under bench/results/size_sweep/: before the next call, which a fresh machine
+runs from the carried tree alone.
 A row run a second time with the same seed goes under <results>/repeats/<model>/: `summarize`
 sets it beside the committed run (`same_seed_repeats`) and leaves it out of everything else.
 """
@@ -600,6 +602,134 @@ def fill(args) -> int:
     return max(x[0] for x in lanes)
 
 
+def ingest(args) -> int:
+    """A GPU call's rows put where plan, fill and summarize read them. Each of args.paths is a
+    folder the device tool filled (its .tgz files, gpu.sh's bench.tgz and fill's fill.tgz, are
+    opened in it), a .tgz, or a folder of results; every paper_tables_*.json found at
+    [size_sweep_fill/]<regime>/<model>/ goes to that regime's folder of the committed results, or to
+    its repeats/<model>/ when every row in it has a committed run already (`same_seed_repeats`), and
+    the call's size_sweep.log beside it as size_sweep_<tag>.log. Everything is checked before
+    anything is written (a file at no regime's folder, a row half committed, settings that differ
+    from the folder's, a name taken by other content: one line, nothing written); a file already in
+    place is skipped, so ingesting a call twice changes nothing. Each file is written aside and then
+    renamed."""
+    import hashlib
+    import shutil
+    import tarfile
+    import tempfile
+
+    def digest(path: str) -> str:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        roots = []
+        for i, src in enumerate(args.paths):
+            archives = [src] if os.path.isfile(src) else sorted(glob.glob(os.path.join(src, "*.tgz")))
+            if os.path.isdir(src):
+                roots.append(src)
+            elif not src.endswith(".tgz") or not os.path.isfile(src):
+                raise SystemExit(f"size_sweep: ingest: {src!r} is neither a folder nor a .tgz")
+            for j, a in enumerate(archives):
+                into = os.path.join(tmp, f"{i}_{j}")
+                try:
+                    with tarfile.open(a) as tar:
+                        tar.extractall(into, filter="data")  # no path out of `into`, no links
+                except (tarfile.TarError, OSError) as e:
+                    raise SystemExit(f"size_sweep: ingest: {a}: not a readable .tgz ({e})") from None
+                roots.append(into)
+        files, logs, seen = [], {}, set()
+        for root in roots:
+            for folder, _, names in sorted(os.walk(root)):
+                for name in sorted(names):
+                    path = os.path.join(folder, name)
+                    if name == "size_sweep.log":
+                        logs.setdefault(digest(path), path)
+                    if not (name.startswith("paper_tables_") and name.endswith(".json")) or \
+                            (key := digest(path)) in seen:
+                        continue
+                    seen.add(key)
+                    parts = os.path.relpath(path, root).split(os.sep)
+                    parts = parts[1:] if parts[0] == "size_sweep_fill" else parts
+                    sub, model = os.sep.join(parts[:-2]) or ".", parts[-2] if len(parts) > 1 else ""
+                    try:
+                        regime = regime_of(sub)
+                    except SystemExit:
+                        regime = None
+                    if model not in SIZES or regime is None:
+                        raise SystemExit(f"size_sweep: ingest: {path}: not at <regime>/<model>/ (regime {sub!r}, "
+                                         f"model {model!r}; models {', '.join(SIZES)})")
+                    files.append((path, regime, model))
+        if not files:
+            raise SystemExit(f"size_sweep: ingest: no paper_tables_*.json under {', '.join(args.paths)}")
+        # the loose log and bench.tgz's copy of it, packed up to 15 s earlier: the longest, if the others
+        # are where it started
+        texts = sorted((open(p, "rb").read() for p in logs.values()), key=len)
+        if any(not texts[-1].startswith(t) for t in texts[:-1]):
+            raise SystemExit(f"size_sweep: ingest: {len(logs)} different size_sweep.log ({', '.join(logs.values())}): "
+                             "ingest one call at a time")
+        logs = {k: p for k, p in logs.items() if open(p, "rb").read() == texts[-1]} if texts else {}
+        if logs and not args.tag:
+            raise SystemExit("size_sweep: ingest: the call's size_sweep.log needs --tag (it lands as "
+                             "size_sweep_<tag>.log beside the rows)")
+
+        writes, skipped, new_in = [], [], {}
+        for path, regime, model in files:
+            name = os.path.basename(path)
+            with open(path) as f:
+                rows = [r["variant"]["name"] for r in json.load(f)["rows"]]
+            home = os.path.join(results_folder(*regime), model)
+            repeats = os.path.join(results_folder(*regime), "repeats", model)
+            if not rows:
+                skipped.append(f"{path}: no finished row")
+                continue
+            there = [os.path.join(d, name) for d in (home, repeats) if os.path.exists(os.path.join(d, name))]
+            if there:
+                if digest(there[0]) != digest(path):
+                    raise SystemExit(f"size_sweep: ingest: {there[0]} exists with other content than {path}")
+                skipped.append(f"{there[0]}: already in")
+                continue
+            committed = {r["variant"]["name"] for r in (load_runs(home) or ([], {}))[0]}
+            again = [r for r in rows if r in committed]
+            if again and len(again) < len(rows):
+                raise SystemExit(f"size_sweep: ingest: {path}: {', '.join(again)} committed under {home} already, "
+                                 f"{', '.join(r for r in rows if r not in committed)} not: split the file by hand")
+            dest = repeats if again else home
+            writes.append((path, dest, name))
+            new_in.setdefault(dest, []).append(path)
+        for dest, paths in new_in.items():  # what summarize will read, read now: settings, a row twice
+            try:
+                summarize_tables.load_rows((summarize_tables.input_files([dest]) if os.path.isdir(dest) else []) + paths)
+            except SystemExit as e:
+                raise SystemExit(f"size_sweep: ingest: {dest}: {e}") from None
+        log = next(iter(logs.values()), None)
+        log_name = f"size_sweep_{args.tag}.log"
+        log_dests = sorted({d for _, d, _ in writes})
+        for dest in log_dests if log else []:
+            there = os.path.join(dest, log_name)
+            if os.path.exists(there) and digest(there) != digest(log):
+                raise SystemExit(f"size_sweep: ingest: {there} exists with another log: pick another --tag")
+
+        def place(src: str, dest: str, name: str) -> None:
+            os.makedirs(dest, exist_ok=True)
+            part = os.path.join(dest, f".{name}.part")
+            shutil.copyfile(src, part)
+            os.replace(part, os.path.join(dest, name))
+            print(f"ingest: {os.path.relpath(os.path.join(dest, name))}", flush=True)
+
+        for src, dest, name in writes:
+            place(src, dest, name)
+        for dest in log_dests if log else []:
+            place(log, dest, log_name)
+        for line in skipped:
+            print(f"ingest: skipped {line}", flush=True)
+    for regime in dict.fromkeys(r for _, r, _ in files):
+        one_pass, micro = regime
+        print("next: python bench/size_sweep.py summarize" + (" --one-pass" if one_pass else "")
+              + (f" --micro {micro}" if micro != MICRO else ""), flush=True)
+    return 0
+
+
 def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | None:
     """The validation point of `curve` nearest one pass over the corpus ({"step", "epochs", "loss"}),
     or None for a row run without a curve."""
@@ -915,6 +1045,10 @@ def main(argv=None) -> int:
     r.add_argument("--results", default="", help="finished rows to skip and read seed 1's tuned AdamW lr from "
                    f"(default {RESULTS}, {ONE_PASS} with --one-pass): e.g. an earlier call's --out on the same "
                    "machine, before its JSONs are committed")
+    ig = verbs.add_parser("ingest", help="a GPU call's rows (the device tool's folder, or its .tgz) into the "
+                                         "committed results")
+    ig.add_argument("paths", nargs="+", help="the device tool's files_at folder, a .tgz, or a folder of results")
+    ig.add_argument("--tag", default="", help="the call's tag: its size_sweep.log lands as size_sweep_<tag>.log")
     s = verbs.add_parser("summarize", help="summary.json and the plot from the committed runs")
     s.add_argument("--results", default="", help=f"default {RESULTS} ({ONE_PASS} with --one-pass)")
     for verb in (pl, r, s):
@@ -925,8 +1059,8 @@ def main(argv=None) -> int:
                           help=f"sequences a replica micro-batch (default {MICRO}; {GAS} a step): the same tokens "
                                "in more replica steps, so more outer syncs (results under .../micro<N>/)")
     args = p.parse_args(argv)
-    if args.verb == "fill":
-        return fill(args)
+    if args.verb in ("fill", "ingest"):
+        return {"fill": fill, "ingest": ingest}[args.verb](args)
     if args.micro < 1 or EVAL_SEQS % args.micro:
         raise SystemExit(f"size_sweep: --micro {args.micro}: must divide the {EVAL_SEQS} held-out sequences every "
                          "regime validates on")

@@ -832,3 +832,95 @@ def test_size_sweep_side_by_side_shares_the_gpus_among_the_sizes(monkeypatch, ca
     with pytest.raises(SystemExit, match=r"--side-by-side: 1 GPU\(s\) visible, fewer than --gpus-per-row 2 "
                                          r"\(CUDA_VISIBLE_DEVICES='0'\)"):
         ss.main(base + ["--gpus-per-row", "2", "--out", "/tmp/unused"])
+
+
+def test_size_sweep_ingest_puts_a_calls_rows_where_plan_reads_them_and_nothing_twice(tmp_path, monkeypatch, capsys):
+    """ingest of a device folder as the 2026-11-28 calls left it (fill.tgz with size_sweep_fill/<regime>/
+    <model>/, bench.tgz with the log three folders up, the log loose beside them): each JSON lands in
+    its regime's committed folder and the log beside it as size_sweep_<tag>.log, after which plan no
+    longer lists the rows; ingesting again changes nothing; a JSON whose rows are all committed goes
+    to repeats/<model>/; a file at no regime's folder, a row half committed, a taken name or a missing
+    --tag is one line and writes nothing. Breaks if ingest could write a row twice or a file half."""
+    import io
+    import json
+    import tarfile
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    rows = ["sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.00025@seed0"]
+    copy = results_without(ss, tmp_path, monkeypatch, {"one_pass/micro8/60M": rows})
+    home = copy / "one_pass" / "micro8" / "60M"
+    made = tmp_path / "made"
+    for i, name in enumerate(rows):  # the dropped rows, back from a call
+        add_row(ss_folder := Path(ss.RESULTS) / "one_pass" / "micro8" / "60M", "sparseloco:lr=0.001@seed0", name,
+                0.0, into=made, file=f"paper_tables_u3_{i}_g0p0.json")
+    assert ss_folder == home
+
+    def tgz(path: Path, files: dict[str, bytes]) -> None:
+        with tarfile.open(path, "w:gz") as tar:
+            for name, data in files.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+    log = b"fill: 60M in one_pass/micro8 on GPUs 0,1, 530 s\n"
+    device = tmp_path / "device"
+    device.mkdir()
+    tgz(device / "fill.tgz", {f"size_sweep_fill/one_pass/micro8/60M/{f.name}": f.read_bytes()
+                              for f in sorted(made.glob("*.json"))})
+    tgz(device / "bench.tgz", {"./env.txt": b"cards", "./size_sweep.log": log[:20]})  # packed before the end
+    (device / "size_sweep.log").write_bytes(log)
+
+    def left():
+        ss.main(["plan", "--one-pass", "--micro", "8"])
+        return capsys.readouterr().out.split("60M:")[1].split("\n105M")[0]
+
+    assert "sparseloco:lr=0.0005@seed0" in left()
+    before = sorted(p.name for p in home.iterdir())
+    with pytest.raises(SystemExit, match="needs --tag"):
+        ss.main(["ingest", str(device)])
+    assert sorted(p.name for p in home.iterdir()) == before
+    assert ss.main(["ingest", str(device), "--tag", "tingest"]) == 0
+    assert sorted(p.name for p in home.iterdir()) == sorted(before + ["paper_tables_u3_0_g0p0.json",
+                                                                      "paper_tables_u3_1_g0p0.json", "size_sweep_tingest.log"])
+    assert (home / "size_sweep_tingest.log").read_bytes() == log
+    assert (home / "paper_tables_u3_0_g0p0.json").read_bytes() == (made / "paper_tables_u3_0_g0p0.json").read_bytes()
+    assert "sparseloco:lr=0.0005@seed0" not in left() and "60M sparseloco:lr=0.00025@seed0" not in left()
+    capsys.readouterr()
+    assert ss.main(["ingest", str(device), "--tag", "tingest"]) == 0  # again: nothing new
+    assert capsys.readouterr().out.count("already in") == 2
+    assert sorted(p.name for p in home.iterdir()) == sorted(before + ["paper_tables_u3_0_g0p0.json",
+                                                                      "paper_tables_u3_1_g0p0.json", "size_sweep_tingest.log"])
+
+    # the same row from a later call (other file name): a same-seed repeat
+    rerun = tmp_path / "rerun"
+    add_row(home, "sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.0005@seed0", 0.003, into=rerun / "one_pass" /
+            "micro8" / "60M", file="paper_tables_v1_1_g0p0.json")
+    assert ss.main(["ingest", str(rerun)]) == 0
+    assert (copy / "one_pass" / "micro8" / "repeats" / "60M" / "paper_tables_v1_1_g0p0.json").exists()
+
+    def refused(folder: Path, match: str, *extra: str) -> None:
+        files = sorted(str(p) for p in copy.rglob("*"))
+        with pytest.raises(SystemExit, match=match):
+            ss.main(["ingest", str(folder), *extra])
+        assert sorted(str(p) for p in copy.rglob("*")) == files
+
+    half = tmp_path / "half" / "one_pass" / "micro8" / "60M"
+    add_row(home, "sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.0005@seed0", 0.0, into=half, file="paper_tables_h_g0p0.json")
+    doc = json.loads((half / "paper_tables_h_g0p0.json").read_text())
+    other = json.loads((made / "paper_tables_u3_0_g0p0.json").read_text())["rows"][0]
+    doc["rows"].append(dict(other, variant=dict(other["variant"], name="sparseloco:lr=0.004@seed0", lr=0.004)))
+    (half / "paper_tables_h_g0p0.json").write_text(json.dumps(doc))
+    refused(tmp_path / "half", r"sparseloco:lr=0.0005@seed0 committed under .* already, sparseloco:lr=0.004@seed0 not")
+    odd = tmp_path / "odd" / "one_pass" / "micro8" / "70M"
+    odd.mkdir(parents=True)
+    (odd / "paper_tables_x_g0p0.json").write_text("{}")
+    refused(tmp_path / "odd", r"not at <regime>/<model>/ \(regime 'one_pass/micro8', model '70M'")
+    taken = tmp_path / "taken" / "one_pass" / "micro8" / "60M"
+    add_row(home, "sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.004@seed0", 0.1, into=taken,
+            file="paper_tables_u3_0_g0p0.json")
+    refused(tmp_path / "taken", "exists with other content")
+    refused(tmp_path / "nothing.txt", "neither a folder nor a .tgz")
+    (device / "size_sweep.log").write_bytes(b"another call\n")
+    refused(device, "2 different size_sweep.log", "--tag", "tingest2")
