@@ -623,11 +623,11 @@ def ingest(args) -> int:
             return hashlib.sha256(f.read()).hexdigest()
 
     with tempfile.TemporaryDirectory() as tmp:
-        roots = []
+        roots = []  # (folder to search, how its files are named to the user)
         for i, src in enumerate(args.paths):
             archives = [src] if os.path.isfile(src) else sorted(glob.glob(os.path.join(src, "*.tgz")))
             if os.path.isdir(src):
-                roots.append(src)
+                roots.append((src, src))
             elif not src.endswith(".tgz") or not os.path.isfile(src):
                 raise SystemExit(f"size_sweep: ingest: {src!r} is neither a folder nor a .tgz")
             for j, a in enumerate(archives):
@@ -637,12 +637,14 @@ def ingest(args) -> int:
                         tar.extractall(into, filter="data")  # no path out of `into`, no links
                 except (tarfile.TarError, OSError) as e:
                     raise SystemExit(f"size_sweep: ingest: {a}: not a readable .tgz ({e})") from None
-                roots.append(into)
-        files, logs, seen = [], {}, set()
-        for root in roots:
+                roots.append((into, a + ":"))
+        files, logs, seen, shown = [], {}, set(), {}
+        for root, label in roots:
             for folder, _, names in sorted(os.walk(root)):
                 for name in sorted(names):
                     path = os.path.join(folder, name)
+                    shown[path] = os.path.join(label, os.path.relpath(path, root)) if label == root else \
+                        label + os.path.relpath(path, root)
                     if name == "size_sweep.log":
                         logs.setdefault(digest(path), path)
                     if not (name.startswith("paper_tables_") and name.endswith(".json")) or \
@@ -657,7 +659,7 @@ def ingest(args) -> int:
                     except SystemExit:
                         regime = None
                     if model not in SIZES or regime is None:
-                        raise SystemExit(f"size_sweep: ingest: {path}: not at <regime>/<model>/ (regime {sub!r}, "
+                        raise SystemExit(f"size_sweep: ingest: {shown[path]}: not at <regime>/<model>/ (regime {sub!r}, "
                                          f"model {model!r}; models {', '.join(SIZES)})")
                     files.append((path, regime, model))
         if not files:
@@ -666,7 +668,8 @@ def ingest(args) -> int:
         # are where it started
         texts = sorted((open(p, "rb").read() for p in logs.values()), key=len)
         if any(not texts[-1].startswith(t) for t in texts[:-1]):
-            raise SystemExit(f"size_sweep: ingest: {len(logs)} different size_sweep.log ({', '.join(logs.values())}): "
+            raise SystemExit(f"size_sweep: ingest: {len(logs)} different size_sweep.log "
+                             f"({', '.join(shown[p] for p in logs.values())}): "
                              "ingest one call at a time")
         logs = {k: p for k, p in logs.items() if open(p, "rb").read() == texts[-1]} if texts else {}
         if logs and not args.tag:
@@ -676,23 +679,26 @@ def ingest(args) -> int:
         writes, skipped, new_in = [], [], {}
         for path, regime, model in files:
             name = os.path.basename(path)
-            with open(path) as f:
-                rows = [r["variant"]["name"] for r in json.load(f)["rows"]]
+            try:
+                with open(path) as f:
+                    rows = [r["variant"]["name"] for r in json.load(f)["rows"]]
+            except (ValueError, KeyError, TypeError) as e:
+                raise SystemExit(f"size_sweep: ingest: {shown[path]}: not a paper_tables run JSON ({e!r})") from None
             home = os.path.join(results_folder(*regime), model)
             repeats = os.path.join(results_folder(*regime), "repeats", model)
             if not rows:
-                skipped.append(f"{path}: no finished row")
+                skipped.append(f"{shown[path]}: no finished row")
                 continue
             there = [os.path.join(d, name) for d in (home, repeats) if os.path.exists(os.path.join(d, name))]
             if there:
                 if digest(there[0]) != digest(path):
-                    raise SystemExit(f"size_sweep: ingest: {there[0]} exists with other content than {path}")
+                    raise SystemExit(f"size_sweep: ingest: {there[0]} exists with other content than {shown[path]}")
                 skipped.append(f"{there[0]}: already in")
                 continue
             committed = {r["variant"]["name"] for r in (load_runs(home) or ([], {}))[0]}
             again = [r for r in rows if r in committed]
             if again and len(again) < len(rows):
-                raise SystemExit(f"size_sweep: ingest: {path}: {', '.join(again)} committed under {home} already, "
+                raise SystemExit(f"size_sweep: ingest: {shown[path]}: {', '.join(again)} committed under {home} already, "
                                  f"{', '.join(r for r in rows if r not in committed)} not: split the file by hand")
             dest = repeats if again else home
             writes.append((path, dest, name))
@@ -701,7 +707,10 @@ def ingest(args) -> int:
             try:
                 summarize_tables.load_rows((summarize_tables.input_files([dest]) if os.path.isdir(dest) else []) + paths)
             except SystemExit as e:
-                raise SystemExit(f"size_sweep: ingest: {dest}: {e}") from None
+                said = str(e)
+                for path in paths:
+                    said = said.replace(path, shown[path])
+                raise SystemExit(f"size_sweep: ingest: {dest}: {said}") from None
         log = next(iter(logs.values()), None)
         log_name = f"size_sweep_{args.tag}.log"
         log_dests = sorted({d for _, d, _ in writes})

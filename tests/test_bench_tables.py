@@ -923,4 +923,10 @@ def test_size_sweep_ingest_puts_a_calls_rows_where_plan_reads_them_and_nothing_t
     refused(tmp_path / "taken", "exists with other content")
     refused(tmp_path / "nothing.txt", "neither a folder nor a .tgz")
     (device / "size_sweep.log").write_bytes(b"another call\n")
-    refused(device, "2 different size_sweep.log", "--tag", "tingest2")
+    refused(device, r"2 different size_sweep.log \((?=.*bench.tgz:size_sweep.log)(?=.*device/size_sweep.log)",
+            "--tag", "tingest2")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    tgz(broken / "fill.tgz", {"size_sweep_fill/one_pass/micro8/60M/paper_tables_b_g0p0.json": b"{\"rows\": [{}]}"})
+    refused(broken, r"broken/fill.tgz:size_sweep_fill/one_pass/micro8/60M/paper_tables_b_g0p0.json: not a paper_tables "
+            "run JSON")
