@@ -613,21 +613,21 @@ def ingest(args) -> int:
     from the folder's, a name taken by other content: one line, nothing written); a file already in
     place is skipped, so ingesting a call twice changes nothing. Each file is written aside and then
     renamed."""
-    import hashlib
+    import filecmp
     import shutil
     import tarfile
     import tempfile
 
-    def digest(path: str) -> str:
+    def read(path: str) -> bytes:
         with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+            return f.read()
 
     with tempfile.TemporaryDirectory() as tmp:
-        roots = []  # (folder to search, how its files are named to the user)
+        roots = []  # (folder to search, what names its files to the user before their relative path)
         for i, src in enumerate(args.paths):
             archives = [src] if os.path.isfile(src) else sorted(glob.glob(os.path.join(src, "*.tgz")))
             if os.path.isdir(src):
-                roots.append((src, src))
+                roots.append((src, os.path.join(src, "")))
             elif not src.endswith(".tgz") or not os.path.isfile(src):
                 raise SystemExit(f"size_sweep: ingest: {src!r} is neither a folder nor a .tgz")
             for j, a in enumerate(archives):
@@ -638,17 +638,16 @@ def ingest(args) -> int:
                 except (tarfile.TarError, OSError) as e:
                     raise SystemExit(f"size_sweep: ingest: {a}: not a readable .tgz ({e})") from None
                 roots.append((into, a + ":"))
-        files, logs, seen, shown = [], {}, set(), {}
+        files, logs, seen, shown = [], {}, set(), {}  # logs: {content: path}; seen: JSON contents
         for root, label in roots:
             for folder, _, names in sorted(os.walk(root)):
                 for name in sorted(names):
                     path = os.path.join(folder, name)
-                    shown[path] = os.path.join(label, os.path.relpath(path, root)) if label == root else \
-                        label + os.path.relpath(path, root)
+                    shown[path] = label + os.path.relpath(path, root)
                     if name == "size_sweep.log":
-                        logs.setdefault(digest(path), path)
+                        logs.setdefault(read(path), path)
                     if not (name.startswith("paper_tables_") and name.endswith(".json")) or \
-                            (key := digest(path)) in seen:
+                            (key := read(path)) in seen:
                         continue
                     seen.add(key)
                     parts = os.path.relpath(path, root).split(os.sep)
@@ -666,13 +665,13 @@ def ingest(args) -> int:
             raise SystemExit(f"size_sweep: ingest: no paper_tables_*.json under {', '.join(args.paths)}")
         # the loose log and bench.tgz's copy of it, packed up to 15 s earlier: the longest, if the others
         # are where it started
-        texts = sorted((open(p, "rb").read() for p in logs.values()), key=len)
+        texts = sorted(logs, key=len)
         if any(not texts[-1].startswith(t) for t in texts[:-1]):
             raise SystemExit(f"size_sweep: ingest: {len(logs)} different size_sweep.log "
                              f"({', '.join(shown[p] for p in logs.values())}): "
                              "ingest one call at a time")
-        logs = {k: p for k, p in logs.items() if open(p, "rb").read() == texts[-1]} if texts else {}
-        if logs and not args.tag:
+        log = logs[texts[-1]] if texts else None
+        if log and not args.tag:
             raise SystemExit("size_sweep: ingest: the call's size_sweep.log needs --tag (it lands as "
                              "size_sweep_<tag>.log beside the rows)")
 
@@ -691,7 +690,7 @@ def ingest(args) -> int:
                 continue
             there = [os.path.join(d, name) for d in (home, repeats) if os.path.exists(os.path.join(d, name))]
             if there:
-                if digest(there[0]) != digest(path):
+                if not filecmp.cmp(there[0], path, shallow=False):
                     raise SystemExit(f"size_sweep: ingest: {there[0]} exists with other content than {shown[path]}")
                 skipped.append(f"{there[0]}: already in")
                 continue
@@ -711,12 +710,11 @@ def ingest(args) -> int:
                 for path in paths:
                     said = said.replace(path, shown[path])
                 raise SystemExit(f"size_sweep: ingest: {dest}: {said}") from None
-        log = next(iter(logs.values()), None)
         log_name = f"size_sweep_{args.tag}.log"
-        log_dests = sorted({d for _, d, _ in writes})
-        for dest in log_dests if log else []:
+        log_dests = sorted({d for _, d, _ in writes}) if log else []
+        for dest in log_dests:
             there = os.path.join(dest, log_name)
-            if os.path.exists(there) and digest(there) != digest(log):
+            if os.path.exists(there) and not filecmp.cmp(there, log, shallow=False):
                 raise SystemExit(f"size_sweep: ingest: {there} exists with another log: pick another --tag")
 
         def place(src: str, dest: str, name: str) -> None:
@@ -728,7 +726,7 @@ def ingest(args) -> int:
 
         for src, dest, name in writes:
             place(src, dest, name)
-        for dest in log_dests if log else []:
+        for dest in log_dests:
             place(log, dest, log_name)
         for line in skipped:
             print(f"ingest: skipped {line}", flush=True)
@@ -1068,12 +1066,10 @@ def main(argv=None) -> int:
                           help=f"sequences a replica micro-batch (default {MICRO}; {GAS} a step): the same tokens "
                                "in more replica steps, so more outer syncs (results under .../micro<N>/)")
     args = p.parse_args(argv)
-    if args.verb in ("fill", "ingest"):
-        return {"fill": fill, "ingest": ingest}[args.verb](args)
-    if args.micro < 1 or EVAL_SEQS % args.micro:
+    if hasattr(args, "micro") and (args.micro < 1 or EVAL_SEQS % args.micro):
         raise SystemExit(f"size_sweep: --micro {args.micro}: must divide the {EVAL_SEQS} held-out sequences every "
                          "regime validates on")
-    return {"plan": plan, "run": run, "summarize": summarize}[args.verb](args)
+    return {"plan": plan, "run": run, "fill": fill, "ingest": ingest, "summarize": summarize}[args.verb](args)
 
 
 if __name__ == "__main__":
