@@ -6,7 +6,8 @@
 #
 # From the repository root of a checkout on the GPU machine; $OUT is where results go (the bench
 # scripts write their JSON there unless given --out). In order:
-#   1. packages: if .whl/ holds wheels (DeepSpeed and whatever else the machine's image lacks, e.g.
+#   1. packages, once nvidia-smi lists at least N GPUs (--gpus, default 1; fewer: it stops at once):
+#      if .whl/ holds wheels (DeepSpeed and whatever else the machine's image lacks, e.g.
 #      torchft for gpu_elastic.py), they are installed into /tmp/site (once per machine and set of
 #      wheels: /tmp/site/.installed; concurrent calls wait on /tmp/site.lock), leaving the image's own
 #      packages alone, plus .whl/opt/*.whl when the image's typing_extensions is older than pydantic
@@ -14,7 +15,7 @@
 #   2. environment: DS_ACCELERATOR=cuda (DeepSpeed told, not left to guess); NVLink multicast off
 #      (NCCL_NVLS_ENABLE=0 and friends); unbuffered output.
 #   3. a record of the machine in $OUT/env.txt (nvidia-smi, its topology, the versions and paths of
-#      what the benches import); it stops here when fewer than N GPUs (--gpus, default 1) are visible.
+#      what the benches import); it stops here when fewer than N GPUs are visible to torch.
 #   4. the bench: python3 bench/SCRIPT.py ARGS..., bounded by --timeout seconds (default 570; its
 #      whole process group is signalled), its output also in $OUT/SCRIPT.log.
 # --cpu: no wheels, no GPU check, this checkout's package with what is installed here; $OUT defaults
@@ -64,6 +65,10 @@ if [ "$CPU" = 1 ]; then
   export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 else
   export DS_ACCELERATOR=cuda PYTHONPATH=.
+  # The machine's GPUs before any wheel: one with too few stops at once (the check after the
+  # install also counts CUDA_VISIBLE_DEVICES, which nvidia-smi does not).
+  FOUND=$(timeout 20 nvidia-smi -L 2> /dev/null | grep -c '^GPU ')
+  if [ "${FOUND:-0}" -lt "$GPUS" ]; then echo "need $GPUS GPUs, found ${FOUND:-0}"; stamp "environment check failed"; exit 1; fi
   if compgen -G ".whl/*.whl" > /dev/null; then
     # Once per machine and set of wheels: several gpu.sh started together (one bench per GPU) take
     # turns on the lock, and the later ones find the stamp.

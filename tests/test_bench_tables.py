@@ -38,7 +38,9 @@ def add_row(folder: Path, like: str, name: str, dloss: float, into: Path | None 
             doc["rows"], doc["unfinished"] = [r], []
             into.mkdir(parents=True, exist_ok=True)
             file = file or f"paper_tables_made_{len(list(into.glob('paper_tables_made_*')))}_g0p0.json"
-            (into / file).write_text(json.dumps(doc))
+            # aside, then renamed, as paper_tables writes: fill's other lane reads the folder meanwhile
+            (into / f".{file}.part").write_text(json.dumps(doc))
+            (into / f".{file}.part").replace(into / file)
             return
     raise AssertionError(f"no row {like} under {folder}")
 
@@ -122,10 +124,13 @@ def test_one_pass_rows_stay_within_one_pass_over_the_corpus(tmp_path, monkeypatc
 
     ss = bench_module("size_sweep")
     pt = bench_module("paper_tables")
-    # the micro-batch-8 brackets as they stood before SparseLoCo's lower lrs ran there
-    results_without(ss, tmp_path, monkeypatch, {f"one_pass/micro8/{m}": ["sparseloco:lr=0.0005@seed0",
-                                                                         "sparseloco:lr=0.00025@seed0"]
-                                                for m in ("20M", "60M")})
+    # the micro-batch-8 brackets as they stood before SparseLoCo's lower lrs ran there (and so before
+    # the seed 1s that wait on them), and 20M's at 10 tokens per parameter before SparseLoCo's 1e-3
+    seed1 = ["sparseloco:lr=0.0005@seed1", "adamw:lr=0.001@seed1", f"{ss.DILOCO}:lr=0.002@seed1"]
+    results_without(ss, tmp_path, monkeypatch, {
+        **{f"one_pass/micro8/{m}": ["sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.00025@seed0"] + seed1
+           for m in ("20M", "60M")},
+        "20M": ["sparseloco:lr=0.001@seed0", "sparseloco:lr=0.004@seed0"]})
     corpus = json.loads((Path(ss.RESULTS) / "summary.json").read_text())["settings"]["20M"]["corpus_train_tokens"]
     per_step = ss.REPLICAS * ss.MICRO * ss.GAS * ss.SEQ
     for model in ss.SIZES:
@@ -442,29 +447,30 @@ def test_size_sweep_names_the_card_of_every_seed_where_a_sizes_seeds_ran_on_diff
     assert doc["settings"]["60M"]["cards"] == sorted(set(card_of.values())) == doc["cards"]
 
 
-def test_size_sweep_second_seed_waits_for_every_lr_bracket(tmp_path):
+def test_size_sweep_second_seed_waits_for_every_lr_bracket(tmp_path, monkeypatch):
     """Seed 1 runs SparseLoCo and AdamW at their tuned lrs: refused, naming the bracket and its next
-    lr, while SparseLoCo has run only 2e-3 (committed 20M rows), then while AdamW's bracket lacks
-    1e-3; with both complete, the best of each on seed 0."""
+    lr, while SparseLoCo has run only 2e-3 (committed 20M rows without its 1e-3 and 4e-3), then
+    while AdamW's bracket lacks 1e-3; with both complete, the best of each on seed 0."""
     import json
-    import shutil
 
     import pytest
 
     ss = bench_module("size_sweep")
-    shutil.copytree(Path(ss.RESULTS) / "20M", tmp_path / "20M")
+    assert ss.second_seed_rows("20M") == ["sparseloco:lr=0.002", "adamw:lr=0.002", f"{ss.DILOCO}:lr=0.002"]
+    results = results_without(ss, tmp_path, monkeypatch, {"20M": ["sparseloco:lr=0.001@seed0",
+                                                                   "sparseloco:lr=0.004@seed0"]})
     with pytest.raises(SystemExit, match=r"sparseloco \(best so far lr=0.002, next lr=0.001\) is not complete"):
-        ss.second_seed_rows("20M", str(tmp_path))
-    add_row(tmp_path / "20M", "sparseloco:lr=0.002@seed0", "sparseloco:lr=0.001@seed0", +0.01)
-    add_row(tmp_path / "20M", "sparseloco:lr=0.002@seed0", "sparseloco:lr=0.004@seed0", +0.02)
-    rows = ss.second_seed_rows("20M", str(tmp_path))
+        ss.second_seed_rows("20M", str(results))
+    add_row(results / "20M", "sparseloco:lr=0.002@seed0", "sparseloco:lr=0.001@seed0", +0.01)
+    add_row(results / "20M", "sparseloco:lr=0.002@seed0", "sparseloco:lr=0.004@seed0", +0.02)
+    rows = ss.second_seed_rows("20M", str(results))
     assert rows == ["sparseloco:lr=0.002", "adamw:lr=0.002", f"{ss.DILOCO}:lr=0.002"]
-    for f in (tmp_path / "20M").glob("paper_tables_*.json"):  # drop AdamW at 1e-3: the bracket is open
+    for f in (results / "20M").glob("paper_tables_*.json"):  # drop AdamW at 1e-3: the bracket is open
         doc = json.loads(f.read_text())
         doc["rows"] = [r for r in doc["rows"] if not r["variant"]["name"].startswith("adamw:lr=0.001@")]
         f.write_text(json.dumps(doc))
     with pytest.raises(SystemExit, match=r"lr bracket of adamw \(best so far lr=0.002\) is not complete"):
-        ss.second_seed_rows("20M", str(tmp_path))
+        ss.second_seed_rows("20M", str(results))
 
 
 def test_pass_drops_reads_a_fall_at_each_new_pass_and_none_between():
@@ -619,7 +625,11 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
 
     # the brackets as they stood before the lower lrs ran at micro-batch 8
     results_without(ss, tmp_path, monkeypatch, {
-        "one_pass/micro8/105M": ["sparseloco:lr=0.0005@seed0", "adamw:lr=0.0005@seed0"],
+        "one_pass/micro8/105M": ["sparseloco:lr=0.0005@seed0", "adamw:lr=0.0005@seed0", "sparseloco:lr=0.00025@seed0",
+                                 "sparseloco:lr=0.0005@seed1", "adamw:lr=0.001@seed1",
+                                 f"{ss.DILOCO}:lr=0.002@seed0", f"{ss.DILOCO}:lr=0.002@seed1",
+                                 "pp:8:lr=0.002@seed0", "het:8:lr=0.002@seed0", "pp:96:lr=0.002@seed0",
+                                 "het:96:lr=0.002@seed0"],
         "one_pass/micro8/60M": ["sparseloco:lr=0.0005@seed0", "sparseloco:lr=0.00025@seed0"]})
     micro8 = Path(ss.ONE_PASS) / "micro8"
     seed0 = {}
