@@ -896,9 +896,12 @@ def plot(rows: list[dict], gap_rows: list[dict], early: dict[str, list[dict]], b
     if smaller:  # the same tokens in smaller replica steps: more syncs, not more passes
         mid.plot([g["outer_steps"] for g in smaller], [g["gap_pct"] for g in smaller], "D", markersize=11,
                  markerfacecolor="none", color="black", label="smaller micro-batch, one pass")
+    labels = {}  # sizes at the same syncs and passes share one label (at the highest of their points)
     for g in by_syncs:
-        mid.annotate(f"{g['epochs']:.1f} ep", (g["outer_steps"], g["gap_pct"]), textcoords="offset points",
-                     xytext=(5, 4), fontsize=7)
+        key = (g["outer_steps"], f"{g['epochs']:.1f} ep")
+        labels[key] = max(labels.get(key, g["gap_pct"]), g["gap_pct"])
+    for (x, text), y in labels.items():
+        mid.annotate(text, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
     mid.axhline(0, color="grey", lw=0.5)
     mid.set(xscale="log", xlabel="outer syncs (H = 50)", ylabel="SparseLoCo - tuned AdamW (% of AdamW)",
             title="SparseLoCo's gap against outer syncs")
