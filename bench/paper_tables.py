@@ -23,7 +23,8 @@ session then fits. Its rank 0 takes, records and writes rows as a lone worker do
 
 Budget: a running row stops at its last outer-step boundary before the `--budget-s` deadline:
 with `--state-dir` saved there and resumed by the next run on the same machine, so rows longer
-than one run's time limit still finish (every row is then started while time is left); without
+than one run's time limit still finish (every row is then started while time is left;
+`--resume-only` starts none, continuing only the saved ones, and ends at once where none is); without
 it abandoned, and a worker starts no row it cannot finish in time (judged by `--s-per-step` or its
 previous row's pace).
 
@@ -270,6 +271,15 @@ def saved_state(path: str | None) -> bool:
     return bool(path) and (os.path.exists(path) or os.path.exists(path + ".g0"))
 
 
+def resumable(state_dir: str) -> set[str]:
+    """The rows (`safe_name`s, with their seed) saved in `state_dir` and not finished since: what
+    --resume-only runs. A machine given back and lent again holds none."""
+    names = set(os.listdir(state_dir)) if state_dir and os.path.isdir(state_dir) else set()
+    saved = {n[:-len(".pt")] for n in names if n.endswith(".pt")} | \
+            {n[:-len(".pt.g0")] for n in names if n.endswith(".pt.g0")}
+    return {n for n in saved if n + ".done" not in names}
+
+
 def worker_meta(args, llama, corpus, device) -> dict:
     seq_len = corpus.train.shape[1]
     tokens_per_replica_step = args.micro * args.gas * seq_len
@@ -321,6 +331,8 @@ def worker(args) -> int:
     variants.sort(key=lambda v: not saved_state(states[v.name]))
     for v in variants:
         state = states[v.name]
+        if args.resume_only and not saved_state(state):
+            continue  # main said which rows it resumes
         if pace and not state and time.time() + pace * args.steps + 60 > args.deadline:
             # another worker or a later run takes it; said, since a call that starts nothing is
             # otherwise silent
@@ -419,6 +431,7 @@ def spawn(args, n: int, gpus: list[str], role: list[str], outs: list[str], claim
     forward = [x for k in FORWARD if getattr(args, k) not in (None, "")
                for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     forward += ["--compile"] if args.compile else []
+    forward += ["--resume-only"] if args.resume_only else []
     forward += ["--gpus-per-row", str(g)] if g > 1 else []
     procs = []
     for w in range(n):
@@ -537,6 +550,9 @@ def main(argv=None) -> int:
     p.add_argument("--s-per-step", type=float, default=0.0,
                    help="expected seconds a step (bench/sim_throughput.py) for the budget's first-row judgement")
     p.add_argument("--state-dir", default="", help="save rows stopped by the budget here and resume them in the next run")
+    p.add_argument("--resume-only", action="store_true",
+                   help="start no row: only continue the rows saved in --state-dir (a chain's later calls: on a "
+                        "machine that was given back in between, the call ends at once instead of starting anew)")
     p.add_argument("--skip-done", default="", help="run JSONs (files or folders, comma-separated) whose rows are done")
     p.add_argument("--tag", default="run", help="names the partial JSONs: paper_tables_<tag>_g<gpu>p<proc>.json")
     p.add_argument("--out", required=True, help="directory for the JSONs (a worker: its JSON file)")
@@ -576,6 +592,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"paper_tables: --data {args.data}: no such file (bench/make_corpus.py makes one)")
     if args.tokens_per_param and args.passes:
         raise SystemExit("paper_tables: give --tokens-per-param or --passes, not both")
+    if args.resume_only:
+        if not args.state_dir:
+            raise SystemExit("paper_tables: --resume-only needs --state-dir, where the saved rows are")
+        done, saved = finished_rows(args.skip_done), resumable(args.state_dir)
+        left = [v.name for v in variants if safe_name(v.name) in saved and v.name not in done]
+        if not left:
+            print(f"paper_tables: --resume-only: no row of --rows is saved under {args.state_dir}, nothing to "
+                  "resume (a machine lent afresh holds none)", flush=True)
+            return 0
+        print(f"paper_tables: --resume-only: resuming {', '.join(left)}", flush=True)
     if args.tokens_per_param or args.passes:
         blob = torch.load(args.data, mmap=True)
         llama = model_config_for(args.model, blob["vocab_size"])

@@ -26,7 +26,9 @@ through paper_tables.py, spread over the GPUs, rows already committed under
 bench/results/size_sweep/<model>/ skipped and rows stopped by the budget saved in
 runs/size_sweep_state/<model>/ (resumed by the next call on the same warm machine; `--whole-rows`
 starts only rows that finish within the budget and saves none, for a call the machine may not
-outlive: it then ends when its last row does). Its JSONs go
+outlive: it then ends when its last row does; `--resume-only` continues the saved rows and starts
+none, ending when they do, and ends at once on a machine lent afresh: the later calls of a chain,
+sent the moment the last returns, since 30 s idle give the machine and its saved rows back). Its JSONs go
 to $OUT/<model>/, to be committed beside the others. `--gpus-per-row G` runs each row on G GPUs
 together, each holding M/G of its replicas (paper_tables.py --gpus-per-row): a 105M row, 46 minutes
 alone on an H200, then fits one session's 30 device-minutes on 2 GPUs; its saved state resumes only
@@ -444,9 +446,17 @@ def run(args) -> int:
             print(f"size_sweep: no row left at {args.model}", flush=True)
             return 0
         print("side by side: " + "; ".join(f"GPUs {','.join(g)}: {', '.join(ms)}" for g, ms in lanes), flush=True)
-    ensure_corpus(args)
     sub = os.path.relpath(results_folder(args.one_pass, args.micro), RESULTS)  # ".", one_pass, one_pass/micro8, ...
     state_dir = args.state_dir + ("" if sub == "." else "_" + sub.replace(os.sep, "_"))
+    if args.resume_only:
+        saved = {m: sorted(paper_tables.resumable(os.path.join(state_dir, m))) for m in models}
+        if not any(saved.values()):
+            # before the corpus: a machine lent afresh ends the call in seconds, not a budget later
+            print(f"size_sweep: --resume-only: no row of {args.model} is saved under {state_dir}/: nothing to "
+                  "resume (the machine was given back since the call that saved them)", flush=True)
+            return 0
+        lanes = [(g, kept) for g, ms in lanes if (kept := [m for m in ms if saved[m]])]
+    ensure_corpus(args)
 
     def lane(gpus: list[str] | None, sizes: list[str]) -> int:
         status = 0
@@ -459,7 +469,7 @@ def run(args) -> int:
             argv = paper_tables_argv(args.data, model, args.one_pass, args.micro, rows[model], args.seeds, left,
                                      args.tag, os.path.normpath(os.path.join(args.out, sub, model)))
             if not args.whole_rows:
-                argv += ["--state-dir", os.path.join(state_dir, model)]
+                argv += ["--state-dir", os.path.join(state_dir, model)] + (["--resume-only"] if args.resume_only else [])
             elif (pace := measured_pace(load(model, results), card, args.gpus_per_row)) is not None:
                 # paper_tables then starts no row it cannot finish by the budget, and the call ends when
                 # the last one does
@@ -1044,6 +1054,9 @@ def main(argv=None) -> int:
                    help="start only rows that finish within the budget (at the regime's measured pace, of rows run on "
                         "this card and as many GPUs a row where there are any) and save "
                         "none: for a call after which the machine may go back, taking any saved state with it")
+    r.add_argument("--resume-only", action="store_true",
+                   help="start no row: only continue those an earlier call saved in --state-dir, ending when they "
+                        "end; on a machine given back in between, the call ends at once (a chain's later calls)")
     r.add_argument("--side-by-side", action="store_true",
                    help="run the sizes of --model at once, each on its share of the visible GPUs (more to the "
                         "size with the most rows left), not in turn on all of them")
@@ -1072,6 +1085,8 @@ def main(argv=None) -> int:
     if hasattr(args, "micro") and (args.micro < 1 or EVAL_SEQS % args.micro):
         raise SystemExit(f"size_sweep: --micro {args.micro}: must divide the {EVAL_SEQS} held-out sequences every "
                          "regime validates on")
+    if getattr(args, "resume_only", False) and args.whole_rows:
+        raise SystemExit("size_sweep: --resume-only continues saved rows and --whole-rows saves none: give one")
     return {"plan": plan, "run": run, "fill": fill, "ingest": ingest, "summarize": summarize}[args.verb](args)
 
 

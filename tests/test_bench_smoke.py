@@ -184,6 +184,27 @@ def test_corpus_then_paper_tables_then_summary(tmp_path, capfd):
                                               "--budget-s", "200", "--out", str(late)]) == 0
     assert time.time() - t0 < 60 and not list(late.glob("*.json"))
     assert re.search(r"sparseloco@seed0 +not started: \d+ s at 100\.000 s a step", capfd.readouterr().out)
+    # --resume-only (a chain's later calls): continues what an earlier call saved and starts nothing;
+    # where nothing is saved (a machine lent afresh) it ends before any worker starts
+    state, chain = tmp_path / "state", tmp_path / "chain"
+    with pytest.raises(SystemExit, match="--resume-only needs --state-dir"):
+        bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--resume-only", "--out", str(chain)])
+    resume = ["--data", str(corpus), "--cpu-smoke", "--state-dir", str(state), "--resume-only", "--out", str(chain)]
+    assert bench_module("paper_tables").main(resume) == 0 and not chain.exists()
+    assert "no row of --rows is saved under" in capfd.readouterr().out
+    # a budget inside the saving margin: the first row saved at its first boundary, the second never started
+    assert bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--state-dir", str(state),
+                                              "--budget-s", "30", "--tag", "c1", "--out", str(chain)]) == 0
+    first = json.loads((chain / "paper_tables_c1_g0p0.json").read_text())
+    assert first["rows"] == [] and [(u["row"], u["status"], u["step"]) for u in first["unfinished"]] == \
+        [("sparseloco@seed0", "saved", 1)]
+    assert bench_module("paper_tables").resumable(str(state)) == {"sparseloco@seed0"}
+    assert bench_module("paper_tables").main(resume + ["--tag", "c2"]) == 0
+    second = json.loads((chain / "paper_tables_c2_g0p0.json").read_text())
+    assert [r["variant"]["name"] for r in second["rows"]] == ["sparseloco@seed0"] and not second["unfinished"]
+    assert second["rows"][0]["steps"] == 2 and math.isfinite(second["rows"][0]["val_loss"])
+    assert "resuming sparseloco@seed0" in capfd.readouterr().out
+    assert bench_module("paper_tables").resumable(str(state)) == set()  # finished: its state removed
     if not torch.cuda.is_available():  # a GPU run on a machine without one: refused, naming the device
         with pytest.raises(SystemExit, match="--device cuda: no CUDA device visible"):
             bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--device", "cuda",

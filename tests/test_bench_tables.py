@@ -696,6 +696,44 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     assert ss.bracket_rows(ss.load_size("60M", str(tmp_path / "r"))[0]) == []
 
 
+def test_size_sweep_resume_only_continues_saved_rows_and_ends_at_once_on_a_fresh_machine(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A chain's later call (`run --resume-only`): the sizes with rows an earlier call saved, each told
+    to resume only; with none saved (the machine was given back between the calls) no corpus build
+    and no paper_tables, so the call costs seconds."""
+    import sys
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    calls, built = [], []
+    stub = type(sys)("paper_tables")
+    stub.main = lambda argv: calls.append(argv) or 0
+    stub.resumable = bench_module("paper_tables").resumable
+    monkeypatch.setitem(sys.modules, "paper_tables", stub)
+    monkeypatch.setattr(ss, "ensure_corpus", lambda args: built.append(args.data))
+    state = tmp_path / "state"
+    base = ["run", "--model", "60M,105M", "--gpus-per-row", "2", "--data", str(tmp_path / "c.pt"),
+            "--state-dir", str(state), "--out", str(tmp_path / "out")]
+    assert ss.main(base + ["--resume-only"]) == 0
+    assert not built and not calls and "--resume-only: no row of 60M,105M is saved" in capsys.readouterr().out
+    # 105M's AdamW 4e-3 saved by a 2-GPU group (a file a block); at 60M only a finished row's mark
+    (state / "105M").mkdir(parents=True)
+    for block in ("g0", "g1"):
+        (state / "105M" / f"adamw_lr-0.004@seed0.pt.{block}").write_bytes(b"")
+    (state / "60M").mkdir()
+    (state / "60M" / "sparseloco_lr-0.001@seed0.done").write_text("1.5\n")
+    assert ss.main(base + ["--resume-only"]) == 0
+    assert built == [str(tmp_path / "c.pt")] and len(calls) == 1
+    flag = dict(zip(calls[0], calls[0][1:]))
+    assert flag["--model"] == "105M" and flag["--state-dir"] == str(state / "105M") and "--resume-only" in calls[0]
+    calls.clear()
+    assert ss.main(base) == 0  # a chain's first call: both sizes, rows started anew where none is saved
+    assert [c[c.index("--model") + 1] for c in calls] == ["60M", "105M"] and all("--resume-only" not in c for c in calls)
+    with pytest.raises(SystemExit, match="--resume-only continues saved rows and --whole-rows saves none"):
+        ss.main(base + ["--resume-only", "--whole-rows"])
+
+
 def test_size_sweep_fill_keeps_each_gpu_on_whole_rows_and_starts_seed_1_once_its_bracket_closes(tmp_path, monkeypatch,
                                                                                                   capsys):
     """fill over the one-pass regime and its micro-batch-8 regime at 20M and 60M on two GPUs, the
