@@ -14,8 +14,9 @@ tokens/s per GPU = tokens every replica on the GPU trains in a step / step secon
 outer step (all M x S stage algorithms, with the per-sync diagnostics) is timed on its own
 (`--outer-repeats`) and amortised over H in `tokens_per_s_with_outer`. `vs_engine` divides by
 the engine's tokens/s (the target: >= 0.7). MFU uses gpu_throughput.py's convention
-(6 N + 12 L d seq FLOPs a token, 989e12 peak). `--profile` adds one profiled step per system:
-kernel launches (GPU) or aten ops (CPU) a step, the count batching divides by about M.
+(6 N + 12 L d seq FLOPs a token, 989e12 peak). `--profile` adds one profiled step per system: on a
+GPU its kernel launches (the count batching divides by about M) and where its device time goes
+(milliseconds by kernel category, the top kernels, idle gaps), on the CPU its aten ops.
 
     python bench/sim_throughput.py --out $OUT/sim_throughput.json      # 20M, M = 8, S = 4, 32 x 2 x 256
     python bench/sim_throughput.py --cpu-smoke                         # tiny shapes on the CPU
@@ -38,8 +39,8 @@ if BENCH not in sys.path:
     sys.path.insert(0, BENCH)
 
 from _common import (build_ours, close_process_group, default_out, device, llama_config, mem_gib, ours_config,  # noqa: E402
-                     sync, versions)
-from gpu_throughput import PEAK_FLOPS, card, flops_per_token, free_memory, setup_process_group  # noqa: E402
+                     profiled, sync, versions)
+from gpu_throughput import PEAK_FLOPS, card, flops_per_token, free_memory, profile_step, setup_process_group  # noqa: E402
 
 ALL_SYSTEMS = ("engine", "sim_batched", "sim_batched_compile", "sim_per_replica")
 
@@ -90,22 +91,16 @@ def time_steps(fn, warmup: int, steps: int) -> tuple[list[float], list[float]]:
     return warm, timed
 
 
-def profile_count(fn) -> dict:
-    """Kernel launches (GPU) or aten op calls (CPU) in one call of fn."""
+def profile_count(fn, step_s: float) -> dict:
+    """One call of fn profiled: on a GPU where its device time goes (gpu_throughput.profile_step:
+    kernel launches, milliseconds by kernel category, the top kernels, idle gaps), on the CPU its
+    aten op calls."""
     import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync()
-    with profile(activities=acts) as prof:
-        fn()
-        sync()
-    events = prof.key_averages()
-    if cuda:
-        return {"kernel_launches": sum(e.count for e in events if getattr(e, "device_type", None) == DeviceType.CUDA)}
-    return {"aten_ops": sum(e.count for e in events if e.key.startswith("aten::"))}
+    if torch.cuda.is_available():
+        return profile_step(fn, step_s)
+    prof, _ = profiled(fn)
+    return {"aten_ops": sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))}
 
 
 def run_engine(cfg, args, result) -> None:
@@ -125,7 +120,7 @@ def run_engine(cfg, args, result) -> None:
     result.update(step_stats(timed, warm, tokens, flops_per_token(cfg, args.seq, n_params)))
     result.update(n_params=n_params, replicas_on_gpu=1, peak_mem_gib=mem_gib("peak"))
     if args.profile:
-        result["profile"] = profile_count(step)
+        result["profile"] = profile_count(step, result["step_s_median"])
     with contextlib.suppress(Exception):
         engine.destroy()
 
@@ -173,7 +168,7 @@ def run_sim(cfg, args, result, system: str) -> None:
     result.update(n_params=n_params, replicas_on_gpu=args.replicas, stages=args.stages, variant=variant.name,
                   peak_mem_gib=mem_gib("peak"))
     if args.profile:
-        result["profile"] = profile_count(step)
+        result["profile"] = profile_count(step, result["step_s_median"])
     outer = []
     for _ in range(args.outer_repeats):
         step()  # a fresh pseudo-gradient for each outer step
@@ -262,6 +257,12 @@ def main(argv=None) -> int:
         with_outer = f"{r['vs_engine_with_outer']:9.2f}" if "vs_engine_with_outer" in r else f"{'':9}"
         print(f"{r['system']:20} {r['tokens_per_s']:10.0f} {r['step_s_median'] * 1e3:9.1f} {100 * r['mfu']:5.1f}% "
               f"{r.get('vs_engine', float('nan')):9.2f} {with_outer} {outer}")
+    for r in report["results"]:
+        prof = r.get("profile") or {}
+        if prof.get("kernel_launches"):
+            cats = "  ".join(f"{k} {v:.1f}" for k, v in prof["kernel_ms_by_category"].items())
+            print(f"profile {r['system']}: kernels {prof['kernel_ms']:.1f} ms / step {1e3 * r['step_s_median']:.1f} "
+                  f"ms ({prof['kernel_launches']} launches): {cats}")
     print(f"[sim_throughput] wrote {out_path} ({report['elapsed_s']:.0f} s)", flush=True)
     close_process_group()
     return 0 if all("error" not in r for r in report["results"]) else 1

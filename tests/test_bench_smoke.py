@@ -115,10 +115,12 @@ def test_sim_check_batched_simulator_equals_the_per_replica_one(tmp_path):
 
 def test_sim_throughput_simulators_agree_at_the_outer_step(tmp_path):
     """Breaks if sim_throughput.py's simulators stop running the same model and outer step as the engine."""
-    _run([sys.executable, "bench/sim_throughput.py", "--cpu-smoke", "--replicas", "2", "--steps", "1",
+    _run([sys.executable, "bench/sim_throughput.py", "--cpu-smoke", "--replicas", "2", "--steps", "1", "--profile",
           "--out", str(tmp_path / "st.json")], timeout=600)
     rows = {r["system"]: r for r in json.loads((tmp_path / "st.json").read_text())["results"]}
     assert sorted(rows) == ["engine", "sim_batched", "sim_per_replica"]
+    # one profiled step each: batching the 2 replicas takes fewer ops than running them one by one
+    assert 0 < rows["sim_batched"]["profile"]["aten_ops"] < rows["sim_per_replica"]["profile"]["aten_ops"]
     assert {r["n_params"] for r in rows.values()} == {_hf_params("tiny", 1024)}
     a, b = rows["sim_batched"]["last_outer_diagnostics"], rows["sim_per_replica"]["last_outer_diagnostics"]
     assert a["excluded"] == b["excluded"] == [] and a["outer_step"] == b["outer_step"] == 2
