@@ -13,7 +13,7 @@ Four verbs, each a step of spending device time in pieces:
 
     python bench/size_sweep.py plan                          # each size's rows, steps and GPU-minutes
     OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 20M --out $OUT [--seeds 1]
-    OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 105M --gpus-per-row 2 --out $OUT
+    OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py run --model 105M --gpus-per-row 2 --out $OUT [--resume-only]
     OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py fill --regimes one_pass,one_pass/micro8 --budget-s 560
     python bench/size_sweep.py summarize                     # bench/results/size_sweep/summary.json + .png
     ... plan | run | summarize --one-pass                    # every row within one pass: size_sweep/one_pass/
