@@ -228,6 +228,17 @@ def profile_step(step_fn, step_s: float, trace_path: str | None = None) -> dict:
     }
 
 
+def profile_line(result: dict) -> str | None:
+    """A result's `profile_step` in one line (kernel time against the step's, by category), or None
+    where it has none (not profiled, or on the CPU)."""
+    prof = result.get("profile")
+    if not (prof and "kernel_ms" in prof and prof["kernel_launches"]):
+        return None
+    cats = "  ".join(f"{k} {v:.1f}" for k, v in prof["kernel_ms_by_category"].items())
+    return (f"kernels {prof['kernel_ms']:.1f} ms / step {1e3 * result['step_s_median']:.1f} ms "
+            f"({prof['kernel_launches']} launches): {cats}")
+
+
 # ----------------------------------------------------------------------------- systems
 def run_ours(cfg, shape, micro, seq, args, result, compile_: bool = False):
     # H out of reach: timed steps never run the outer step; it is timed below on its own.
@@ -458,11 +469,8 @@ def main(argv=None) -> int:
         print(f"{r['shape']:6} {r['system']:12} {r['micro_batch']:>5} {r['tokens_per_s']:10.0f} "
               f"{r['step_s_median'] * 1e3:9.1f} {100 * r['mfu']:5.1f}% {str(r['peak_mem_gib']):>8} {outer}")
     for r in report["results"]:
-        prof = r.get("profile")
-        if prof and "kernel_ms" in prof and prof["kernel_launches"]:
-            cats = "  ".join(f"{k} {v:.1f}" for k, v in prof["kernel_ms_by_category"].items())
-            print(f"profile {r['shape']} {r['system']}: kernels {prof['kernel_ms']:.1f} ms / step "
-                  f"{1e3 * r['step_s_median']:.1f} ms ({prof['kernel_launches']} launches): {cats}")
+        if line := profile_line(r):
+            print(f"profile {r['shape']} {r['system']}: {line}")
     print(f"[bench] wrote {out_path} ({report['elapsed_s']:.0f} s)", flush=True)
     close_process_group()
     return 0 if all("error" not in r for r in report["results"]) else 1

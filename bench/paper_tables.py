@@ -275,9 +275,8 @@ def resumable(state_dir: str) -> set[str]:
     """The rows (`safe_name`s, with their seed) saved in `state_dir` and not finished since: what
     --resume-only runs. A machine given back and lent again holds none."""
     names = set(os.listdir(state_dir)) if state_dir and os.path.isdir(state_dir) else set()
-    saved = {n[:-len(".pt")] for n in names if n.endswith(".pt")} | \
-            {n[:-len(".pt.g0")] for n in names if n.endswith(".pt.g0")}
-    return {n for n in saved if n + ".done" not in names}
+    rows = {n.split(".pt")[0] for n in names if ".pt" in n}  # a row's state files: <row>.pt[.g<block>]
+    return {r for r in rows if saved_state(os.path.join(state_dir, r + ".pt")) and r + ".done" not in names}
 
 
 def worker_meta(args, llama, corpus, device) -> dict:

@@ -40,7 +40,8 @@ if BENCH not in sys.path:
 
 from _common import (build_ours, close_process_group, default_out, device, llama_config, mem_gib, ours_config,  # noqa: E402
                      profiled, sync, versions)
-from gpu_throughput import PEAK_FLOPS, card, flops_per_token, free_memory, profile_step, setup_process_group  # noqa: E402
+from gpu_throughput import (PEAK_FLOPS, card, flops_per_token, free_memory, profile_line, profile_step,  # noqa: E402
+                            setup_process_group)
 
 ALL_SYSTEMS = ("engine", "sim_batched", "sim_batched_compile", "sim_per_replica")
 
@@ -258,11 +259,8 @@ def main(argv=None) -> int:
         print(f"{r['system']:20} {r['tokens_per_s']:10.0f} {r['step_s_median'] * 1e3:9.1f} {100 * r['mfu']:5.1f}% "
               f"{r.get('vs_engine', float('nan')):9.2f} {with_outer} {outer}")
     for r in report["results"]:
-        prof = r.get("profile") or {}
-        if prof.get("kernel_launches"):
-            cats = "  ".join(f"{k} {v:.1f}" for k, v in prof["kernel_ms_by_category"].items())
-            print(f"profile {r['system']}: kernels {prof['kernel_ms']:.1f} ms / step {1e3 * r['step_s_median']:.1f} "
-                  f"ms ({prof['kernel_launches']} launches): {cats}")
+        if line := profile_line(r):
+            print(f"profile {r['system']}: {line}")
     print(f"[sim_throughput] wrote {out_path} ({report['elapsed_s']:.0f} s)", flush=True)
     close_process_group()
     return 0 if all("error" not in r for r in report["results"]) else 1

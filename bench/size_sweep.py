@@ -449,7 +449,7 @@ def run(args) -> int:
     sub = os.path.relpath(results_folder(args.one_pass, args.micro), RESULTS)  # ".", one_pass, one_pass/micro8, ...
     state_dir = args.state_dir + ("" if sub == "." else "_" + sub.replace(os.sep, "_"))
     if args.resume_only:
-        saved = {m: sorted(paper_tables.resumable(os.path.join(state_dir, m))) for m in models}
+        saved = {m: paper_tables.resumable(os.path.join(state_dir, m)) for m in models}
         if not any(saved.values()):
             # before the corpus: a machine lent afresh ends the call in seconds, not a budget later
             print(f"size_sweep: --resume-only: no row of {args.model} is saved under {state_dir}/: nothing to "
