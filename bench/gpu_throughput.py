@@ -12,8 +12,8 @@ Systems (all in this one process, one after another, memory freed in between):
   ours_compile  `ours` with `hetloco.train.compile` (torch.compile'd decoder layers and loss).
 
 `--profile-shapes` (default 178M): after its timed steps, each system runs one more step under
-torch.profiler; the JSON gets the kernel time by category (GEMM, attention, elementwise/copy,
-optimizer, ...), the top kernels and aten ops, launches per step, and kernel time / step time.
+torch.profiler; the JSON gets the kernel time by class (hetloco_ds.profiling.kernel_class: matmul,
+attention, elementwise, cast, optimizer, ...), the top kernels and aten ops, launches per step, and kernel time / step time.
 
 Every system: random tokens, `--micro` x `--seq` tokens per step, no gradient accumulation,
 gradient clipping at 1.0 (each system's own way), AdamW(lr 1e-3, betas (0.9, 0.95), wd 0.1).
@@ -146,15 +146,6 @@ def summarize(cfg, seq: int, micro: int, n_params: int, warm, timed, loss) -> di
     }
 
 
-KERNEL_CATEGORIES = (
-    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "sm90_")),
-    ("attention", ("flash", "fmha", "attention", "efficient_attention")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "fused_adam")),
-    ("reduce_norm", ("reduce", "norm", "softmax", "cross_entropy", "nll")),
-    ("elementwise_copy", ("elementwise", "copy", "cast", "vectorized", "unrolled", "fill", "index", "scatter",
-                          "gather", "cat", "embedding")),
-)
-
 
 def idle_gaps(prof, top: int = 8) -> dict:
     """Device time with no kernel running inside the profiled step, and its largest gaps with
@@ -184,6 +175,8 @@ def profile_step(step_fn, step_s: float, trace_path: str | None = None) -> dict:
     """One step under torch.profiler: where the device time goes (microsecond sums -> ms)."""
     from torch.autograd import DeviceType
 
+    from hetloco_ds.profiling import kernel_class
+
     prof, wall = profiled(step_fn)
     if trace_path:
         import gzip
@@ -197,16 +190,10 @@ def profile_step(step_fn, step_s: float, trace_path: str | None = None) -> dict:
     events = prof.key_averages()
     kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
     total_us = sum(device_time_us(e) for e in kernels)
-    cats = {name: 0.0 for name, _ in KERNEL_CATEGORIES}
-    cats["other"] = 0.0
+    cats: dict[str, float] = {}
     for e in kernels:
-        low = e.key.lower()
-        for name, keys in KERNEL_CATEGORIES:
-            if any(k in low for k in keys):
-                cats[name] += device_time_us(e)
-                break
-        else:
-            cats["other"] += device_time_us(e)
+        cls = kernel_class(e.key)
+        cats[cls] = cats.get(cls, 0.0) + device_time_us(e)
     top_k = sorted(kernels, key=device_time_us, reverse=True)[:12]
     cpu_ops = [e for e in events if getattr(e, "device_type", None) != DeviceType.CUDA and e.key.startswith("aten::")]
     if kernels:
@@ -220,11 +207,11 @@ def profile_step(step_fn, step_s: float, trace_path: str | None = None) -> dict:
         "kernel_ms": total_us / 1e3,
         "kernel_launches": sum(e.count for e in kernels),
         "kernel_time_over_step_time": (total_us / 1e6) / step_s if step_s else None,
-        "kernel_ms_by_category": {k: round(v / 1e3, 3) for k, v in cats.items()},
+        "kernel_ms_by_category": {k: round(v / 1e3, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"kernel": e.key[:120], "calls": e.count, "ms": round(device_time_us(e) / 1e3, 3)} for e in top_k],
         "top_aten_ops_inclusive": op_rows,
         "device_idle": idle_gaps(prof),
-        "note": "one step after the timed ones; categories by kernel-name substrings (first match wins)",
+        "note": "one step after the timed ones; categories by hetloco_ds.profiling.kernel_class",
     }
 
 

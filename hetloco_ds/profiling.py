@@ -23,9 +23,15 @@ STEP_RANGE = "hetloco.step"
 """The record_function range around the profiled step (the window every number refers to)."""
 
 # First match wins; names are those CUPTI reports for the kernels torch, cuBLAS, cuDNN and NCCL launch.
+# Inductor names a kernel after every op it fused (`triton_poi_fused__to_copy_add_bmm_cat_...` is
+# one pointwise pass), so its prefix, not those op names, says what it does. Attention precedes
+# matmul because flash kernels carry cutlass types in their template arguments.
 KERNEL_CLASSES = (
     ("nccl", re.compile(r"nccl", re.I)),
     ("memcpy", re.compile(r"^Memcpy|^Memset|copy_engine", re.I)),
+    ("elementwise", re.compile(r"^triton_poi_")),
+    ("reduce", re.compile(r"^triton_(red|per)_")),
+    ("matmul", re.compile(r"^triton_tem_")),
     ("attention", re.compile(r"flash|fmha|attention|cudnn.*sdpa|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|sm90_|nvjet|cublas|matmul|splitK", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),

@@ -21,6 +21,22 @@ def test_kernel_classes_name_what_the_step_spends_time_on():
         "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda") == "cast"
 
 
+def test_kernel_classes_of_a_compiled_step_on_hopper():
+    """Names from a compiled 105M simulator step on an H200: flash kernels carry cutlass types in
+    their template arguments and Inductor names a pointwise kernel after every op it fused
+    (`bmm`, `_to_copy`); a first-match classifier that tried matmul first called the attention
+    matmul and the fused pointwise kernels copies or matmuls."""
+    assert profiling.kernel_class("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_"
+                                  "kernel_traits<64, 128, 128, 8, 4, 4, 4, false, false, cutlass::bfloat16_t>") \
+        == "attention"
+    assert profiling.kernel_class("triton_poi_fused__to_copy_add_bmm_cat_clone_cos_mul_neg_sin_slice_slice_"
+                                  "backward_transpose_unsqueeze_view_12") == "elementwise"
+    assert profiling.kernel_class("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_3") == "reduce"
+    assert profiling.kernel_class("triton_per_fused_nll_loss_forward_7") == "reduce"
+    assert profiling.kernel_class("triton_tem_fused_mm_0") == "matmul"
+    assert profiling.kernel_class("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN") == "matmul"
+
+
 def test_record_step_counts_the_host_syncs_of_each_instruction(tmp_path):
     """Three .item() calls inside one labelled instruction, one outside: the summary must place
     them, and name the instructions in order (a profile that lost them would hide host syncs)."""
