@@ -347,7 +347,8 @@ def worker(args) -> int:
               f"{args.deadline - time.time():.0f} s of the budget left", flush=True)
         r, t0 = run_row(args, v, run, llama, corpus, device, state, meta)
         if r["status"] != "done":
-            unfinished.append({k: r[k] for k in ("status", "step", "steps", "seconds")} | {"row": v.name})
+            unfinished.append({k: r[k] for k in ("status", "step", "steps", "seconds", "seconds_by_phase")}
+                              | {"row": v.name})
             print(f"{who(args)} {v.name:<28} {r['status']} at step {r['step']} of {args.steps}", flush=True)
         else:
             pace = (time.time() - t0) / args.steps
@@ -384,7 +385,8 @@ def record_row(args, r: dict, mark: str | None, results: list) -> None:
     last = r["outer"][-1] if r["outer"] else {}
     print(f"{who(args)} {r['variant']['name']:<28} val {r['val_loss']:.4f} train {r['final_train_loss']:.4f} "
           f"overlap {last.get('replicas_per_selected') or 0:.2f} cos {last.get('update_cosine') or 0:.2f} "
-          f"({r['seconds']:.0f}s, {r['seconds'] / args.steps:.3f} s/step)", flush=True)
+          f"({r['seconds']:.0f}s, {r['seconds'] / args.steps:.3f} s/step; "
+          + ", ".join(f"{k} {v:.0f}s" for k, v in r["seconds_by_phase"].items()) + ")", flush=True)
 
 
 def calibrate_worker(args) -> int:

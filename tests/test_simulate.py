@@ -273,6 +273,45 @@ def test_a_saved_row_resumes_where_it_stopped(tmp_path):
     assert row(deadline=0.0)["status"] == "abandoned"
 
 
+def test_a_rows_seconds_by_phase_put_each_wait_where_it_was_spent(tmp_path, monkeypatch):
+    """het:4 over 6 steps (H = 2, validation every 2): with each outer step made 0.3 s slower, each
+    validation 0.2 s and each step's batches 0.1 s, the row's seconds_by_phase hold at least 0.9 s of
+    outer steps (3), 0.6 s of validation (2 on the way, 1 at the end) and 0.6 s of training, each
+    phase less than its share plus 0.5 s, and sum to the row's seconds; stopped at step 2 and
+    resumed, the phases of both calls add up. Breaks if a phase's time lands in another, or a
+    resume forgets the phases before it."""
+    import time
+
+    from hetloco_ds.sim import rows
+    from hetloco_ds.sim.batched import BatchedSimulation
+
+    row = _het4_row(tmp_path)
+    outer, val, batches = BatchedSimulation.outer_step, BatchedSimulation.validation_losses, rows.step_batches
+
+    def delayed(fn, s):
+        def wrapped(*a, **kw):
+            time.sleep(s)
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(BatchedSimulation, "outer_step", delayed(outer, 0.3))
+    monkeypatch.setattr(BatchedSimulation, "validation_losses", delayed(val, 0.2))
+    monkeypatch.setattr(rows, "step_batches", delayed(batches, 0.1))
+
+    def check(r):
+        phases = r["seconds_by_phase"]
+        assert set(phases) == {"train", "outer", "flush", "validation"}
+        assert 0.9 <= phases["outer"] < 1.4 and 0.6 <= phases["validation"] < 1.1, phases
+        assert phases["train"] >= 0.6 and phases["flush"] >= 0, phases
+        assert sum(phases.values()) == pytest.approx(r["seconds"], abs=5e-3)
+
+    check(row(val_every=2))
+    state = str(tmp_path / "row.pt")
+    first = row(val_every=2, deadline=0.0, state_path=state)
+    assert first["status"] == "saved" and 0.3 <= first["seconds_by_phase"]["outer"] < 0.8
+    check(row(val_every=2, state_path=state))
+
+
 def test_an_unsaved_row_is_abandoned_by_its_steady_pace_not_its_first_interval(tmp_path, monkeypatch):
     """Without a state path, a row whose first interval is slow (as a compile makes it: step 1
     takes 2 s) runs to the end when its later pace fits the deadline, though the mean pace at the

@@ -8,6 +8,7 @@ shapes that would cross it, not measured), and the outer steps' diagnostics as
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -144,22 +145,54 @@ class _RowLog:
             self.out.close()
 
 
-def _resume(sim, state_path: str | None, variant: Variant, steps: int, device) -> tuple[list, list, list, int, float]:
-    """(history, outer rows, validation curve, steps done, seconds spent) of the row's saved state at `state_path`
-    (a sharded row: each block's own file), loaded into `sim`; an empty start where there is none."""
+class _PhaseClock:
+    """Wall seconds a row spends outside its training steps: outer steps, loss flushes and
+    validations. The device is synchronised at each such phase's edges, where the phase
+    itself would wait for it anyway (every outer step and flush reads values back), so the steps'
+    queued kernels count as training, not as the phase that waited for them; "train" is the rest."""
+
+    PHASES = ("outer", "flush", "validation")
+
+    def __init__(self, device, spent: dict | None = None):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+        self.seconds = {k: 0.0 for k in self.PHASES} | dict(spent or {})
+
+    def _sync(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t = self._sync()
+        yield
+        self.seconds[name] += self._sync() - t
+
+    def breakdown(self, seconds: float) -> dict:
+        """The phases and "train" (the row's `seconds` less the phases), rounded to ms."""
+        return {"train": round(seconds - sum(self.seconds.values()), 3)} | {k: round(v, 3) for k, v in self.seconds.items()}
+
+
+def _resume(sim, state_path: str | None, variant: Variant, steps: int,
+            device) -> tuple[list, list, list, int, float, dict]:
+    """(history, outer rows, validation curve, steps done, seconds spent, seconds by phase) of the
+    row's saved state at `state_path` (a sharded row: each block's own file), loaded into `sim`; an
+    empty start where there is none."""
     saved = sim.shards.every(bool(state_path and os.path.exists(state_path))) if state_path else [False]
     if any(saved) and not all(saved):
         raise ConfigError(f"{variant.name}: the saved state of blocks {[g for g, s in enumerate(saved) if s]} "
                           f"of {len(saved)} exists, of the others not ({state_path}): resume on the same "
                           "--gpus-per-row, or remove the row's saved state")
     if not saved[0]:
-        return [], [], [], 0, 0.0
+        return [], [], [], 0, 0.0, {}
     state = torch.load(state_path, map_location=device, weights_only=False)
     if state["variant"] != asdict(variant) or state["steps"] != steps:
         raise ConfigError(f"{state_path} holds row {state['variant']['name']} of {state['steps']} steps, "
                           f"not {variant.name} of {steps}")
     sim.load_state_dict(state["sim"])
-    return state["history"], state["outer"], state.get("val_curve", []), state["step"], state["seconds"]
+    return (state["history"], state["outer"], state.get("val_curve", []), state["step"], state["seconds"],
+            state.get("phase_seconds", {}))
 
 
 def _build(run, hetloco, variant: Variant, llama_config, replicas: int, stages: int, device, batched: bool,
@@ -179,7 +212,7 @@ def _build(run, hetloco, variant: Variant, llama_config, replicas: int, stages: 
 
 
 def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], val_curve: list[dict], steps: int,
-                seconds: float, batched: bool, compile: bool) -> dict:
+                seconds: float, phases: dict, batched: bool, compile: bool) -> dict:
     """A finished row: its losses, validation, bytes per token and per outer step, and timing."""
     history, H = log.history, log.H
     tail = max(1, min(H, steps) if log.enabled else min(10, steps))
@@ -196,6 +229,7 @@ def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], va
         "stage_link_bytes_per_token": sum(log.link["stage_links_per_step"]) / sim.M / log.tokens_per_step,
         "outer_sync_bytes_per_replica_per_outer_step": log.link["outer_payload_per_replica"],
         "seconds": seconds,
+        "seconds_by_phase": phases,
         "simulator": "batched" if batched else "per_replica",
         "compile": compile,
         "tokens_per_replica_step": log.tokens_per_step,
@@ -239,7 +273,8 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
                              state_path, shards)
     if batched and not sim.shards.rank0:
         metrics_path, progress = None, False
-    history, outer_rows, val_curve, done, spent = _resume(sim, state_path, variant, steps, device)
+    history, outer_rows, val_curve, done, spent, phase_spent = _resume(sim, state_path, variant, steps, device)
+    clock = _PhaseClock(device, phase_spent)
     feeds = [ReplicaBatches(corpus.train, m, replicas, sim.micro, seed=hetloco.train.seed, position=done * sim.gas)
              for m in (sim.shards.ids if batched else range(replicas))]
     val_it = validation_batches(corpus.val, sim.micro)
@@ -254,14 +289,17 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     for step in range(done + 1, steps + 1):
         log.pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
         if log.syncs(step):
-            outer_rows.append({"step": step, **sim.outer_step()})
+            with clock.phase("outer"):
+                outer_rows.append({"step": step, **sim.outer_step()})
             if len(outer_rows[-1].get("excluded", [])) == replicas:
                 raise FloatingPointError(f"{variant.name}: every replica's pseudo-gradient was non-finite at the "
                                          f"outer step after step {step}; the row cannot go on")
         if log.syncs(step) or step == steps or len(log.pending) >= 50:
-            log.flush()
+            with clock.phase("flush"):
+                log.flush()
         if val_every and step % val_every == 0 and step < steps:
-            losses = sim.validation_losses(val_batches)
+            with clock.phase("validation"):
+                losses = sim.validation_losses(val_batches)
             val_curve.append({"step": step, "loss": sum(losses) / len(losses)})
         if deadline is None or step == steps or step % interval:
             continue
@@ -282,20 +320,23 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
             if state_path:
                 tmp = state_path + ".tmp"
                 torch.save({"variant": asdict(variant), "steps": steps, "step": step, "sim": sim.state_dict(),
-                            "history": history, "outer": outer_rows, "val_curve": val_curve, "seconds": seconds}, tmp)
+                            "history": history, "outer": outer_rows, "val_curve": val_curve, "seconds": seconds,
+                            "phase_seconds": clock.seconds}, tmp)
                 os.replace(tmp, state_path)
                 sim.shards.every(True)  # "saved" once every block has saved
             return {"status": "saved" if state_path else "abandoned", "variant": asdict(variant), "step": step,
-                    "steps": steps, "seconds": seconds}
+                    "steps": steps, "seconds": seconds, "seconds_by_phase": clock.breakdown(seconds)}
     log.bar.close()
-    val_losses = sim.validation_losses(val_batches)
+    with clock.phase("validation"):
+        val_losses = sim.validation_losses(val_batches)
     final = {"step": steps, "loss": sum(val_losses) / len(val_losses)}
     log.close({**final, "replica_losses": val_losses})
     if val_every:
         val_curve.append(final)
     if state_path and os.path.exists(state_path):
         os.remove(state_path)
-    return _row_result(sim, variant, log, val_losses, val_curve, steps, spent + time.perf_counter() - t0, batched,
+    seconds = spent + time.perf_counter() - t0
+    return _row_result(sim, variant, log, val_losses, val_curve, steps, seconds, clock.breakdown(seconds), batched,
                        compile)
 
 
