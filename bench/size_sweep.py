@@ -164,7 +164,8 @@ def lr_bracket(summary: list[dict], mode: str) -> dict:
              if r["table_row"] == mode and not r["sparseloco"] and 0 in r["seeds"]}
     if not seed0:
         return {"best": None, "complete": False, "next": None}
-    best = min(seed0, key=seed0.get)
+    # A diverged lr (NaN loss) is the worst, wherever the rows list it: min() would keep a leading NaN.
+    best = min(seed0, key=lambda lr: seed0[lr] if math.isfinite(seed0[lr]) else math.inf)
     if not all(any(math.isclose(lr, x) for x in seed0) for lr in LR_BRACKETS[mode]):
         return {"best": best, "complete": False, "next": None}
     nxt = best / 2 if best == min(seed0) else best * 2 if best == max(seed0) else None

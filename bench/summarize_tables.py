@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import statistics
 
@@ -214,9 +215,9 @@ def best_lr(summary: list[dict]) -> dict[str, dict]:
         shared = sorted(set.intersection(*(set(r["seeds"]) for r in rows)))
 
         def score(r: dict) -> float:
-            if not shared:
-                return r["val_loss_mean"]
-            return statistics.fmean(v for s, v in zip(r["seeds"], r["val_loss_per_seed"]) if s in shared)
+            x = r["val_loss_mean"] if not shared else \
+                statistics.fmean(v for s, v in zip(r["seeds"], r["val_loss_per_seed"]) if s in shared)
+            return x if math.isfinite(x) else math.inf  # a diverged lr is the worst, not min()'s first NaN
 
         best = min(rows, key=score)
         out[mode] = {"lr": best["lr"], "seeds": shared or None}

@@ -84,6 +84,8 @@ def test_best_lr_compares_rows_on_the_seeds_they_all_ran():
             _row("adamw", 1e-2, {0: 1.0}, compressed_replicas=4),
             _row("sparseloco", 1e-2, {0: 1.0}, sparseloco={"aggregation": "mean"})]
     assert st.best_lr(rows) == {"adamw": {"lr": 4e-3, "seeds": [0]}, "sparseloco": {"lr": 2e-3, "seeds": [0]}}
+    # a diverged lr listed first is the worst, not min()'s pick
+    assert st.best_lr([_row("adamw", 8e-3, {0: float("nan")})] + rows)["adamw"]["lr"] == 4e-3
 
 
 def test_best_lr_without_a_shared_seed_falls_back_to_each_rows_mean_and_lr_from_reads_both_forms(tmp_path):
@@ -610,6 +612,12 @@ def test_size_sweep_widens_each_lr_bracket_until_its_best_is_inside(tmp_path, mo
     assert ss.lr_bracket(rows("adamw", {1e-3: 1.8, 2e-3: 1.6, 4e-3: 1.5}), "adamw")["next"] == 8e-3
     assert ss.lr_bracket(rows("adamw", {1e-3: 1.0, 2e-3: 1.6}), "adamw") == {"best": 1e-3, "complete": False, "next": None}
     assert ss.lr_bracket(rows("sparseloco", {2e-3: 1.0}), "sparseloco")["next"] == 1e-3
+    # a diverged lr is the worst wherever it sits: 105M's AdamW bracket if 8e-3 blew up
+    nan = float("nan")
+    assert ss.lr_bracket(rows("adamw", {8e-3: nan, 1e-3: 1.52, 2e-3: 1.51, 4e-3: 1.45}), "adamw") == \
+        {"best": 4e-3, "complete": True, "next": None}
+    assert ss.lr_bracket(rows("adamw", {5e-4: nan, 1e-3: 1.5, 2e-3: 1.6, 4e-3: 1.8}), "adamw") == \
+        {"best": 1e-3, "complete": True, "next": None}
     assert ss.lr_bracket(rows("sparseloco", {2e-3: 1.0, 1e-3: 1.1}), "sparseloco")["next"] == 4e-3
     # a SparseLoCo variant (its own sparseloco settings) is no candidate, however low its loss
     variant = rows("sparseloco", {5e-4: 0.1})[0] | {"sparseloco": {"aggregation": "mean"}}
