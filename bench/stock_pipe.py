@@ -207,4 +207,10 @@ def smoke(a) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Interpreter teardown still aborts a rank now and then after its results are written and its
+    # group destroyed (SIGABRT, "terminate called without an active exception": 1 smoke run in 7
+    # on 2 cores, 2026-11-28); nothing is left to do, so the process skips it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
