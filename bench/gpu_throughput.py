@@ -13,7 +13,8 @@ Systems (all in this one process, one after another, memory freed in between):
 
 `--profile-shapes` (default 178M): after its timed steps, each system runs one more step under
 torch.profiler; the JSON gets the kernel time by class (hetloco_ds.profiling.kernel_class: matmul,
-attention, elementwise, cast, optimizer, ...), the top kernels and aten ops, launches per step, and kernel time / step time.
+attention, elementwise, cast, optimizer, ...), the top kernels and aten ops, launches per step,
+and kernel time / step time.
 
 Every system: random tokens, `--micro` x `--seq` tokens per step, no gradient accumulation,
 gradient clipping at 1.0 (each system's own way), AdamW(lr 1e-3, betas (0.9, 0.95), wd 0.1).

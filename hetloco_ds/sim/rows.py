@@ -171,7 +171,8 @@ class _PhaseClock:
 
     def breakdown(self, seconds: float) -> dict:
         """The phases and "train" (the row's `seconds` less the phases), rounded to ms."""
-        return {"train": round(seconds - sum(self.seconds.values()), 3)} | {k: round(v, 3) for k, v in self.seconds.items()}
+        train = seconds - sum(self.seconds.values())
+        return {"train": round(train, 3)} | {k: round(v, 3) for k, v in self.seconds.items()}
 
 
 def _resume(sim, state_path: str | None, variant: Variant, steps: int,
