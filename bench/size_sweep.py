@@ -798,15 +798,37 @@ def point_loss(key: str):
     return lambda r, seed: (r[key][r["seeds"].index(seed)] or {}).get("loss")
 
 
-def gaps(rows: list[dict], loss=final_loss) -> list[dict]:
+def best_at(rows: list[dict], mode: str, loss) -> tuple[dict | None, bool]:
+    """`mode`'s row with the lowest `loss(row, 0)` among `rows` (one size's), and whether a worse lr
+    with a value there lies on either side of it (lr_bracket's rule, read at that point)."""
+    there = {r["lr"]: r for r in rows if r["mode"] == mode and 0 in r["seeds"] and loss(r, 0) is not None
+             and math.isfinite(loss(r, 0))}
+    if not there:
+        return None, False
+    best = min(there, key=lambda lr: loss(there[lr], 0))
+    ran = all(any(math.isclose(lr, x) for x in there) for lr in LR_BRACKETS[mode])
+    return there[best], ran and min(there) < best < max(there)
+
+
+def gaps(rows: list[dict], loss=final_loss, best_there: bool = False) -> list[dict]:
     """Per size: SparseLoCo's (at its tuned lr) and DiLoCo's gap to the tuned AdamW, on the seeds
     they share where `loss(row, seed)` has a value (the final validation, or `point_loss`'s points).
     Where a mode's lr bracket is still open, its best lr on seed 0 so far stands in, and the gap says
-    so (provisional)."""
+    so (provisional). `best_there`: each mode at its best lr at that point instead (`best_at`), not
+    at the lr that ends best: an lr that ends best by memorising least a corpus seen many times can
+    be the worst one early."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        pick = {r["mode"]: r for r in rows if r["model"] == model and (r["mode"] == "diloco" or r["best_lr_so_far"])}
-        complete = {mode: mode in pick and pick[mode]["tuned"] for mode in LR_BRACKETS}
+        if best_there:
+            size = [r for r in rows if r["model"] == model]
+            picked = {mode: best_at(size, mode, loss) for mode in LR_BRACKETS}
+            pick = {mode: r for mode, (r, _) in picked.items() if r is not None}
+            pick |= {r["mode"]: r for r in size if r["mode"] == "diloco"}
+            complete = {mode: done for mode, (_, done) in picked.items()}
+        else:
+            pick = {r["mode"]: r for r in rows
+                    if r["model"] == model and (r["mode"] == "diloco" or r["best_lr_so_far"])}
+            complete = {mode: mode in pick and pick[mode]["tuned"] for mode in LR_BRACKETS}
         if "adamw" not in pick:
             continue
         a = pick["adamw"]
@@ -982,6 +1004,7 @@ def summarize(args) -> int:
            "tokens_per_param_target": None if args.one_pass else TOKENS_PER_PARAM, "settings": settings,
            "rows": rows, "gaps": gap_rows, "gaps_one_epoch": gaps(rows, point_loss("one_epoch_per_seed")),
            "gaps_first_pass_fresh": gaps(rows, point_loss("first_pass_fresh_per_seed")),
+           "gaps_first_pass_fresh_best_there": gaps(rows, point_loss("first_pass_fresh_per_seed"), best_there=True),
            "gaps_by_outer_steps": gaps_by_outer_steps(), "same_seed_repeats": same_seed_repeats(results),
            "paper": {"params": PAPER_PARAMS, "degradation_pct": PAPER_DEGRADATION, "gap_pct": PAPER_GAP_PCT},
            "command": "python bench/size_sweep.py summarize" + (" --one-pass" if args.one_pass else "")
@@ -993,10 +1016,12 @@ def summarize(args) -> int:
     early = {} if args.one_pass else {"after one pass": doc["gaps_one_epoch"]}  # one pass: the final loss
     if fresh:
         step = max(set(fresh), key=fresh.count)
-        early[f"step {step} ({(step - 1) // H} syncs), unseen batches"] = doc["gaps_first_pass_fresh"]
+        early[f"step {step} ({(step - 1) // H} syncs), unseen batches, each at its best lr there"] = \
+            doc["gaps_first_pass_fresh_best_there"]
     plot(rows, gap_rows, early, doc["gaps_by_outer_steps"], os.path.join(results, "size_sweep.png"))
     for when, some in (("end", gap_rows), ("one epoch", doc["gaps_one_epoch"]),
-                       ("the first pass's last sync, on unseen batches", doc["gaps_first_pass_fresh"])):
+                       ("the first pass's last sync, on unseen batches", doc["gaps_first_pass_fresh"]),
+                       ("the same point, each mode at its best lr there", doc["gaps_first_pass_fresh_best_there"])):
         for g in some:
             print(f"{g['model']:>5} {g['mode']:<10} - AdamW (lr {g['adamw_lr']:g}) at {when}: "
                   f"{g['gap_nats']:+.4f} nats ({g['gap_pct']:+.2f}%), seeds {g['seeds']}"

@@ -520,6 +520,35 @@ def test_first_pass_fresh_reads_the_step_after_the_last_sync_inside_the_first_pa
     assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(want) / 2) < 1e-12
 
 
+def test_first_pass_gap_at_each_modes_best_lr_there_not_the_lr_that_ends_best():
+    """best_at / gaps(best_there=True): at 105M AdamW 4e-3 ends best (it memorises 8 passes least)
+    but is the worst of its three lrs on the first pass's unseen batches (1.670 against 1e-3's
+    1.460); the point's gap takes each mode at its best lr there, and calls that bracket open
+    while the best sits at the edge of the lrs run. A NaN point is no candidate. Recomputed by
+    hand from the summary's own per-seed points."""
+    import json
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    doc = json.loads((Path(ss.RESULTS) / "summary.json").read_text())
+    size = [r for r in doc["rows"] if r["model"] == "105M"]
+    at = ss.point_loss("first_pass_fresh_per_seed")
+    adamw = {r["lr"]: at(r, 0) for r in size if r["mode"] == "adamw"}
+    assert adamw[1e-3] < adamw[2e-3] < adamw[4e-3]
+    row, complete = ss.best_at(size, "adamw", at)
+    assert row["lr"] == min(adamw, key=adamw.get) == 1e-3 and complete is False  # 5e-4 never ran
+    sl = next(r for r in size if r["mode"] == "sparseloco" and r["lr"] == 2e-3)
+    gap = next(g for g in ss.gaps(size, at, best_there=True) if g["mode"] == "sparseloco")
+    assert gap["adamw_lr"] == 1e-3 and gap["adamw_bracket_complete"] is False
+    assert gap["gap_nats"] == pytest.approx(at(sl, 0) - adamw[1e-3], abs=1e-12)
+    end = next(g for g in ss.gaps(size, at) if g["mode"] == "sparseloco")
+    assert end["adamw_lr"] >= 4e-3 and end["gap_nats"] < gap["gap_nats"]
+    fake = [{"mode": "adamw", "lr": lr, "seeds": [0], "first_pass_fresh_per_seed": [{"loss": x}]}
+            for lr, x in ((1e-3, 1.5), (2e-3, float("nan")), (4e-3, 1.7))]
+    assert ss.best_at(fake, "adamw", at)[0]["lr"] == 1e-3
+
+
 def test_size_sweep_smaller_micro_batch_syncs_more_often_on_the_same_tokens_and_validation(tmp_path, monkeypatch,
                                                                                           capsys):
     """--micro 8: the same pass over the corpus in 4x the steps (79 outer syncs, not 19), its own
