@@ -312,6 +312,48 @@ def test_a_rows_seconds_by_phase_put_each_wait_where_it_was_spent(tmp_path, monk
     check(row(val_every=2, state_path=state))
 
 
+def test_a_diverged_row_ends_early_with_a_non_finite_loss(tmp_path):
+    """At lr 1e30 (M = 2 x S = 2, H = 2, a 120-step schedule): AdamW's loss turns NaN within a few
+    steps and the row ends at its first loss flush (step 50), not after 120 steps of NaN, with
+    diverged_at_step the first step whose every replica's loss is NaN; SparseLoCo's first outer
+    step excludes both replicas' non-finite pseudo-gradients and the row ends there (before, it
+    raised and the sweep lost the row). Each row's val_loss is NaN, so a sweep ranks that lr
+    worst, while what the replicas held is kept apart; at lr 1e-3 nothing diverges."""
+    import math
+
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.data import Corpus
+    from hetloco_ds.presets import model_config_for
+    from hetloco_ds.sim.rows import parse_variants, simulate_variant
+
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 120, "warmup_num_steps": 1}},
+                        "hetloco": {"sparseloco": {"inner_steps": 2}, "train": {"seq_len": 16, "eval_batches": 2}}})
+    g = torch.Generator().manual_seed(0)
+    corpus = Corpus(torch.randint(0, 96, (64, 16), generator=g, dtype=torch.int32),
+                    torch.randint(0, 96, (8, 16), generator=g, dtype=torch.int32), "random", tmp_path)
+    llama = model_config_for("tiny", 96)
+
+    def row(spec, steps=120):
+        v = parse_variants([spec], 2, [0])[0]
+        return simulate_variant(cfg, v, llama, corpus, 2, 2, steps, torch.device("cpu"), progress=False)
+
+    adamw = row("adamw:lr=1e30")
+    losses = adamw["train_losses"]
+    first_nan = next(s for s, x in enumerate(losses, 1) if math.isnan(x))
+    assert 1 < first_nan < 50 and all(math.isnan(x) for x in losses[first_nan - 1:])
+    assert (adamw["diverged_at_step"], adamw["ended_at_step"], len(losses)) == (first_nan, 50, 50)
+    assert math.isnan(adamw["val_loss"]) and all(math.isnan(x) for x in adamw["val_losses_at_divergence"])
+
+    sl = row("sparseloco:lr=1e30")
+    assert sl["outer_steps"] >= 1 and len(sl["outer"][-1]["excluded"]) == 2
+    assert sl["ended_at_step"] == sl["diverged_at_step"] == sl["outer"][-1]["step"] == len(sl["train_losses"]) < 50
+    assert math.isnan(sl["val_loss"]) and all(math.isfinite(x) for x in sl["val_losses_at_divergence"])
+
+    plain = row("adamw:lr=1e-3", steps=6)
+    assert plain["diverged_at_step"] is None and math.isfinite(plain["val_loss"])
+
+
 def test_an_unsaved_row_is_abandoned_by_its_steady_pace_not_its_first_interval(tmp_path, monkeypatch):
     """Without a state path, a row whose first interval is slow (as a compile makes it: step 1
     takes 2 s) runs to the end when its later pace fits the deadline, though the mean pace at the

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -266,7 +267,12 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     `val_every` > 0: every replica also validates every `val_every` steps (a multiple of H, so a
     SparseLoCo row's replicas hold the synced model), the row's "val_curve" of {"step", "loss"}
     (the replicas' mean), ending at the final validation: a run that repeats its corpus shows where
-    held-out loss turned, and the point at one epoch is the loss before any token came back."""
+    held-out loss turned, and the point at one epoch is the loss before any token came back.
+
+    A row whose every replica's loss (or, at an outer step, pseudo-gradient) turns non-finite ends
+    at the next flush or outer step (`ended_at_step`), its "val_loss" NaN, so a sweep ranks that
+    lr the worst: "diverged_at_step" is the first step every replica's loss was non-finite (or
+    the outer step that excluded them all), None for a row that ran its schedule."""
     hetloco = variant.hetloco(run.hetloco, replicas)
     run = variant.run(run)
     torch.manual_seed(hetloco.train.seed)
@@ -287,17 +293,23 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
                           "outer steps (0: validate at the end only)")
     interval = log.H if log.enabled else 50  # steps between boundaries (nothing pending)
     last, fastest = None, float("inf")  # (step, time) of the last boundary; the fastest interval's pace
+    diverged = None  # the step after which every replica's loss (or pseudo-gradient) was non-finite
     for step in range(done + 1, steps + 1):
         log.pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
         if log.syncs(step):
             with clock.phase("outer"):
                 outer_rows.append({"step": step, **sim.outer_step()})
             if len(outer_rows[-1].get("excluded", [])) == replicas:
-                raise FloatingPointError(f"{variant.name}: every replica's pseudo-gradient was non-finite at the "
-                                         f"outer step after step {step}; the row cannot go on")
-        if log.syncs(step) or step == steps or len(log.pending) >= 50:
+                diverged = step
+        if diverged or log.syncs(step) or step == steps or len(log.pending) >= 50:
             with clock.phase("flush"):
                 log.flush()
+            if not any(math.isfinite(x) for x in log.history[-1]):
+                diverged = step
+        if diverged:
+            # Every step left would repeat non-finite numbers: the row ends here as what it is, a
+            # diverged lr, and a sweep reads it as the worst one rather than losing it.
+            break
         if val_every and step % val_every == 0 and step < steps:
             with clock.phase("validation"):
                 losses = sim.validation_losses(val_batches)
@@ -330,15 +342,23 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     log.bar.close()
     with clock.phase("validation"):
         val_losses = sim.validation_losses(val_batches)
-    final = {"step": steps, "loss": sum(val_losses) / len(val_losses)}
-    log.close({**final, "replica_losses": val_losses})
-    if val_every:
+    final = {"step": diverged or steps, "loss": sum(val_losses) / len(val_losses)}
+    log.close({**final, "replica_losses": val_losses, "diverged": bool(diverged)})
+    if val_every and not diverged:
         val_curve.append(final)
     if state_path and os.path.exists(state_path):
         os.remove(state_path)
     seconds = spent + time.perf_counter() - t0
-    return _row_result(sim, variant, log, val_losses, val_curve, steps, seconds, clock.breakdown(seconds), batched,
-                       compile)
+    result = _row_result(sim, variant, log, val_losses, val_curve, steps, seconds, clock.breakdown(seconds), batched,
+                         compile)
+    if not diverged:
+        return result | {"diverged_at_step": None}
+    # The replicas' validation then measures whatever survived (a SparseLoCo row keeps its last
+    # finite sync), not a row that ran its schedule: kept aside, the row's loss is non-finite.
+    first = next((s for s, losses in enumerate(log.history, 1) if not any(map(math.isfinite, losses))), diverged)
+    nan = float("nan")
+    return result | {"diverged_at_step": first, "ended_at_step": diverged, "val_losses_at_divergence": val_losses,
+                     "val_loss": nan, "val_losses": [nan] * len(val_losses)}
 
 
 ROW_HEADS = ("sparseloco", "pp", "het", "adamw", "adamw-pp", "adamw-het", "diloco")
