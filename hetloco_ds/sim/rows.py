@@ -241,6 +241,50 @@ def _row_result(sim, variant: Variant, log: _RowLog, val_losses: list[float], va
     }
 
 
+class _Pace:
+    """Whether a row, at an outer-step boundary, can no longer end (or, saving, reach the next
+    boundary) before its deadline; `simulate_variant`'s docstring says why each projection."""
+
+    def __init__(self, t0: float, done: int, steps: int, interval: int):
+        self.t0, self.done, self.steps, self.interval = t0, done, steps, interval
+        self.last, self.fastest = None, float("inf")  # (step, time) of the last boundary; fastest pace since
+
+    def past(self, step: int, deadline: float, saving: bool) -> bool:
+        now = time.perf_counter()
+        if saving:
+            stop = time.time() + (now - self.t0) / (step - self.done) * self.interval > deadline
+        elif self.last is None:
+            stop = time.time() > deadline
+        else:
+            self.fastest = min(self.fastest, (now - self.last[1]) / (step - self.last[0]))
+            stop = time.time() + self.fastest * (self.steps - step) > deadline
+        self.last = (step, now)
+        return stop
+
+
+def _save(state_path: str, sim, state: dict) -> None:
+    """The row's state (and its simulator's) at `state_path`, whole or not at all; "saved" once
+    every block of a sharded row has saved."""
+    tmp = state_path + ".tmp"
+    torch.save(state | {"sim": sim.state_dict()}, tmp)
+    os.replace(tmp, state_path)
+    sim.shards.every(True)
+
+
+def _divergence(history: list[list[float]], diverged: int | None, val_losses: list[float]) -> dict:
+    """What a row's result says of divergence: "diverged_at_step", the first step every replica's
+    loss was non-finite (or the outer step that excluded them all; None for a row that ran its
+    schedule), and "ended_at_step", where the row stopped. A diverged row's validation measures whatever
+    survived (a SparseLoCo row keeps its last finite sync), not a row that ran its schedule: it is
+    kept aside and the row's loss is non-finite."""
+    if not diverged:
+        return {"diverged_at_step": None}
+    first = next((s for s, losses in enumerate(history, 1) if not any(map(math.isfinite, losses))), diverged)
+    nan = float("nan")
+    return {"diverged_at_step": first, "ended_at_step": diverged, "val_losses_at_divergence": val_losses,
+            "val_loss": nan, "val_losses": [nan] * len(val_losses)}
+
+
 def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, replicas: int, stages: int, steps: int,
                      device, metrics_path: str | None = None, progress: bool = True, batched: bool = True,
                      compile: bool = False, deadline: float | None = None, state_path: str | None = None,
@@ -270,9 +314,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     held-out loss turned, and the point at one epoch is the loss before any token came back.
 
     A row whose every replica's loss (or, at an outer step, pseudo-gradient) turns non-finite ends
-    at the next flush or outer step (`ended_at_step`), its "val_loss" NaN, so a sweep ranks that
-    lr the worst: "diverged_at_step" is the first step every replica's loss was non-finite (or
-    the outer step that excluded them all), None for a row that ran its schedule."""
+    at the next flush or outer step, its "val_loss" NaN so a sweep ranks that lr worst (`_divergence`)."""
     hetloco = variant.hetloco(run.hetloco, replicas)
     run = variant.run(run)
     torch.manual_seed(hetloco.train.seed)
@@ -292,7 +334,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
         raise ConfigError(f"{variant.name}: val_every {val_every} must be a multiple of the {log.H} steps between "
                           "outer steps (0: validate at the end only)")
     interval = log.H if log.enabled else 50  # steps between boundaries (nothing pending)
-    last, fastest = None, float("inf")  # (step, time) of the last boundary; the fastest interval's pace
+    pace = _Pace(t0, done, steps, interval)
     diverged = None  # the step after which every replica's loss (or pseudo-gradient) was non-finite
     for step in range(done + 1, steps + 1):
         log.pending.append(sim.train_step(step_batches(feeds, sim.gas, device)))
@@ -316,27 +358,16 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
             val_curve.append({"step": step, "loss": sum(losses) / len(losses)})
         if deadline is None or step == steps or step % interval:
             continue
-        now = time.perf_counter()
-        if state_path:
-            stop = time.time() + (now - t0) / (step - done) * interval > deadline
-        elif last is None:
-            stop = time.time() > deadline
-        else:
-            fastest = min(fastest, (now - last[1]) / (step - last[0]))
-            stop = time.time() + fastest * (steps - step) > deadline
-        last = (step, now)
+        stop = pace.past(step, deadline, saving=bool(state_path))
         if batched:
             stop = sim.shards.first(stop)  # every block stops at the same boundary
         if stop:
             log.close()
             seconds = spent + time.perf_counter() - t0
             if state_path:
-                tmp = state_path + ".tmp"
-                torch.save({"variant": asdict(variant), "steps": steps, "step": step, "sim": sim.state_dict(),
-                            "history": history, "outer": outer_rows, "val_curve": val_curve, "seconds": seconds,
-                            "phase_seconds": clock.seconds}, tmp)
-                os.replace(tmp, state_path)
-                sim.shards.every(True)  # "saved" once every block has saved
+                _save(state_path, sim, {"variant": asdict(variant), "steps": steps, "step": step, "history": history,
+                                        "outer": outer_rows, "val_curve": val_curve, "seconds": seconds,
+                                        "phase_seconds": clock.seconds})
             return {"status": "saved" if state_path else "abandoned", "variant": asdict(variant), "step": step,
                     "steps": steps, "seconds": seconds, "seconds_by_phase": clock.breakdown(seconds)}
     log.bar.close()
@@ -351,14 +382,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     seconds = spent + time.perf_counter() - t0
     result = _row_result(sim, variant, log, val_losses, val_curve, steps, seconds, clock.breakdown(seconds), batched,
                          compile)
-    if not diverged:
-        return result | {"diverged_at_step": None}
-    # The replicas' validation then measures whatever survived (a SparseLoCo row keeps its last
-    # finite sync), not a row that ran its schedule: kept aside, the row's loss is non-finite.
-    first = next((s for s, losses in enumerate(log.history, 1) if not any(map(math.isfinite, losses))), diverged)
-    nan = float("nan")
-    return result | {"diverged_at_step": first, "ended_at_step": diverged, "val_losses_at_divergence": val_losses,
-                     "val_loss": nan, "val_losses": [nan] * len(val_losses)}
+    return result | _divergence(log.history, diverged, val_losses)
 
 
 ROW_HEADS = ("sparseloco", "pp", "het", "adamw", "adamw-pp", "adamw-het", "diloco")
