@@ -160,15 +160,19 @@ def lr_bracket(summary: list[dict], mode: str) -> dict:
     "next": the lr to run next}. "next" is None until every lr of LR_BRACKETS[mode] has run, and
     once complete; else half the best at the low edge, twice it at the high edge (the low side
     first when only one lr has run)."""
-    seed0 = {r["lr"]: r["val_loss_per_seed"][r["seeds"].index(0)] for r in summary
-             if r["table_row"] == mode and not r["sparseloco"] and 0 in r["seeds"]}
-    if not seed0:
+    return bracket({r["lr"]: r["val_loss_per_seed"][r["seeds"].index(0)] for r in summary
+                    if r["table_row"] == mode and not r["sparseloco"] and 0 in r["seeds"]}, mode)
+
+
+def bracket(loss_by_lr: dict[float, float], mode: str) -> dict:
+    """`lr_bracket`'s {"best", "complete", "next"} of `mode`'s losses by lr, wherever they were read."""
+    if not loss_by_lr:
         return {"best": None, "complete": False, "next": None}
     # A diverged lr (NaN loss) is the worst, wherever the rows list it: min() would keep a leading NaN.
-    best = min(seed0, key=lambda lr: seed0[lr] if math.isfinite(seed0[lr]) else math.inf)
-    if not all(any(math.isclose(lr, x) for x in seed0) for lr in LR_BRACKETS[mode]):
+    best = min(loss_by_lr, key=lambda lr: loss_by_lr[lr] if math.isfinite(loss_by_lr[lr]) else math.inf)
+    if not all(any(math.isclose(lr, x) for x in loss_by_lr) for lr in LR_BRACKETS[mode]):
         return {"best": best, "complete": False, "next": None}
-    nxt = best / 2 if best == min(seed0) else best * 2 if best == max(seed0) else None
+    nxt = best / 2 if best == min(loss_by_lr) else best * 2 if best == max(loss_by_lr) else None
     return {"best": best, "complete": nxt is None, "next": nxt}
 
 
@@ -799,15 +803,12 @@ def point_loss(key: str):
 
 
 def best_at(rows: list[dict], mode: str, loss) -> tuple[dict | None, bool]:
-    """`mode`'s row with the lowest `loss(row, 0)` among `rows` (one size's), and whether a worse lr
-    with a value there lies on either side of it (lr_bracket's rule, read at that point)."""
+    """`mode`'s row with the lowest finite `loss(row, 0)` among `rows` (one size's), and whether its
+    bracket is complete at that point (`bracket`, lr_bracket's rule)."""
     there = {r["lr"]: r for r in rows if r["mode"] == mode and 0 in r["seeds"] and loss(r, 0) is not None
              and math.isfinite(loss(r, 0))}
-    if not there:
-        return None, False
-    best = min(there, key=lambda lr: loss(there[lr], 0))
-    ran = all(any(math.isclose(lr, x) for x in there) for lr in LR_BRACKETS[mode])
-    return there[best], ran and min(there) < best < max(there)
+    b = bracket({lr: loss(r, 0) for lr, r in there.items()}, mode)
+    return (None if b["best"] is None else there[b["best"]]), b["complete"]
 
 
 def gaps(rows: list[dict], loss=final_loss, best_there: bool = False) -> list[dict]:
