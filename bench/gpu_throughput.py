@@ -147,7 +147,6 @@ def summarize(cfg, seq: int, micro: int, n_params: int, warm, timed, loss) -> di
     }
 
 
-
 def idle_gaps(prof, top: int = 8) -> dict:
     """Device time with no kernel running inside the profiled step, and its largest gaps with
     the kernels on either side (where the GPU waited on the host)."""
