@@ -127,6 +127,17 @@ def test_sim_throughput_simulators_agree_at_the_outer_step(tmp_path):
     assert a["replicas_per_selected"] == pytest.approx(b["replicas_per_selected"], rel=1e-5)
 
 
+def test_sim_throughput_times_an_adamw_row_without_an_outer_step(tmp_path):
+    """Breaks if sim_throughput.py again asks a plain data-parallel row for the outer step it has
+    not (on a GPU that failed the 105M AdamW measurement after its steps were timed)."""
+    st = bench_module("sim_throughput")
+    assert st.main(["--cpu-smoke", "--replicas", "2", "--steps", "1", "--variant", "adamw", "--systems", "sim_batched",
+                    "--outer-repeats", "2", "--out", str(tmp_path / "st.json")]) == 0
+    (row,) = json.loads((tmp_path / "st.json").read_text())["results"]
+    assert "error" not in row and row["step_s_median"] > 0 and row["variant"] == "adamw@seed0"
+    assert "outer_step_s_median" not in row
+
+
 def test_tied_embeddings_rows_start_from_the_same_model_and_part_after_it(tmp_path):
     """Breaks if tied_embeddings.py's rows stop being like for like (same start, same data) or stop
     differing in what they compare (how the two copies are tied)."""
