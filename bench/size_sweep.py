@@ -752,13 +752,27 @@ def ingest(args) -> int:
     return 0
 
 
-def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float) -> dict | None:
+def one_epoch_point(curve: list[dict] | None, steps_per_epoch: float, schedule_step: int | None = None,
+                    diverged_at: int | None = None) -> dict | None:
     """The validation point of `curve` nearest one pass over the corpus ({"step", "epochs", "loss"}),
-    or None for a row run without a curve."""
+    or None for a row run without a curve. `schedule_step`: that point's step on the size's
+    schedule (`epoch_step`); a row that diverged (`diverged_at`) at or before it has NaN there,
+    the worst, not its last point before it failed."""
     if not curve:
         return None
+    if diverged_at is not None and schedule_step is not None and diverged_at <= schedule_step:
+        return {"step": schedule_step, "epochs": schedule_step / steps_per_epoch, "loss": math.nan}
     p = min(curve, key=lambda p: abs(p["step"] - steps_per_epoch))
     return {"step": p["step"], "epochs": p["step"] / steps_per_epoch, "loss": p["loss"]}
+
+
+def epoch_step(summary: list[dict], steps_per_epoch: float) -> int | None:
+    """The validation step nearest one pass on a size's schedule: read off the curves of its rows
+    that ran their schedule (all of a size's rows validate at the same steps)."""
+    steps = {one_epoch_point(c, steps_per_epoch)["step"] for r in summary
+             for c, d in zip(r["val_curve_per_seed"], r.get("diverged_at_step_per_seed") or [None] * len(r["seeds"]))
+             if c and d is None}
+    return max(steps) if steps else None
 
 
 def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
@@ -768,6 +782,7 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
         return r["table_row"] in brackets and not r["sparseloco"] and r["lr"] == brackets[r["table_row"]]["best"]
 
     steps_per_epoch = summarize_tables.steps_per_pass(meta, meta)
+    at_epoch = epoch_step(summary, steps_per_epoch) if steps_per_epoch else None
     out = []
     for r in summary:
         mode = "diloco" if r["table_row"] == "diloco" else r["table_row"]
@@ -786,7 +801,8 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
             # Held-out loss above the final train loss: what repeating the corpus costs a row.
             "train_loss_per_seed": r["final_train_loss_per_seed"],
             "val_minus_train_per_seed": [v - t for v, t in zip(r["val_loss_per_seed"], r["final_train_loss_per_seed"])],
-            "one_epoch_per_seed": [one_epoch_point(c, steps_per_epoch) for c in r["val_curve_per_seed"]],
+            "one_epoch_per_seed": [one_epoch_point(c, steps_per_epoch, at_epoch, d) for c, d in
+                                   zip(r["val_curve_per_seed"], r.get("diverged_at_step_per_seed") or [None] * len(cards))],
             "train_drop_per_seed": r["train_drop_per_seed"],
             "first_pass_fresh_per_seed": r["first_pass_fresh_per_seed"],
         })
@@ -803,10 +819,10 @@ def point_loss(key: str):
 
 
 def best_at(rows: list[dict], mode: str, loss) -> tuple[dict | None, bool]:
-    """`mode`'s row with the lowest finite `loss(row, 0)` among `rows` (one size's), and whether its
-    bracket is complete at that point (`bracket`, lr_bracket's rule)."""
-    there = {r["lr"]: r for r in rows if r["mode"] == mode and 0 in r["seeds"] and loss(r, 0) is not None
-             and math.isfinite(loss(r, 0))}
+    """`mode`'s row with the lowest `loss(row, 0)` among `rows` (one size's), and whether its
+    bracket is complete at that point (`bracket`, lr_bracket's rule: an lr that diverged by then,
+    NaN there, was run and is the worst; a row without the point is not counted)."""
+    there = {r["lr"]: r for r in rows if r["mode"] == mode and 0 in r["seeds"] and loss(r, 0) is not None}
     b = bracket({lr: loss(r, 0) for lr, r in there.items()}, mode)
     return (None if b["best"] is None else there[b["best"]]), b["complete"]
 

@@ -135,10 +135,16 @@ def first_pass_fresh(r: dict, steps_per_pass: float | None, H: int) -> dict | No
     losses = recorded_losses(r)
     if not losses or not steps_per_pass:
         return None
-    after_sync = [s for s in range(H + 1, min(r["steps"], int(steps_per_pass)) + 1, H) if s in losses]
+    # The point is the schedule's, not the last one recorded: a row that diverged before it ran
+    # there and failed (NaN, the worst), not a row whose point is an earlier step.
+    every = r.get("train_losses_every") or r["steps"] // len(losses)
+    after_sync = [s for s in range(H + 1, min(r["steps"], int(steps_per_pass)) + 1, H) if (s - 1) % every == 0]
     if not after_sync:
         return None
-    return {"step": after_sync[-1], "loss": losses[after_sync[-1]]}
+    step = after_sync[-1]
+    if step not in losses:
+        return {"step": step, "loss": math.nan} if r.get("diverged_at_step") is not None else None
+    return {"step": step, "loss": losses[step]}
 
 
 def summarize(rows: list[dict], meta: dict) -> list[dict]:
@@ -182,6 +188,7 @@ def summarize(rows: list[dict], meta: dict) -> list[dict]:
             "val_loss_per_replica_per_seed": [r.get("val_losses") for r in group],
             "final_train_loss_per_seed": [r.get("final_train_loss") for r in group],
             "val_curve_per_seed": [r.get("val_curve") or None for r in group],
+            "diverged_at_step_per_seed": [r.get("diverged_at_step") for r in group],
             "train_drop_per_seed": [pass_drops(r, per_pass) for r in group],
             "first_pass_fresh_per_seed": [first_pass_fresh(r, per_pass, meta.get("inner_steps") or 1) for r in group],
             "delta_pct_mean": statistics.fmean(deltas) if deltas else None,

@@ -549,6 +549,40 @@ def test_first_pass_gap_at_each_modes_best_lr_there_not_the_lr_that_ends_best():
     assert ss.best_at(fake, "adamw", at)[0]["lr"] == 1e-3
 
 
+def test_a_row_that_diverged_before_a_point_ran_there_and_is_the_worst_lr():
+    """A row that diverged before the first pass's last sync (or one pass's validation) has NaN at
+    the schedule's point, not its last finite loss at an earlier step; and best_at counts that lr
+    as run and worst, as lr_bracket does with a NaN final loss: AdamW 8e-3 diverging closes the
+    bracket at 4e-3 where 4e-3 is the best of the rest. Without the point (no curve) a row is not
+    counted."""
+    import math
+
+    st, ss = bench_module("summarize_tables"), bench_module("size_sweep")
+    # recorded every 10 steps up to step 491, then NaN from 481: ended at 500
+    diverged = {"steps": 4000, "train_losses_every": 10, "train_losses": [float(1 + 10 * i) for i in range(50)],
+                "diverged_at_step": 481, "ended_at_step": 500}
+    p = st.first_pass_fresh(diverged, 994.4, 50)
+    assert p["step"] == 951 and math.isnan(p["loss"])
+    ran = dict(diverged, diverged_at_step=None, train_losses=[float(1 + 10 * i) for i in range(400)])
+    assert st.first_pass_fresh(ran, 994.4, 50) == {"step": 951, "loss": 951.0}
+
+    curve = [{"step": s, "loss": 5.0 - s / 1000} for s in (250, 500, 750)]
+    assert ss.one_epoch_point(curve, 994.4, 1000, None)["step"] == 750  # no divergence: the row's own nearest
+    late = ss.one_epoch_point(curve, 994.4, 1000, 800)
+    assert late["step"] == 1000 and math.isnan(late["loss"])
+    summary = [{"seeds": [0, 1], "val_curve_per_seed": [curve + [{"step": 1000, "loss": 4.0}], curve],
+                "diverged_at_step_per_seed": [None, 800]}]
+    assert ss.epoch_step(summary, 994.4) == 1000
+
+    at = ss.point_loss("first_pass_fresh_per_seed")
+    fake = [{"mode": "adamw", "lr": lr, "seeds": [0], "first_pass_fresh_per_seed": [x and {"loss": x}]}
+            for lr, x in ((1e-3, 1.7), (2e-3, 1.6), (4e-3, 1.5), (8e-3, float("nan")))]
+    row, complete = ss.best_at(fake, "adamw", at)
+    assert row["lr"] == 4e-3 and complete is True
+    row, complete = ss.best_at(fake[:3] + [dict(fake[3], first_pass_fresh_per_seed=[None])], "adamw", at)
+    assert row["lr"] == 4e-3 and complete is False
+
+
 def test_size_sweep_smaller_micro_batch_syncs_more_often_on_the_same_tokens_and_validation(tmp_path, monkeypatch,
                                                                                           capsys):
     """--micro 8: the same pass over the corpus in 4x the steps (79 outer syncs, not 19), its own
