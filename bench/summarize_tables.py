@@ -100,8 +100,13 @@ def recorded_losses(r: dict) -> dict[int, float]:
     (paper_tables writes the stride; rows from before it, all of whole tens of steps, kept every
     steps / len)."""
     losses = r.get("train_losses") or []
-    every = r.get("train_losses_every") or (r["steps"] // len(losses) if losses else 1)
-    return {1 + i * every: x for i, x in enumerate(losses)}
+    return {1 + i * loss_stride(r): x for i, x in enumerate(losses)}
+
+
+def loss_stride(r: dict) -> int:
+    """Steps between a row's recorded train losses (`recorded_losses`)."""
+    losses = r.get("train_losses") or []
+    return r.get("train_losses_every") or (r["steps"] // len(losses) if losses else 1)
 
 
 def pass_drops(r: dict, steps_per_pass: float | None) -> dict | None:
@@ -137,7 +142,7 @@ def first_pass_fresh(r: dict, steps_per_pass: float | None, H: int) -> dict | No
         return None
     # The point is the schedule's, not the last one recorded: a row that diverged before it ran
     # there and failed (NaN, the worst), not a row whose point is an earlier step.
-    every = r.get("train_losses_every") or r["steps"] // len(losses)
+    every = loss_stride(r)
     after_sync = [s for s in range(H + 1, min(r["steps"], int(steps_per_pass)) + 1, H) if (s - 1) % every == 0]
     if not after_sync:
         return None
