@@ -770,7 +770,7 @@ def epoch_step(summary: list[dict], steps_per_epoch: float) -> int | None:
     """The validation step nearest one pass on a size's schedule: read off the curves of its rows
     that ran their schedule (all of a size's rows validate at the same steps)."""
     steps = {one_epoch_point(c, steps_per_epoch)["step"] for r in summary
-             for c, d in zip(r["val_curve_per_seed"], r.get("diverged_at_step_per_seed") or [None] * len(r["seeds"]))
+             for c, d in zip(r["val_curve_per_seed"], r["diverged_at_step_per_seed"])
              if c and d is None}
     return max(steps) if steps else None
 
@@ -802,7 +802,7 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
             "train_loss_per_seed": r["final_train_loss_per_seed"],
             "val_minus_train_per_seed": [v - t for v, t in zip(r["val_loss_per_seed"], r["final_train_loss_per_seed"])],
             "one_epoch_per_seed": [one_epoch_point(c, steps_per_epoch, at_epoch, d) for c, d in
-                                   zip(r["val_curve_per_seed"], r.get("diverged_at_step_per_seed") or [None] * len(r["seeds"]))],
+                                   zip(r["val_curve_per_seed"], r["diverged_at_step_per_seed"])],
             "train_drop_per_seed": r["train_drop_per_seed"],
             "first_pass_fresh_per_seed": r["first_pass_fresh_per_seed"],
         })
