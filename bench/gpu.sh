@@ -18,6 +18,8 @@
 #      what the benches import); it stops here when fewer than N GPUs are visible to torch.
 #   4. the bench: python3 bench/SCRIPT.py ARGS..., bounded by --timeout seconds (default 570; its
 #      whole process group is signalled), its output also in $OUT/SCRIPT.log.
+# `--pytest ARGS...` in place of SCRIPT.py runs python3 -m pytest ARGS... the same way (the GPU tier:
+# `bash bench/gpu.sh --pytest -m gpu tests/gpu`; its record also lands in $OUT/gpu_last_run.json).
 # --cpu: no wheels, no GPU check, this checkout's package with what is installed here; $OUT defaults
 # to a temporary folder. On a GPU machine (BENCH_PACK=0 turns it off; BENCH_PACK=1 turns it on with
 # --cpu) $OUT's files are also packed into $OUT/bench.tgz every 15 s (BENCH_PACK_EVERY) and at the
@@ -36,8 +38,9 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-SCRIPT=${1:?usage: bash bench/gpu.sh [--cpu] [--gpus N] [--timeout S] SCRIPT.py [ARGS...]}; shift
-[ -f "bench/$SCRIPT" ] || { echo "bench/gpu.sh: no bench/$SCRIPT" >&2; exit 1; }
+SCRIPT=${1:?usage: bash bench/gpu.sh [--cpu] [--gpus N] [--timeout S] SCRIPT.py|--pytest [ARGS...]}; shift
+if [ "$SCRIPT" = --pytest ]; then RUN=(python3 -m pytest); SCRIPT=pytest.py
+else [ -f "bench/$SCRIPT" ] || { echo "bench/gpu.sh: no bench/$SCRIPT" >&2; exit 1; }; RUN=(python3 "bench/$SCRIPT"); fi
 if [ "$CPU" = 1 ]; then OUT=${OUT:-$(mktemp -d /tmp/bench_XXXXXX)}; fi
 : "${OUT:?OUT must name the folder for the results}"
 mkdir -p "$OUT"
@@ -115,10 +118,10 @@ EOF
 rc=$?
 [ "$rc" = 0 ] || { tail -1 "$OUT/env.txt"; stamp "environment check failed"; exit 1; }
 
-stamp "bench/$SCRIPT $* (timeout ${LIMIT} s)"
+stamp "${RUN[*]} $* (timeout ${LIMIT} s)"
 # DeepSpeed's per-optimizer memory prints and layer listings are dropped from the log.
-timeout -k 10 "$LIMIT" python3 "bench/$SCRIPT" "$@" 2>&1 \
+timeout -k 10 "$LIMIT" "${RUN[@]}" "$@" 2>&1 \
   | { grep --line-buffered -v -E '^(CPU Virtual Memory|MA [0-9.]+ GB|\s+[0-9]+: [A-Za-z]+$)' || true; } | tee "$OUT/$NAME.log"
 rc=${PIPESTATUS[0]}
-stamp "bench/$SCRIPT exit $rc; results in $OUT"
+stamp "${RUN[*]} exit $rc; results in $OUT"
 exit "$rc"

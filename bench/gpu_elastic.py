@@ -52,6 +52,10 @@ replica 0's numbers at the top level: `tokens_per_s_replica0`, `outer_step_s`, `
     OUT=... bash bench/gpu.sh --gpus 2 gpu_elastic.py                              # 2 x S = 1, 2 GPUs
     OUT=... bash bench/gpu.sh --gpus 3 gpu_elastic.py --replica-stages 1,2         # S = 1 and S = 2, 3 GPUs
     python bench/gpu_elastic.py --cpu-smoke [--replica-stages 1,2]   # tiny model on this CPU, gloo, 1.5-3.5 min
+
+`--model DIR --data PATH` fine-tune a checkpoint on the user's data; `--checkpoint-interval N` has each
+replica save every N outer steps (`checkpoints` in the JSON: each replica's newest, verified);
+`--share-gpu` puts both one-stage replicas on one GPU (tests/gpu's elastic test).
 """
 from __future__ import annotations
 
@@ -85,6 +89,12 @@ def parse_args(argv=None):
     p.add_argument("--join-timeout", type=float, default=60.0)
     p.add_argument("--phase-timeout", type=float, default=150.0, help="seconds any one phase may take")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--model", default=None, help="fine-tune this HF directory instead of a fresh --model-config")
+    p.add_argument("--data", default=None, help="as `hetloco-ds train --data` (default: the embedded default data)")
+    p.add_argument("--checkpoint-interval", type=int, default=0,
+                   help="hetloco.train.checkpoint_interval: each replica saves every N outer steps (0: never)")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="every replica on the first visible GPU (one-stage replicas: each its own job and NCCL world)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_elastic.json)")
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model, seq 64, micro 2, H 2, gloo")
@@ -96,6 +106,9 @@ def parse_args(argv=None):
     if len(args.depths) != 2 or min(args.depths) < 1:
         p.error(f"--replica-stages {args.replica_stages}: give two depths of at least 1, e.g. 1,2 (the bench kills "
                 "one of two replicas)")
+    if args.share_gpu and max(args.depths) > 1:
+        p.error(f"--share-gpu needs one-stage replicas (one GPU holds one rank of a job), got --replica-stages "
+                f"{args.replica_stages}")
     if args.cpu_smoke:
         args.model_config, args.seq, args.micro, args.gas, args.inner_steps = "tiny", 64, 2, 1, 2
         args.bf16, args.heartbeat_timeout, args.join_timeout = False, 2.0, 30.0
@@ -108,9 +121,11 @@ def roles(depths: list[int]) -> tuple[int, int]:
     return 1 - killed, killed
 
 
-def gpus(depths: list[int], m: int, visible: str | None = None) -> list[str]:
+def gpus(depths: list[int], m: int, visible: str | None = None, share: bool = False) -> list[str]:
     """Replica m's GPUs: one per rank, the replicas' ranks laid out in replica order, numbered as this
-    process sees them (`visible`: its CUDA_VISIBLE_DEVICES, if set)."""
+    process sees them (`visible`: its CUDA_VISIBLE_DEVICES, if set); `share`: the first one for all."""
+    if share:
+        return [visible.split(",")[0] if visible else "0"] * depths[m]
     first = sum(depths[:m])
     mine = range(first, first + depths[m])
     return [visible.split(",")[i] for i in mine] if visible else [str(i) for i in mine]
@@ -127,7 +142,8 @@ def write_config(path: str, args) -> None:
     cfg["hetloco"] = {
         "sparseloco": {"inner_steps": args.inner_steps},
         "subspace": {"compressed_replicas": "none"},
-        "train": {"seq_len": args.seq, "eval_interval": 0, "checkpoint_interval": 0, "watchdog_timeout": 300},
+        "train": {"seq_len": args.seq, "eval_interval": 0, "checkpoint_interval": args.checkpoint_interval,
+                  "watchdog_timeout": 300},
         "elastic": {"max_replicas": 2, "timeout": 30, "quorum_timeout": 300},
         **({"replica_stages": args.depths} if mixed else {}),
     }
@@ -196,7 +212,7 @@ def main(argv=None) -> int:
     depths = args.depths
     survivor, victim = roles(depths)
     cuda = torch.cuda.is_available() and not args.cpu_smoke
-    if cuda and torch.cuda.device_count() < sum(depths):
+    if cuda and torch.cuda.device_count() < (1 if args.share_gpu else sum(depths)):
         sys.exit(f"gpu_elastic.py: --replica-stages {args.replica_stages} needs {sum(depths)} GPUs (one per rank), "
                  f"found {torch.cuda.device_count()}")
     work = args.work or tempfile.mkdtemp(prefix="gpu_elastic_")
@@ -214,7 +230,8 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "args": vars(args), "replica_stages": depths, "survivor": survivor,
               "killed": victim, "phases": {}}
     if cuda:
-        report["gpus"] = {str(m): gpus(depths, m, os.environ.get("CUDA_VISIBLE_DEVICES")) for m in (0, 1)}
+        report["gpus"] = {str(m): gpus(depths, m, os.environ.get("CUDA_VISIBLE_DEVICES"), args.share_gpu)
+                          for m in (0, 1)}
     stamps = report["phases"]
     t0 = time.time()
 
@@ -224,10 +241,11 @@ def main(argv=None) -> int:
 
     # The tokenizer and token caches, built once here (not timed as part of any replica).
     os.environ["HETLOCO_CACHE"] = os.path.join(work, "cache")
-    common = ["--config", cfg, "--model-config", args.model_config, "--steps", "1000000"]
+    model = ["--model", args.model] if args.model else ["--model-config", args.model_config]
+    common = ["--config", cfg, *model, *(["--data", args.data] if args.data else []), "--steps", "1000000"]
     probe = FleetArgs(lighthouse="http://127.0.0.1:0", replica=0, secret_file=secret)  # port 0: not dialled
-    plan_run(TrainArgs(config=cfg, model_config=args.model_config, out=os.path.join(work, "probe"), fleet=probe),
-             depths[0], owned=True)
+    plan_run(TrainArgs(config=cfg, model=args.model, model_config=None if args.model else args.model_config,
+                       data=args.data, out=os.path.join(work, "probe"), fleet=probe), depths[0], owned=True)
     stamp("data and tokenizer ready")
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=int(args.join_timeout * 1000),
@@ -245,7 +263,7 @@ def main(argv=None) -> int:
     def start(m: int) -> Job:  # fresh: --overwrite (module docstring)
         argv = ["train", "--out", run, "--lighthouse", addr, "--replica-id", str(m), "--secret-file", secret, *common,
                 "--overwrite"]
-        devices = gpus(depths, m, visible) if cuda else None
+        devices = gpus(depths, m, visible, args.share_gpu) if cuda else None
         return Job(m, depths[m], argv, base, devices, os.path.join(work, f"replica{m}.log"))
 
     def outer(m: int) -> list[dict]:
@@ -304,6 +322,8 @@ def main(argv=None) -> int:
             j.stop()
         lighthouse.shutdown()
 
+    if args.checkpoint_interval:
+        report["checkpoints"] = checkpoints(run, depths)
     if rc == 0:
         report.update(summarize(rows(run, survivor), before, rows(run, victim), survivor, victim, t_kill, t_restart,
                                 args))
@@ -314,6 +334,19 @@ def main(argv=None) -> int:
     print(json.dumps({k: v for k, v in report.items() if k not in ("logs_tail", "args")}, indent=1), flush=True)
     print(f"[gpu_elastic] wrote {out_json}", flush=True)
     return rc
+
+
+def checkpoints(run: str, depths: list[int]) -> dict:
+    """Each replica's newest committed checkpoint (`latest`) and whether it verifies (every file of its
+    manifest present, of its size and checksum): None, or why not."""
+    from hetloco_ds import checkpoint
+
+    out = {}
+    for m, depth in enumerate(depths):
+        ckpt_dir = os.path.join(run, f"replica-{m}", "checkpoints")
+        tag = checkpoint.latest_tag(ckpt_dir)
+        out[str(m)] = {"latest": tag, "problem": checkpoint.verify(ckpt_dir, tag, depth) if tag else "no checkpoint"}
+    return out
 
 
 def _rate(steps: list[dict]) -> dict:

@@ -264,7 +264,7 @@ class StageAlgorithm:
         an inner step moved them. Plain data parallelism: always (replicas agree after every step)."""
         if self.outer is None:
             return True
-        return all(torch.equal(p.detach(), t.to(p.device)) for p, t in zip(self.params, self.outer.theta_prev))
+        return self.outer.matches(self.params)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -72,14 +72,6 @@ class CheckpointError(RuntimeError):
 # ------------------------------------------------------------------ per-rank algorithm state
 
 
-def _synced(algorithm) -> bool:
-    """True at an outer boundary: theta_prev equals the parameters (without SparseLoCo there is
-    no theta_prev and the replicas are equal after every step)."""
-    if algorithm.outer is None:
-        return True
-    return all(torch.equal(p.detach(), t) for p, t in zip(algorithm.params, algorithm.outer.theta_prev))
-
-
 def collect_rank_state(engine, data_position: int, *, writes_shared: bool, synced: bool) -> dict:
     """What this rank needs, beyond the layer files, to continue exactly where it stopped: its
     own AdamW moments, the SparseLoCo error buffers, the LR schedule, step counters, the data
@@ -381,7 +373,7 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     # Replica 0's ranks write what every replica holds alike (stage layers, outer momentum). With
     # replicas of their own depths no other rank holds a replica-0 rank's blocks: each keeps its momentum.
     writes_shared = engine.module.replica_id == 0
-    synced = _synced(engine.algorithm)
+    synced = engine.algorithm.at_sync()  # per rank: at a boundary theta_prev is not stored again
     state = collect_rank_state(engine, data_position, synced=synced,
                                writes_shared=writes_shared or engine.replica_stages is not None)
     state.update(world_size=dist.get_world_size(), stages=engine.num_stages, replica=engine.replica,

@@ -450,3 +450,25 @@ def test_host_resident_state_and_sliced_groups_train_the_same_bits(cfg):
     resumed = SparseLoCoState([p.clone() for p in ref_params[0]], cfg, on_host=True, unit_numel=1)
     resumed.load_state_dict(ref_states[0].state_dict())
     assert torch.equal(resumed.prepare([p.clone() for p in ref_params[0]]), ref_states[0].prepare(ref_params[0]))
+
+
+@pytest.mark.parametrize("placement", [dict(), dict(on_host=True), dict(on_host=True, unit_numel=1)],
+                         ids=["device", "host", "host_sliced"])
+def test_matches_is_true_exactly_when_the_parameters_are_theta_at_the_last_sync(placement):
+    """`matches` (what a checkpoint asks to know whether theta_prev needs storing, and save_pretrained
+    whether the replicas are synced) wherever the state lives: true from the start and after an
+    outer step, false once one element of one parameter moved by one ulp, whatever its unit. Breaks if
+    the comparison skips a unit or a member, or compares a host copy that is not the state's."""
+    theta0, params, states = make_replicas(2, OuterConfig(), seed=3)
+    states = [SparseLoCoState(p, OuterConfig(), **placement) for p in params]
+    assert all(s.matches(p) for s, p in zip(states, params))
+    for i in range(len(SHAPES)):
+        flat = params[0][i].view(-1)
+        flat[-1] = torch.nextafter(flat[-1], torch.tensor(float("inf")))
+        assert not states[0].matches(params[0]), i
+        flat[-1] = theta0[i].view(-1)[-1]
+        assert states[0].matches(params[0]), i
+    inner_steps(params, seed=5)
+    assert not any(s.matches(p) for s, p in zip(states, params))
+    outer_step(params, states)
+    assert all(s.matches(p) for s, p in zip(states, params))

@@ -465,6 +465,18 @@ class SparseLoCoState:
         parameter outside the outer step, e.g. the T_S projection of eqs. 3-4)."""
         self._view("theta_prev", i).copy_(value)
 
+    @torch.no_grad()
+    def matches(self, params: Sequence[Tensor]) -> bool:
+        """Whether `params` equal theta_prev bit for bit. Compared on the parameters' device unit by
+        unit, host-resident state brought over as the outer step brings it: never a whole copy of
+        the state on the device, and a host-resident state never meets a device tensor in one op."""
+        params = self._check(params)
+        same = True
+        for u, state in self._walk(("theta_prev",)):
+            theta = state["theta_prev"]
+            same = same and all(torch.equal(theta[j], params[i].detach()) for j, i in enumerate(u.members))
+        return same
+
     def _check(self, params: Sequence[Tensor]) -> list[Tensor]:
         params = list(params)
         shapes = [tuple(p.shape) for p in params]
@@ -719,6 +731,9 @@ class BlockStates:
     def rebase(self, i: int, value: Tensor) -> None:
         k, j = self._where[i]
         self.states[k].rebase(j, value)
+
+    def matches(self, params: Sequence[Tensor]) -> bool:
+        return all(s.matches([params[i] for i in b]) for s, b in zip(self.states, self.blocks))
 
     def prepare(self, params: Sequence[Tensor]) -> list[Tensor]:
         """Each block's payload, in block order."""
