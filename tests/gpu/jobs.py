@@ -108,28 +108,44 @@ def run(cmd: list[str], env: dict, log: Path, timeout: float = PROCESS_TIMEOUT_S
 
 
 def train_and_resume(ctx: Inputs, name: str, edits: dict, *, tied: bool = False, gpus: int = 1,
-                     launchers: tuple[str, str] = ("deepspeed", "nproc")) -> dict:
-    """A run of STEPS steps (checkpoints at every outer step and at the end; validation at 4 and at
-    the end; the export), then a copy of its directory cut back to the checkpoint at RESUME_FROM
-    (between: the newer ones and `latest` gone) resumed to STEPS through the second launcher."""
+                     launchers: tuple[str, str] = ("deepspeed", "nproc"), model: list | None = None,
+                     data: str | None = "inputs", steps: int = STEPS, h: int = H, resume_from: int = RESUME_FROM,
+                     timeout: float = PROCESS_TIMEOUT_S) -> dict:
+    """A run of `steps` steps (a checkpoint at every outer step and at the end, validation, the export)
+    through the first launcher; its checkpoints verified here; then a run directory holding its metrics
+    and the checkpoint at `resume_from` alone (moved, not copied: a 1B run's state is tens of GB)
+    resumed to `steps` through the second launcher. `model`: the train arguments that name it (default:
+    the tiny checkpoint); `data`: a `--data` value, "inputs" for the tiny text, None for the default."""
+    from hetloco_ds import checkpoint
+
     work = ctx.root / name
     work.mkdir()
-    cfg = write_config(work / "config.json", edits)
+    cfg = write_config(work / "config.json", {"hetloco.sparseloco.inner_steps": h, **edits})
+    data = ctx.data if data == "inputs" else data
     ref, res = work / "ref", work / "res"
-    train = ["train", "--steps", STEPS, "--model", ctx.hf_tied if tied else ctx.hf, "--data", ctx.data,
-             "--config", cfg]
-    out = {"config": cfg, "ref_out": str(ref), "res_out": str(res), "tied": tied, "edits": edits}
-    out["ref"] = run(command(launchers[0], gpus, [*train, "--out", ref]), ctx.env(), work / "ref.log")
+    model = model or ["--model", ctx.hf_tied if tied else ctx.hf]
+    train = ["train", "--steps", steps, *model, *(["--data", data] if data else []), "--config", cfg]
+    out = {"config": cfg, "ref_out": str(ref), "res_out": str(res), "tied": tied, "edits": edits, "data": data,
+           "from_checkpoint": model[0] == "--model", "steps": steps, "h": h, "resume_from": resume_from}
+    out["ref"] = run(command(launchers[0], gpus, [*train, "--out", ref]), ctx.env(), work / "ref.log", timeout)
     if out["ref"]["rc"] != 0:
         return out
-    shutil.copytree(ref, res, ignore=shutil.ignore_patterns("hf"))
-    ckpts = res / "checkpoints"
+    ckpts = ref / "checkpoints"
+    out["latest"] = checkpoint.latest_tag(str(ckpts))
+    out["verified"] = {d.name: checkpoint.verify(str(ckpts), d.name) for d in sorted(ckpts.iterdir())
+                       if checkpoint.step_of(d.name) is not None}
+    res.mkdir()
+    for f in ("metrics.jsonl", "run_config.json"):
+        shutil.copy2(ref / f, res / f)
+    (res / "checkpoints").mkdir()
     for d in ckpts.iterdir():
-        if d.name.startswith("global_step") and int(d.name[len("global_step"):]) > RESUME_FROM:
+        if d.name == "hf_meta" or checkpoint.step_of(d.name) == resume_from:
+            os.replace(d, res / "checkpoints" / d.name)
+        elif checkpoint.step_of(d.name) is not None:
             shutil.rmtree(d)
-    (ckpts / "latest").write_text(f"global_step{RESUME_FROM}")
-    out["res"] = run(command(launchers[1], gpus, ["train", "--resume", "--steps", STEPS, "--out", res]), ctx.env(),
-                     work / "res.log")
+    (res / "checkpoints" / "latest").write_text(f"global_step{resume_from}")
+    out["res"] = run(command(launchers[1], gpus, ["train", "--resume", "--steps", steps, "--out", res]), ctx.env(),
+                     work / "res.log", timeout)
     return out
 
 
@@ -210,6 +226,11 @@ JOBS = {
     "memory": memory,
     "simulators": simulators,
     "elastic": elastic,
+    # The issue's command: the 1B preset at S = 1 (micro 4 x 8, seq 1024, H = 20), the default data.
+    "preset_1b": lambda c, n: train_and_resume(
+        c, n, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "hetloco.train.seq_len": 1024,
+               "hetloco.train.eval_interval": 0},
+        model=["--model-config", "1B"], data=None, steps=40, h=20, resume_from=20, timeout=480),
     # several GPUs (the tests skip with the count they need)
     "s2": lambda c, n: train_and_resume(c, n, _layout(2, 1), gpus=2),
     "m2": lambda c, n: train_and_resume(c, n, _layout(1, 2), gpus=2),
