@@ -26,8 +26,8 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))  # tests/: runs.py, test_cli.py's helpers
-sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))  # tests/: runs.py, test_cli.py's helpers
 RECORD = HERE / "last_run.json"
 _OUTCOMES: dict[str, dict] = {}
 _STARTED = time.time()
@@ -133,7 +133,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def gpu_jobs(request, tmp_path_factory):
     """{job name: Future} of every job a selected test reads (its `job` marker), all started now."""
-    import jobs
+    from gpu import jobs
 
     wanted = []
     for item in request.session.items:
@@ -146,6 +146,13 @@ def gpu_jobs(request, tmp_path_factory):
         pool.submit(name)
     yield pool
     pool.close()
+    if os.environ.get("OUT"):  # the device tool brings back $OUT: every job's logs and small JSONs, packed
+        import tarfile
+
+        with tarfile.open(Path(os.environ["OUT"], "gpu_jobs_logs.tgz"), "w:gz") as tar:
+            for path in sorted(pool.root.rglob("*")):
+                if path.is_file() and (path.suffix == ".log" or (path.suffix == ".json" and path.stat().st_size < 1e6)):
+                    tar.add(path, arcname=str(path.relative_to(pool.root)))
 
 
 @pytest.fixture

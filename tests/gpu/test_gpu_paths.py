@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import jobs
+from gpu import jobs
 
 pytestmark = pytest.mark.gpu
 
