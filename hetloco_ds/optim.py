@@ -16,6 +16,17 @@ def build_optimizer(params, settings: OptimizerSettings) -> torch.optim.Optimize
                              weight_decay=settings.weight_decay, fused=fused)
 
 
+def decoupled_decay(optimizer: torch.optim.Optimizer) -> float:
+    """lr x weight_decay of the step the optimizer takes next (read it before the step: the LR
+    schedule moves after): the fraction AdamW's decoupled decay takes off each parameter.
+    `StageAlgorithm.after_inner_step` gives T_perp the same share."""
+    groups = {(g["lr"], g["weight_decay"]) for g in optimizer.param_groups}
+    if len(groups) != 1:
+        raise ValueError(f"the inner optimizer's param groups differ in lr or weight_decay: {sorted(groups)}")
+    lr, weight_decay = groups.pop()
+    return float(lr) * float(weight_decay)
+
+
 def build_scheduler(scheduler: dict | None, optimizer: torch.optim.Optimizer):
     """DeepSpeed's LR schedule from the run's (resolved) `scheduler` section, as its engine
     builds it, for drivers without a DeepSpeed engine (the simulator); None without one."""
