@@ -1,5 +1,6 @@
 """The inner optimizer's pieces shared by the engine and the simulator, so both compute the
-same numbers: AdamW from DeepSpeed's `optimizer` section and clipping by the replica's norm."""
+same numbers: AdamW from DeepSpeed's `optimizer` section, a step's decoupled decay and clipping
+by the replica's norm."""
 from __future__ import annotations
 
 import torch
