@@ -10,8 +10,9 @@ touches it:
 and three entry points:
 
     setup(link)                   split TE into T_S + T_perp (paper 2.4) before training
-    after_inner_step(link)        after each optimizer step: T_S back into Col(U) on a compressed
-                                  replica; under plain data parallelism the re-split of eqs. 3-4
+    after_inner_step(link, decay) after each optimizer step: T_perp's share of the weight decay
+                                  (into T_S); under plain data parallelism the re-split of eqs. 3-4;
+                                  the ablations' projections
     prepare() / finish(g, link)   the outer step (eq. 2, then eqs. 3-4), two-phase so that a
     outer_step(transports, link)  driver holding every replica in one process (the simulator)
                                   can gather the payloads itself; one payload and exchange per
@@ -22,11 +23,21 @@ The engine (one stage per process), the simulator (all stages and replicas in on
 and the checkpoint code call only these; the collective is a `transport.ReplicaTransport` and
 the replica's stage links a `transport.StageLink`, so the object never sees a process group.
 
-Why T_S is projected after every inner step on a compressed replica (the paper is silent; the
-reference re-snapshots instead): the first boundary sends (X - T_perp[x]) U, which keeps only
-the Col(U) part of T_S[x]. An off-subspace part of T_S would be trained by the first stage yet
-never reach the second, so the two stages would disagree about the model. Projecting keeps
-T_S in Col(U), where the boundary is lossless for it.
+Why T_S trains freely between outer syncs, also on a compressed replica: the paper projects it
+"only after each SparseLoCo outer synchronization" (eqs. 3-4), and the authors' code trains the
+whole token embedding between syncs and re-snapshots it as the fixed part at each. The first
+boundary sends (X - T_perp[x]) U, so what T_S gains outside Col(U) between syncs is seen by the
+first stage and lost at its boundary; it is not lost to the model: it is in the pseudo-gradient,
+and at the sync eqs. 3-4 move its aggregate into T_perp, which every stage sees. Projecting after
+every inner step (`subspace.project_embedding_every_step`, an ablation) keeps the stages agreeing
+at every step but throws that part of each update away.
+
+Why T_S also carries T_perp's share of the weight decay (`subspace.embedding_weight_decay:
+table`): in the authors' code AdamW decays the whole embedding, and its decay is in the
+pseudo-gradient like the rest of the update. Here T_perp is a buffer that every stage must hold
+bitwise alike and that changes only at a sync, so after each AdamW step (which shrank T_S by
+1 - lr wd) T_S -= lr wd T_perp: TE = T_S + T_perp shrinks as a whole, and T_perp's share reaches
+T_perp the authors' way, through error feedback, top-k and the sync. `t_s` decays T_S alone.
 
 Why under plain data parallelism (the AdamW baselines) every replica re-splits after every
 step: there the gradient all-reduce is a sync every step, and replicas must stay identical.
@@ -137,10 +148,14 @@ class StageAlgorithm:
 
     # ------------------------------------------------------------------ inner loop
     @torch.no_grad()
-    def after_inner_step(self, link: StageLink) -> None:
-        """After each optimizer step (see the module docstring for both cases)."""
+    def after_inner_step(self, link: StageLink, decay: float) -> None:
+        """After each optimizer step (see the module docstring for every case). `decay`: lr x
+        weight_decay of the AdamW step just taken (`optim.decoupled_decay`, read before it)."""
         if self.split_basis is None:
             return
+        sub = self.cfg.subspace
+        if sub.embedding_weight_decay == "table":
+            subspace.decay_perp_share_(self.embeddings, self.perp, decay)
         if not self.sparseloco:
             first = None
             if link.is_first:
@@ -148,12 +163,13 @@ class StageAlgorithm:
                 first = t_s - subspace.project(t_s, self.split_basis)
             off = link.share_dense(first, self.shape, kind="embedding_sync")
             self.perp.add_(off)
-            for emb in self.embeddings:
-                emb.weight.copy_(subspace.project(emb.weight, self.split_basis))
+            subspace.project_embeddings_(self.embeddings, self.split_basis)
             return
         if self.basis is not None:
-            subspace.after_inner_step_(self.embeddings, self.layers, self.basis,
-                                       self.cfg.subspace.project_residual_weights)
+            if sub.project_embedding_every_step:
+                subspace.project_embeddings_(self.embeddings, self.basis)
+            if sub.project_residual_weights:
+                subspace.project_residual_weights_(self.layers, self.basis)
 
     # ------------------------------------------------------------------ outer step
     def prepare(self) -> list[Tensor]:
@@ -252,8 +268,7 @@ class StageAlgorithm:
                 self.params[i].copy_(theta_old.add(avg, alpha=-self.cfg.sparseloco.outer_lr))
         if self._adapts_embedding:
             subspace.resync_embedding_(None, self.perp, avg, self.cfg.sparseloco.outer_lr, self.split_basis)
-            for emb in self.embeddings:
-                emb.weight.copy_(subspace.project(emb.weight, self.split_basis))
+            subspace.project_embeddings_(self.embeddings, self.split_basis)
         for i in self._embedding_index:
             self.outer.rebase(i, self.params[i])
 

@@ -116,6 +116,10 @@ class SubspaceConfig(_Section):
     """Paper eqs. 3-4 after every outer sync (Table 5a ablation when false)."""
     project_residual_weights: bool = False
     """Project o_proj/down_proj outputs onto Col(U) after each inner step (Table 5b ablation)."""
+    project_embedding_every_step: bool = False
+    """Ablation, default false (the paper projects T_S only at outer syncs): a compressed replica's after each inner step too."""
+    embedding_weight_decay: Literal["table", "t_s"] = "table"
+    """What inner AdamW's weight decay shrinks: table (default, the authors' code), TE = T_S + T_perp; t_s, T_S alone."""
 
     @field_validator("replica_ratios")
     @classmethod

@@ -318,8 +318,9 @@ class HetlocoEngine(PipelineEngineAdapter):
 
     def optimizer_step(self, lr_kwargs=None):
         self.last_grad_norm = self._clip_gradients()
+        decay = optim.decoupled_decay(self.optimizer)
         self.ds_optimizer_step(lr_kwargs)
-        self.algorithm.after_inner_step(self.stage_link)
+        self.algorithm.after_inner_step(self.stage_link, decay)
 
     # ------------------------------------------------------------------ steps
     def train_batch(self, data_iter=None) -> torch.Tensor:

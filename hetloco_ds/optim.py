@@ -1,5 +1,6 @@
 """The inner optimizer's pieces shared by the engine and the simulator, so both compute the
-same numbers: AdamW from DeepSpeed's `optimizer` section and clipping by the replica's norm."""
+same numbers: AdamW from DeepSpeed's `optimizer` section, a step's decoupled decay and clipping
+by the replica's norm."""
 from __future__ import annotations
 
 import torch
@@ -14,6 +15,17 @@ def build_optimizer(params, settings: OptimizerSettings) -> torch.optim.Optimize
     fused = bool(params) and all(q.is_cuda for q in params)
     return torch.optim.AdamW(params, lr=settings.lr, betas=settings.betas, eps=settings.eps,
                              weight_decay=settings.weight_decay, fused=fused)
+
+
+def decoupled_decay(optimizer: torch.optim.Optimizer) -> float:
+    """lr x weight_decay of the step the optimizer takes next (read it before the step: the LR
+    schedule moves after): the fraction AdamW's decoupled decay takes off each parameter.
+    `StageAlgorithm.after_inner_step` gives T_perp the same share."""
+    groups = {(g["lr"], g["weight_decay"]) for g in optimizer.param_groups}
+    if len(groups) != 1:
+        raise ValueError(f"the inner optimizer's param groups differ in lr or weight_decay: {sorted(groups)}")
+    lr, weight_decay = groups.pop()
+    return float(lr) * float(weight_decay)
 
 
 def build_scheduler(scheduler: dict | None, optimizer: torch.optim.Optimizer):

@@ -1,8 +1,9 @@
 """Subspace projection of stage boundaries (paper sections 2.2 and 2.4).
 
 Pure tensor functions: the basis U, the projection Pi(T) = T U U^T, the boundary codec
-X~ = (X - T_perp[x]) U  /  X^ = X~ U^T + T_perp[x], the token-embedding split and its
-re-projection after every outer sync. Nothing here knows of DeepSpeed or processes.
+X~ = (X - T_perp[x]) U  /  X^ = X~ U^T + T_perp[x], the token-embedding split, its
+re-projection after every outer sync, the whole table's weight decay, and the ablations' per-step
+projections. Nothing here knows of DeepSpeed or processes.
 """
 from __future__ import annotations
 
@@ -84,17 +85,31 @@ def project_rows_(weight: torch.Tensor, u: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def after_inner_step_(embeddings, layers, basis: torch.Tensor, project_residual_weights: bool) -> None:
-    """On a compressed replica after each inner step: T_S back into Col(U) (or the first
-    boundary truncates T_S[x]) and, for the Table 5b ablation, the residual-writing weights.
-    `embeddings` are TokenEmbeddings; `layers` any stage layers, of which DecoderLayers are projected."""
+def project_embeddings_(embeddings, basis: torch.Tensor) -> None:
+    """T_S <- Pi(T_S) onto Col(`basis`) on every TokenEmbedding given, in place."""
     for emb in embeddings:
         emb.weight.copy_(project(emb.weight, basis))
-    if project_residual_weights:
-        for layer in layers:
-            if isinstance(layer, DecoderLayer):
-                project_rows_(layer.layer.self_attn.o_proj.weight, basis)
-                project_rows_(layer.layer.mlp.down_proj.weight, basis)
+
+
+@torch.no_grad()
+def project_residual_weights_(layers, basis: torch.Tensor) -> None:
+    """The Table 5b ablation: o_proj's and down_proj's outputs into Col(U) on every DecoderLayer
+    among `layers`, in place."""
+    for layer in layers:
+        if isinstance(layer, DecoderLayer):
+            project_rows_(layer.layer.self_attn.o_proj.weight, basis)
+            project_rows_(layer.layer.mlp.down_proj.weight, basis)
+
+
+@torch.no_grad()
+def decay_perp_share_(embeddings, perp: torch.Tensor, decay: float) -> None:
+    """T_S -= decay * T_perp on every TokenEmbedding given, in place: after an AdamW step that
+    shrank T_S by (1 - decay), TE = T_S + T_perp has shrunk as a whole. T_perp stays as it is,
+    so every stage's copy stays bitwise equal; its share reaches it at the next sync."""
+    if decay == 0:
+        return
+    for emb in embeddings:
+        emb.weight.add_(perp.to(emb.weight.dtype), alpha=-decay)
 
 
 def split_basis(cfg, num_replicas: int, d: int, seed: int) -> torch.Tensor | None:

@@ -33,9 +33,10 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
     eval_interval 3 (so validation runs at the outer-step boundaries 4 and 8), from an HF checkpoint.
 
     Export: transformers' loss of OUT/hf on the validation batches equals the step-8 validation
-    row (rtol 1e-5), and the weights moved. Breaks if the export writes anything but the synced
-    model that was validated (the pre-outer local model, another replica's, a stale checkpoint),
-    or if T_S + T_perp is not recombined into embed_tokens.
+    row (rtol 1e-5), the weights moved, and embed_tokens is bitwise T_S + T_perp of the last
+    checkpoint's embedding (T_S back in Col(U) at that sync, T_perp outside it). Breaks if the
+    export writes anything but the synced model that was validated (the pre-outer local model,
+    another replica's, a stale checkpoint), or if T_S + T_perp is not recombined into embed_tokens.
 
     metrics.jsonl: exactly one step row per (step, replica) with loss, tokens, seconds, each stage's
     peak memory and bytes {activation, activation_grad, outer_sync} x {sent, recv}; the activation bytes of a step are
@@ -129,6 +130,17 @@ def test_two_by_two_run_exports_its_validated_model_and_writes_the_metrics_contr
     assert set(after) == set(before)
     assert not torch.equal(after["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
     assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])
+
+    # --- embed_tokens = T_S + T_perp, both as the last checkpoint (the final sync) holds them
+    from hetloco_ds import subspace
+
+    ckpt = out / "checkpoints"
+    embedding = torch.load(ckpt / (ckpt / "latest").read_text().strip() / "layer_00-model_states.pt")
+    t_s, perp = embedding["weight"], embedding["perp"]
+    assert torch.equal(after["model.embed_tokens.weight"], t_s + perp)
+    split = subspace.make_basis(HIDDEN, k, seed=1234)  # hetloco.subspace.seed's default
+    assert subspace.off_subspace_norm(t_s, split) < 1e-5
+    assert subspace.off_subspace_norm(perp, split) > 0.99
 
 
 @pytest.fixture(scope="module")

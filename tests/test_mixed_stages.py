@@ -97,7 +97,7 @@ def _simulate(cfg, tied):
                                                     ([1, 2, 2], False, [0, 2]), ([2, 3], True, [1])])
 def test_mixed_depth_replicas_agree_bitwise_after_every_outer_step_and_match_the_simulator(stages, tied, compressed):
     """[1, 2] and [1, 2, 2], the last replica compressed (ratio 4; in one case the one-stage replica
-    too, which has no link to compress but keeps T_S in Col(U) as every compressed replica), tied and
+    too, which has no link to compress but trains T_S as every compressed replica), tied and
     untied, and [2, 3] (three blocks: replica 0's second stage holds two, replica 1's stages one
     each): after each of
     the two outer steps every replica's whole model (every layer's parameters, a tied head's copy,

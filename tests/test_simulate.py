@@ -59,7 +59,9 @@ def test_heterogeneous_engine_run_matches_simulator(tmp_path, tmp_path_factory, 
 
 def test_simulator_ablation_switches(tmp_path_factory):
     """In the simulator, embedding_adaptation=false leaves T_perp untouched by outer syncs and
-    project_residual_weights puts o_proj's outputs in Col(U); the defaults do neither."""
+    project_residual_weights puts o_proj's outputs in Col(U) without projecting T_S (that is its
+    own switch); the defaults do neither. Breaks if a switch is ignored or if the Table 5b
+    ablation drags the per-step T_S projection back in."""
     from hetloco_ds import subspace
     from hetloco_ds.config import parse_config
     from hetloco_ds.presets import model_config_for
@@ -78,21 +80,45 @@ def test_simulator_ablation_switches(tmp_path_factory):
             sim.train_step([[(ids, ids)] for ids in torch.randint(0, 96, (2, 2, 16), generator=g)])
         # After inner steps (the outer step then applies the unprojected sparse average).
         o = sim.replicas[1].layers[1].layer.self_attn.o_proj.weight.detach()
-        off = subspace.off_subspace_norm(o.T, sim.replicas[1].algorithms[0].basis)
+        basis = sim.replicas[1].algorithms[0].basis
+        off = subspace.off_subspace_norm(o.T, basis)
+        ts_off = subspace.off_subspace_norm(sim.replicas[1].layers[0].weight.detach(), basis)
         sim.outer_step()
-        return torch.equal(perp0, sim.replicas[0].algorithms[0].perp), off
+        return torch.equal(perp0, sim.replicas[0].algorithms[0].perp), off, ts_off
 
-    fixed, off = run(Variant("ablate", ratio=4, compressed=2, embedding_adaptation=False, project_residual_weights=True))
-    assert fixed and off < 1e-5
-    fixed, off = run(Variant("default", ratio=4, compressed=2))
-    assert not fixed and off > 0.1
+    fixed, off, ts_off = run(Variant("ablate", ratio=4, compressed=2, embedding_adaptation=False,
+                                     project_residual_weights=True))
+    assert fixed and off < 1e-5 and ts_off > 1e-3
+    fixed, off, ts_off = run(Variant("default", ratio=4, compressed=2))
+    assert not fixed and off > 0.1 and ts_off > 1e-3
 
 
-def test_per_replica_ratios_share_the_smallest_subspace():
-    """Replicas compressing at different ratios (4 and 8): each keeps T_S in its own Col(U)
-    during inner steps, and after the outer sync T_S lies in the smallest shared subspace
-    (ratio 8's), which is inside every replica's. Breaks if bases stop nesting or the resync
-    projects onto a replica's own basis instead of the shared one."""
+def test_row_flags_stepproj_and_tsdecay_set_their_subspace_switches():
+    """`--variants pp:4:stepproj:tsdecay` is a row with the per-step T_S projection and the decay on
+    T_S alone; a row without the flags runs the paper's method (no per-step projection, the whole
+    table decayed), whatever the base config. Breaks if a flag is dropped on the way to the
+    row's `hetloco.subspace` or a row inherits the ablation."""
+    from hetloco_ds.config import ConfigError, parse_config
+    from hetloco_ds.sim.rows import parse_variants
+
+    base = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                         "hetloco": {"subspace": {"project_embedding_every_step": True, "embedding_weight_decay": "t_s"}}})
+    rows = parse_variants(["pp:4:stepproj:tsdecay", "pp:4"], 2, [0])
+    ablation, paper = (v.hetloco(base.hetloco, 2).subspace for v in rows)
+    assert (ablation.project_embedding_every_step, ablation.embedding_weight_decay) == (True, "t_s")
+    assert (paper.project_embedding_every_step, paper.embedding_weight_decay) == (False, "table")
+    with pytest.raises(ConfigError, match="stepprojx"):
+        parse_variants(["pp:4:stepprojx"], 2, [0])
+
+
+@pytest.mark.parametrize("every_step", [False, True], ids=["paper", "every_step_ablation"])
+def test_per_replica_ratios_share_the_smallest_subspace(every_step):
+    """Replicas compressing at different ratios (4 and 8): between syncs each replica's T_S
+    leaves its own Col(U) (the paper; with `project_embedding_every_step`, the ablation, it stays
+    in it after every inner step), and after the outer sync T_S lies in the smallest shared
+    subspace (ratio 8's), which is inside every replica's. Breaks if bases stop nesting, if the
+    resync projects onto a replica's own basis instead of the shared one, or if the per-step
+    projection runs by default or not under its switch."""
     from hetloco_ds import subspace
     from hetloco_ds.config import parse_config
     from hetloco_ds.presets import model_config_for
@@ -100,7 +126,8 @@ def test_per_replica_ratios_share_the_smallest_subspace():
 
     cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                         "hetloco": {"sparseloco": {"inner_steps": 2},
-                                    "subspace": {"ratio": 4, "compressed_replicas": "all", "replica_ratios": {"1": 8}},
+                                    "subspace": {"ratio": 4, "compressed_replicas": "all", "replica_ratios": {"1": 8},
+                                                 "project_embedding_every_step": every_step},
                                     "train": {"seq_len": 16}}})
     llama = model_config_for("tiny", 96)
     sim = Simulation(cfg, cfg.hetloco, llama, 2, 2, torch.device("cpu"))
@@ -110,7 +137,8 @@ def test_per_replica_ratios_share_the_smallest_subspace():
     for _ in range(2):
         sim.train_step([[(ids, ids)] for ids in torch.randint(0, 96, (2, 2, 16), generator=g)])
         for r in sim.replicas:
-            assert subspace.off_subspace_norm(r.algorithms[0].embeddings[0].weight.detach(), r.algorithms[0].basis) < 1e-5
+            off = subspace.off_subspace_norm(r.algorithms[0].embeddings[0].weight.detach(), r.algorithms[0].basis)
+            assert off < 1e-5 if every_step else off > 1e-3, off
     sim.outer_step()
     for r in sim.replicas:
         assert subspace.off_subspace_norm(r.algorithms[0].embeddings[0].weight.detach(), r.algorithms[0].split_basis) < 1e-5
@@ -195,6 +223,122 @@ def test_batched_simulator_matches_per_replica(tied):
             assert got[key] == pytest.approx(ref[key], rel=1e-5), key
     val = [tuple([torch.randint(0, 96, (2, 16), generator=g)] * 2) for _ in range(2)]
     assert sims["batched"].validation_losses(val) == pytest.approx(sims["per_replica"].validation_losses(val), rel=1e-5)
+
+
+def _ts_copies(replica) -> list[torch.Tensor]:
+    """Every T_S copy a replica holds: each stage's trained embeddings (the first stage's, a tied
+    head's copy on the last)."""
+    return [e.weight.detach() for a in replica.algorithms for e in a.embeddings]
+
+
+@pytest.mark.parametrize("every_step", [False, True], ids=["paper", "every_step_ablation"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("driver", ["per_replica", "batched"])
+def test_ts_leaves_col_u_between_syncs_and_reenters_it_identically_at_each_sync(driver, tied, every_step):
+    """M = 3 x S = 3, replica 0 uncompressed, 1 at ratio 4, 2 at ratio 8, H = 2, weight decay on,
+    three syncs: after each inner step between syncs every T_S copy of a compressed replica (the
+    first stage's and a tied head's) has left its replica's Col(U) (off-subspace norm > 1e-3) and
+    T_perp has not moved; after each sync every T_S copy of every replica is bitwise the same and
+    lies in the shared Col(U), and T_perp has moved and is bitwise the same on every stage of
+    every replica. With `project_embedding_every_step` (the ablation: the behaviour before issue
+    57) T_S stays in Col(U) after every inner step. Breaks if T_S is projected between syncs by
+    default, if the ablation's switch is ignored, if an inner step touches T_perp, or if eqs. 3-4
+    differ between stages, replicas or simulators."""
+    from conftest import tiny_llama_config
+    from hetloco_ds import subspace
+    from hetloco_ds.config import parse_config
+
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+                        "hetloco": {"sparseloco": {"inner_steps": 2},
+                                    "subspace": {"ratio": 4, "compressed_replicas": [1, 2], "replica_ratios": {"2": 8},
+                                                 "project_embedding_every_step": every_step},
+                                    "train": {"seq_len": 16}}})
+    sim = _sim_classes()[driver](cfg, cfg.hetloco, tiny_llama_config(tied=tied), 3, 3, torch.device("cpu"))
+    perps = [a.perp for r in sim.replicas for a in r.algorithms]
+    assert len(perps) == 9
+    synced = perps[0].clone()
+    g = torch.Generator().manual_seed(0)
+    for step in range(1, 7):
+        sim.train_step(_random_step(g, 3))
+        if step % 2:
+            for r in sim.replicas[1:]:
+                offs = [subspace.off_subspace_norm(t, r.algorithms[0].basis) for t in _ts_copies(r)]
+                assert len(offs) == (2 if tied else 1)
+                assert (max(offs) < 1e-5) if every_step else (min(offs) > 1e-3), (step, r.replica, offs)
+            assert all(torch.equal(p, synced) for p in perps), f"an inner step moved T_perp (step {step})"
+            continue
+        sim.outer_step()
+        copies = [t for r in sim.replicas for t in _ts_copies(r)]
+        assert all(torch.equal(t, copies[0]) for t in copies), f"T_S copies differ after the sync at step {step}"
+        assert subspace.off_subspace_norm(copies[0], sim.replicas[2].algorithms[0].basis) < 1e-5
+        assert all(torch.equal(p, perps[0]) for p in perps), f"T_perp differs after the sync at step {step}"
+        assert not torch.equal(perps[0], synced)
+        synced = perps[0].clone()
+
+
+def _schedule_lrs(scheduler: dict, lr: float, steps: int) -> list[float]:
+    """The lr each of the first `steps` optimizer steps takes under DeepSpeed's `scheduler`."""
+    from hetloco_ds import optim
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    sched = optim.build_scheduler(scheduler, opt)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+WARMUP = {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 3, "warmup_min_ratio": 0.1,
+                                               "cos_min_ratio": 0.1}}
+"""An lr that differs at each of the first three steps (DeepSpeed's: 0, then 1e-3, then more at lr 1e-2)."""
+
+
+@pytest.mark.parametrize("driver", ["per_replica", "batched"])
+def test_weight_decay_shrinks_the_whole_embedding_and_reaches_t_perp_through_the_sync(driver):
+    """`embedding_weight_decay: table` (the default, the authors' code) against `t_s`, from one
+    start and data, M = 2 x S = 2 both compressed, wd 0.1, a warmup schedule, H = 2, a dense sync
+    (every coordinate, no clip, outer lr 1): after the two inner steps T_perp has not moved in
+    either run and table's T_S is t_s's minus lr_2 * wd * T_perp, lr_2 the second step's lr (the
+    first step's is 0, so that step decays nothing in either); after the sync table's T_perp is
+    t_s's minus that same share, i.e. T_perp shrank by 1 - lr_2 wd through the pseudo-gradient.
+    Breaks if the whole table is not decayed, if the decay takes the schedule's next or previous
+    lr, or if T_perp is decayed in place instead of through the sync."""
+    from conftest import tiny_llama_config
+    from hetloco_ds.config import parse_config
+
+    lrs = _schedule_lrs(WARMUP, 1e-2, 3)
+    assert lrs[0] == 0 and 0 < lrs[1] < lrs[2]
+    share = lrs[1] * 0.1
+
+    def run(decay):
+        cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+                            "scheduler": WARMUP,
+                            "hetloco": {"sparseloco": {"inner_steps": 2, "aggregation": "dense", "norm_clip": "none",
+                                                       "outer_lr": 1.0},
+                                        "subspace": {"ratio": 4, "compressed_replicas": "all",
+                                                     "embedding_weight_decay": decay},
+                                        "train": {"seq_len": 16}}})
+        sim = _sim_classes()[driver](cfg, cfg.hetloco, tiny_llama_config(), 2, 2, torch.device("cpu"))
+        alg = sim.replicas[1].algorithms[0]
+        perp0 = alg.perp.clone()
+        g = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            sim.train_step(_random_step(g, 2))
+        assert torch.equal(alg.perp, perp0)
+        t_s = alg.embeddings[0].weight.detach().clone()
+        sim.outer_step()
+        return perp0, t_s, alg.perp.clone()
+
+    perp0, ts_table, perp_table = run("table")
+    _, ts_alone, perp_alone = run("t_s")
+    torch.testing.assert_close(ts_table, ts_alone - share * perp0, rtol=0, atol=1e-9)
+    assert (ts_table - ts_alone).abs().max() > 100 * 1e-9
+    torch.testing.assert_close(perp_table, perp_alone - share * perp0, rtol=0, atol=1e-8)
+    assert (perp_table - perp_alone).abs().max() > 100 * 1e-8
 
 
 def test_outer_step_diagnostics_on_a_dense_sync():

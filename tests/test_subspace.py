@@ -64,7 +64,7 @@ def test_resync_matches_paper_equations_3_and_4():
 
 
 # ------------------------------------------------------------------------- engine
-def _config(stages, ratio, compressed, inner_steps=2, adaptation=True, wproj=False):
+def _config(stages, ratio, compressed, inner_steps=2, adaptation=True, wproj=False, every_step=False):
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
@@ -74,7 +74,7 @@ def _config(stages, ratio, compressed, inner_steps=2, adaptation=True, wproj=Fal
         "hetloco": {
             "sparseloco": {"inner_steps": inner_steps},
             "subspace": {"ratio": ratio, "compressed_replicas": compressed, "embedding_adaptation": adaptation,
-                         "project_residual_weights": wproj},
+                         "project_residual_weights": wproj, "project_embedding_every_step": every_step},
             "train": {"seq_len": SEQ},
         },
     }
@@ -104,6 +104,7 @@ def _het_body(rank, hf_dir, ds_cfg, steps):
         embs = module.embeddings()
         if embs:
             row["te"] = _digest(embs[0].table())
+            row["ts"] = _digest(embs[0].weight)
             if basis is not None:
                 row["ts_off"] = subspace.off_subspace_norm(embs[0].weight.detach(), basis)
         if basis is not None:
@@ -114,25 +115,67 @@ def _het_body(rank, hf_dir, ds_cfg, steps):
     return {"replica": engine.replica, "stage": engine.stage_id, "compressed": basis is not None, "rows": out}
 
 
-def test_heterogeneous_run_keeps_ts_in_subspace_and_te_identical_after_sync(hf_tied):
-    """2 replicas x 2 stages, replica 1 compressed (tied embeddings, so TE lives on both the
-    first and the last stage): on the compressed replica T_S stays in Col(U) after every inner
-    step; after every outer sync TE = T_S + T_perp is bitwise identical on every replica and
-    stage that holds it, and T_perp is identical everywhere. Breaks if the resync is skipped on
-    a stage, uses a different aggregate, or if the inner-step projection is missing."""
-    results = run_ranks(_het_body, 4, hf_tied, _config(2, 4, [1]), 4)
+@pytest.mark.parametrize("every_step", [False, True], ids=["paper", "every_step_ablation"])
+def test_heterogeneous_run_ts_leaves_subspace_between_syncs_and_agrees_bitwise_after_each(hf_tied, every_step):
+    """2 replicas x 2 stages, replica 1 compressed (tied embeddings, so T_S lives on both the
+    first and the last stage), H = 2: on the compressed replica T_S has left Col(U) after each
+    inner step between syncs (the paper; with `project_embedding_every_step`, the ablation, it
+    stays in Col(U) after every step) and is back in it after each sync; after every outer sync
+    T_S and TE = T_S + T_perp are bitwise identical on every replica and stage that holds them,
+    and T_perp is identical on every rank after every step. Breaks if the resync is skipped on
+    a stage or uses a different aggregate, if T_S is projected between syncs by default, or if
+    the ablation's switch is ignored."""
+    results = run_ranks(_het_body, 4, hf_tied, _config(2, 4, [1], every_step=every_step), 4)
+    offs = {True: [], False: []}
     for r in results:
-        for row in r["rows"]:
-            if r["compressed"] and "ts_off" in row:
-                assert row["ts_off"] < 1e-5, (r["replica"], r["stage"], row["step"], row["ts_off"])
+        if r["compressed"]:
+            for row in r["rows"]:
+                offs[row["outer"]].append(row["ts_off"])
+    assert len(offs[True]) == len(offs[False]) == 4  # two stages, two steps of each kind
+    assert max(offs[True]) < 1e-5
+    assert (max(offs[False]) < 1e-5) if every_step else (min(offs[False]) > 1e-3), offs[False]
     for step in (2, 4):
-        te = {r["rows"][step - 1]["te"] for r in results if "te" in r["rows"][step - 1]}
-        perp = {r["rows"][step - 1]["perp"] for r in results}
-        assert len(te) == 1, f"TE differs across holders after outer step at {step}"
-        assert len(perp) == 1, f"T_perp differs after outer step at {step}"
-        assert all(r["rows"][step - 1]["perp_changed"] for r in results)
+        rows = [r["rows"][step - 1] for r in results]
+        assert len({row["te"] for row in rows if "te" in row}) == 1, f"TE differs across holders after outer step at {step}"
+        assert len({row["ts"] for row in rows if "ts" in row}) == 1, f"T_S differs across holders after outer step at {step}"
+        assert all(row["perp_changed"] for row in rows)
+    for step in range(1, 5):
+        assert len({r["rows"][step - 1]["perp"] for r in results}) == 1, f"T_perp differs after step {step}"
     # Inner steps leave T_perp alone.
-    assert not any(r["rows"][0]["perp_changed"] for r in results)
+    assert not any(r["rows"][i]["perp_changed"] for r in results for i in (0, 2))
+
+
+def _decay_body(rank, hf_dir, ds_cfg, steps):
+    engine, module, _ = build_from_hf(hf_dir, ds_cfg, SEQ)
+    perp = module.codec.perp.clone()
+    for step in range(1, steps + 1):
+        engine.train_step(iter(_batches(engine.replica, step)))
+    embs = module.embeddings()
+    return {"perp": perp, "perp_after": module.codec.perp.clone(), "ts": embs[0].weight.detach().clone() if embs else None}
+
+
+def test_engine_decays_the_whole_table_with_each_steps_own_lr(hf_untied):
+    """The engine under DeepSpeed's LR schedule (its lr differs at each of the first three steps),
+    one compressed replica of 2 stages, two inner steps and no sync, wd 0.1: `embedding_weight_decay:
+    table` (the default) ends with T_S equal to `t_s`'s minus lr_2 * wd * T_perp (lr_2 the second
+    step's lr; the first's is 0) and T_perp untouched on both stages, as the simulators do
+    (test_simulate). Breaks if the engine reads the lr after DeepSpeed's schedule moved it, or
+    not at all."""
+    from test_simulate import WARMUP, _schedule_lrs
+
+    lrs = _schedule_lrs(WARMUP, 1e-2, 3)
+    runs = {}
+    for decay in ("table", "t_s"):
+        cfg = _config(2, 4, "all", inner_steps=10)
+        cfg["scheduler"] = WARMUP
+        cfg["optimizer"]["params"]["weight_decay"] = 0.1
+        cfg["hetloco"]["subspace"]["embedding_weight_decay"] = decay
+        runs[decay] = run_ranks(_decay_body, 2, hf_untied, cfg, 2)
+    for decay, results in runs.items():
+        assert all(torch.equal(r["perp"], r["perp_after"]) for r in results), decay
+    perp, table, alone = runs["table"][0]["perp"], runs["table"][0]["ts"], runs["t_s"][0]["ts"]
+    torch.testing.assert_close(table, alone - lrs[1] * 0.1 * perp, rtol=0, atol=1e-9)
+    assert (table - alone).abs().max() > 100 * 1e-9
 
 
 def _bytes_body(rank, hf_dir, ds_cfg):

@@ -11,10 +11,10 @@ elementwise, so it is M AdamWs); clipping scales each replica by its own norm.
 
 The method is not re-implemented: each (replica, stage) keeps its own `StageAlgorithm` and
 `LocalStageLink`, built on per-replica modules whose parameters are views of row m of the stacked
-tensors and whose T_perp is a view of a stacked buffer. The embedding split, the T_S projection
-after inner steps, the AdamW-het re-split and the outer step (`core.outer_step_all`, shared
-with the per-replica simulator) write through those views into the tensors the batched forward
-reads.
+tensors and whose T_perp is a view of a stacked buffer. The embedding split, what follows each
+inner step (T_perp's share of the weight decay, the ablations' projections, the AdamW-het
+re-split) and the outer step (`core.outer_step_all`, shared with the per-replica simulator)
+write through those views into the tensors the batched forward reads.
 
 Stage boundaries: a compressed replica's message is ((X - T_perp[x]) U, ids) and the next stage
 rebuilds X~ U^T + T_perp[x]: the codec's own `boundary.encode_hidden` / `decode_hidden` under vmap;
@@ -225,13 +225,14 @@ class BatchedSimulation:
                 for g in grads:
                     g.copy_(self.shards.gather(g).mean(0, keepdim=True).expand_as(g))
             self._clip(grads)
+        decay = optim.decoupled_decay(self.optimizer)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
         for r in self.replicas:
             for alg, link in zip(r.algorithms, r.links):
-                alg.after_inner_step(link)
+                alg.after_inner_step(link, decay)
         self.step += 1
         return torch.stack(losses, 1)
 

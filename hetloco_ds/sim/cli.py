@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--variants", default="sparseloco,pp:8,het:8",
                    help="comma-separated rows HEAD[:RATIO][:FLAG...]: sparseloco, pp:R, het:R, adamw, adamw-pp:R, "
-                        "adamw-het:R, diloco; flags noadapt, wproj, lr=X, or any sparseloco field as KEY=VALUE")
+                        "adamw-het:R, diloco; flags noadapt, wproj, stepproj, tsdecay, lr=X, or any sparseloco "
+                        "field as KEY=VALUE")
     p.add_argument("--seeds", default="0")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="directory for results.json and metrics.jsonl")

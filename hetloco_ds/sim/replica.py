@@ -71,12 +71,13 @@ class SimReplica:
     def clip_and_step(self, max_norm: float) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
         optim.clip_(grads, optim.grad_sq_norm(grads), max_norm)
+        decay = optim.decoupled_decay(self.optimizer)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
         for alg, link in zip(self.algorithms, self.links):
-            alg.after_inner_step(link)
+            alg.after_inner_step(link, decay)
 
 
 class Simulation:

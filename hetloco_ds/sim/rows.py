@@ -36,6 +36,8 @@ class Variant:
     compressed: int = 0  # how many replicas compress (the last ones)
     embedding_adaptation: bool = True
     project_residual_weights: bool = False
+    project_embedding_every_step: bool = False
+    embedding_weight_decay: str = "table"
     seed: int = 0
     lr: float | None = None
     """Inner AdamW lr of this row (None: the run's)."""
@@ -50,6 +52,8 @@ class Variant:
         cfg.subspace.ratio = self.ratio
         cfg.subspace.embedding_adaptation = self.embedding_adaptation
         cfg.subspace.project_residual_weights = self.project_residual_weights
+        cfg.subspace.project_embedding_every_step = self.project_embedding_every_step
+        cfg.subspace.embedding_weight_decay = self.embedding_weight_decay
         cfg.train.seed = self.seed
         if self.sparseloco:
             # Validated as a whole, so a `preset` expands; what the base config set explicitly
@@ -386,13 +390,15 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
 
 
 ROW_HEADS = ("sparseloco", "pp", "het", "adamw", "adamw-pp", "adamw-het", "diloco")
+ROW_FLAGS = ("noadapt", "wproj", "stepproj", "tsdecay")
 
 
 def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Variant]:
     """Rows HEAD[:RATIO][:FLAG...] x seeds. HEAD: sparseloco, pp (every replica compresses at
     RATIO), het (the last half do), adamw, adamw-pp, adamw-het (plain data parallelism), diloco
     (SparseLoCo's loop with `aggregation: dense`, the dense-averaging control). FLAG: noadapt
-    (Table 5a), wproj (Table 5b), lr=X (this row's inner lr), or KEY=VALUE for any
+    (Table 5a), wproj (Table 5b), stepproj (T_S projected after every inner step too), tsdecay
+    (weight decay on T_S alone), lr=X (this row's inner lr), or KEY=VALUE for any
     `hetloco.sparseloco` field (e.g. aggregation=selected_count, outer_lr=2)."""
     variants = []
     for item, seed in itertools.product(spec, seeds):
@@ -406,7 +412,7 @@ def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Var
         if compressed and ratio < 2:
             raise ConfigError(f"--variants: row {item!r} needs a ratio >= 2 (e.g. {head}:8)")
         settings = dict(f.split("=", 1) for f in rest if "=" in f)
-        unknown = [f for f in rest if "=" not in f and f not in ("noadapt", "wproj")]
+        unknown = [f for f in rest if "=" not in f and f not in ROW_FLAGS]
         if unknown:
             raise ConfigError(f"--variants: row {item!r}: unknown flag(s) {unknown}")
         if head == "diloco":
@@ -418,6 +424,8 @@ def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Var
         variants.append(Variant(name=f"{item}@seed{seed}", mode="adamw" if head.startswith("adamw") else "sparseloco",
                                 ratio=ratio if compressed else 1, compressed=compressed,
                                 embedding_adaptation="noadapt" not in rest, project_residual_weights="wproj" in rest,
+                                project_embedding_every_step="stepproj" in rest,
+                                embedding_weight_decay="t_s" if "tsdecay" in rest else "table",
                                 seed=seed, lr=lr, sparseloco=settings))
     return variants
 
