@@ -87,6 +87,16 @@ def compile_stage(module) -> None:
         module.loss_fn = torch.compile(module.loss_fn)
 
 
+def use_deterministic_kernels(run: RunConfig) -> None:
+    """`train.deterministic`: every kernel deterministic from here on, or torch's error naming the one
+    that has no deterministic form. Before the first matmul: cuBLAS reads its workspace setting
+    when its handle is made."""
+    if not run.hetloco.train.deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 def build_module(run: RunConfig, llama_config, hf_dir: str | None = None, hf_state=None):
     """This rank's stage of the PipelineModule: from an HF directory (only this stage's
     tensors), from an in-memory LlamaForCausalLM state dict, or freshly initialised with
@@ -95,6 +105,7 @@ def build_module(run: RunConfig, llama_config, hf_dir: str | None = None, hf_sta
 
     from .pipe.module import HetlocoPipelineModule
 
+    use_deterministic_kernels(run)
     world = dist.get_world_size()
     check_topology(world, run.stages, run.source, llama_config.num_hidden_layers, run.hetloco.replica_stages)
     return HetlocoPipelineModule(llama_config, run.stages, world, seed=run.hetloco.train.seed, hf_dir=hf_dir,

@@ -162,6 +162,10 @@ class TrainConfig(_Section):
     """Vocabulary of the BPE tokenizer trained on the embedded default corpus."""
     compile: bool = False
     """torch.compile each decoder layer and the loss (the first steps are slower while it compiles)."""
+    deterministic: bool = False
+    """Deterministic kernels (torch.use_deterministic_algorithms): a GPU run and its --resume repeat bit for bit.
+    Off by default, where flash attention's backward adds in atomics, so two GPU runs part in the last bits
+    after a few steps (bench/README.md, "Deterministic runs", has its cost)."""
     keep_checkpoints: int = Field(2, ge=0)
     """Complete checkpoints kept in OUT/checkpoints (older ones are deleted after a newer one is committed); 0 keeps all."""
     watchdog_timeout: float = Field(180.0, ge=0)

@@ -623,7 +623,9 @@ class SparseLoCoState:
             # distinct, so the norm of the values is the norm of the decoded sparse tensor). Every
             # replica computes this from the same bytes in the same order: identical factors.
             norms = torch.linalg.vector_norm(values, dim=-1)  # [n, G]
-            median = norms.median(dim=0).values  # the lower middle value for even n, as torch.median
+            # The lower middle value for even n, as torch.median; by sort, which has a deterministic
+            # form on a GPU (median's indices have none: train.deterministic would refuse it).
+            median = norms.sort(dim=0).values[(norms.shape[0] - 1) // 2]
             values = values * (median / (norms + CLIP_EPS)).clamp(max=1.0).unsqueeze(-1)
         values = values.reshape(n, -1)
         if counts is not None:
