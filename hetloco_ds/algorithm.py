@@ -4,8 +4,10 @@
 touches it:
 
     SparseLoCo   theta at the last sync and the error-feedback buffers (sparseloco.outer)
-    subspace     U of this replica (None when it sends full tensors), the split basis T_S lives
-                 in, T_perp, and which of the stage's parameters are T_S copies
+    boundary     the replica's stage-boundary codec (`boundary.BoundaryCodec`, built here from the
+                 config: every driver asks this object for it), the fleet's embedding split (the
+                 basis T_S lives in and T_perp: `boundary.EmbeddingSplit`), and which of the
+                 stage's parameters are T_S copies
 
 and three entry points:
 
@@ -54,7 +56,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from . import subspace
+from .boundary import BoundaryCodec, EmbeddingSplit, SubspaceCodec, build_codec, fleet_split, wire_dtype_of
 from .model import DecoderLayer, TokenEmbedding
 from .sparseloco.outer import BlockStates
 from .transport import Gathered, ReplicaTransport, StageLink
@@ -87,12 +89,14 @@ class StageAlgorithm:
     of the replica passes the same value; a one-stage replica that holds the head as a copy of its own,
     `pipe.module.head_apart`, passes True too). `blocks`: the indices into `params` of each
     outer-sync block the stage holds (`sizes.block_parts`), one payload and exchange each; None: one
-    block, the whole stage (every replica cut alike).
+    block, the whole stage (every replica cut alike). `bf16`: bf16 training, whose codec puts bf16
+    on the stage links (`boundary.wire_dtype_of`).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], hetloco, *, replica: int, num_replicas: int,
                  hidden_size: int, vocab_size: int, device, embeddings: Sequence[TokenEmbedding] = (),
-                 layers: Sequence[nn.Module] = (), tied: bool = False, blocks: Sequence[Sequence[int]] | None = None):
+                 layers: Sequence[nn.Module] = (), tied: bool = False, blocks: Sequence[Sequence[int]] | None = None,
+                 bf16: bool = False):
         self.params = list(params)
         self.blocks = [list(range(len(self.params)))] if blocks is None else [list(b) for b in blocks]
         self.cfg = hetloco
@@ -104,14 +108,11 @@ class StageAlgorithm:
         self.embeddings = [e for e in embeddings if id(e.weight) in ids]
         self._embedding_index = [i for i, p in enumerate(self.params) if any(p is e.weight for e in self.embeddings)]
         self.layers = [m for m in layers if isinstance(m, DecoderLayer)]
-        self.split_basis: Tensor | None = None
-        self.basis: Tensor | None = None
-        if sub.any_compressed:
-            self.split_basis = subspace.split_basis(sub, num_replicas, hidden_size, sub.seed).to(self.device)
-        if sub.compressed(replica, num_replicas):
-            k = subspace.subspace_dim(hidden_size, sub.ratio_for(replica, num_replicas))
-            self.basis = subspace.make_basis(hidden_size, k, sub.seed).to(self.device)
-        self.perp: Tensor | None = None
+        self.split: EmbeddingSplit | None = fleet_split(sub, num_replicas, hidden_size, self.device)
+        self.codec: BoundaryCodec = build_codec(sub, replica=replica, num_replicas=num_replicas, hidden_size=hidden_size,
+                                                vocab_size=vocab_size, wire_dtype=wire_dtype_of(bf16), device=self.device)
+        """This replica's stage-boundary codec, the one every driver encodes and decodes with."""
+        self.codec.split = self.split
         self.outer: BlockStates | None = None
         self.outer_steps = 0
         self.tied_apart = tied and self.sparseloco and hetloco.sparseloco.tied_embeddings == "outer_step"
@@ -125,7 +126,27 @@ class StageAlgorithm:
 
     @property
     def compressed(self) -> bool:
-        return self.basis is not None
+        return self.codec.compressed
+
+    @property
+    def basis(self) -> Tensor | None:
+        """U of this replica's boundary (a subspace codec's; None for a codec without one)."""
+        return self.codec.basis if isinstance(self.codec, SubspaceCodec) else None
+
+    @property
+    def split_basis(self) -> Tensor | None:
+        """The basis T_S lives in (None: no embedding split)."""
+        return None if self.split is None else self.split.basis
+
+    @property
+    def perp(self) -> Tensor | None:
+        """T_perp (the embedding split's; None before `setup` or without a split)."""
+        return None if self.split is None else self.split.perp
+
+    @perp.setter
+    def perp(self, value: Tensor) -> None:
+        # The batched simulator makes it a view of its stacked buffer; the codec reads it through the split.
+        self.split.perp = value
 
     # ------------------------------------------------------------------ before training
     @torch.no_grad()
@@ -135,13 +156,9 @@ class StageAlgorithm:
 
         Every stage of every replica calls it once, before training, from identical parameters.
         """
-        if self.split_basis is not None:
+        if self.split is not None:
             first = self.embeddings[0].table().detach().clone() if link.is_first else None
-            table = link.share_dense(first, self.shape)
-            t_s, self.perp = subspace.split_embedding(table, self.split_basis)
-            for emb in self.embeddings:
-                emb.weight.copy_(t_s)
-                emb.perp = self.perp
+            self.split.split_(link.share_dense(first, self.shape), self.embeddings)
         if self.sparseloco:
             self.outer = BlockStates(self.params, self.blocks, self.cfg.sparseloco,
                                      on_host=self.cfg.sparseloco.outer_state_device == "cpu")
@@ -151,25 +168,15 @@ class StageAlgorithm:
     def after_inner_step(self, link: StageLink, decay: float) -> None:
         """After each optimizer step (see the module docstring for every case). `decay`: lr x
         weight_decay of the AdamW step just taken (`optim.decoupled_decay`, read before it)."""
-        if self.split_basis is None:
-            return
-        sub = self.cfg.subspace
-        if sub.embedding_weight_decay == "table":
-            subspace.decay_perp_share_(self.embeddings, self.perp, decay)
-        if not self.sparseloco:
-            first = None
-            if link.is_first:
-                t_s = self.embeddings[0].weight
-                first = t_s - subspace.project(t_s, self.split_basis)
-            off = link.share_dense(first, self.shape, kind="embedding_sync")
-            self.perp.add_(off)
-            subspace.project_embeddings_(self.embeddings, self.split_basis)
-            return
-        if self.basis is not None:
-            if sub.project_embedding_every_step:
-                subspace.project_embeddings_(self.embeddings, self.basis)
-            if sub.project_residual_weights:
-                subspace.project_residual_weights_(self.layers, self.basis)
+        if self.split is not None:
+            if self.cfg.subspace.embedding_weight_decay == "table":
+                self.split.decay_(self.embeddings, decay)
+            if not self.sparseloco:
+                first = self.split.off_subspace(self.embeddings[0].weight) if link.is_first else None
+                self.split.perp.add_(link.share_dense(first, self.shape, kind="embedding_sync"))
+                self.split.project_(self.embeddings)
+        if self.sparseloco:
+            self.codec.after_inner_step(self.embeddings, self.layers)
 
     # ------------------------------------------------------------------ outer step
     def prepare(self) -> list[Tensor]:
@@ -229,7 +236,7 @@ class StageAlgorithm:
 
     @property
     def _adapts_embedding(self) -> bool:
-        return self.split_basis is not None and self.cfg.subspace.embedding_adaptation
+        return self.split is not None and self.cfg.subspace.embedding_adaptation
 
     @property
     def _syncs_embedding(self) -> bool:
@@ -267,8 +274,7 @@ class StageAlgorithm:
             for i in self._embedding_index:
                 self.params[i].copy_(theta_old.add(avg, alpha=-self.cfg.sparseloco.outer_lr))
         if self._adapts_embedding:
-            subspace.resync_embedding_(None, self.perp, avg, self.cfg.sparseloco.outer_lr, self.split_basis)
-            subspace.project_embeddings_(self.embeddings, self.split_basis)
+            self.split.resync_(avg, self.cfg.sparseloco.outer_lr, self.embeddings)
         for i in self._embedding_index:
             self.outer.rebase(i, self.params[i])
 

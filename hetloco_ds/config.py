@@ -108,6 +108,9 @@ class SubspaceConfig(_Section):
     """d / k for compressed replicas; 1 means no compression."""
     compressed_replicas: list[int] | Literal["all", "none"] = "none"
     """Which replicas send subspace-projected tensors over their stage boundaries."""
+    codec: str = Field("subspace", min_length=1)
+    """The stage-boundary codec of the compressed replicas: a name registered in `boundary.CODECS` (checked
+    when the stage's algorithm is built); subspace is the paper's, the others use identity."""
     replica_ratios: dict[int, int] = Field(default_factory=dict)
     """Per-replica override of `ratio` for compressed replicas, e.g. {"1": 64}."""
     seed: int = 1234

@@ -112,12 +112,11 @@ class HetlocoEngine(PipelineEngineAdapter):
             hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, device=self.device,
             embeddings=self.module.embeddings(), layers=list(self.module.local_layers().values()),
             tied=bool(cfg.tie_word_embeddings) and (self.num_stages > 1 or self.module.head_apart),
-            blocks=self._param_blocks())
+            blocks=self._param_blocks(), bf16=run.bf16)
         self.module.autocast_dtype = torch.bfloat16 if run.bf16 else None
-        self.module.configure_boundary(self.algorithm.basis, torch.bfloat16 if run.bf16 else torch.float32)
-        self._open_links()  # once the boundary's width and wire dtype (a copy-engine slot's size) are set
+        self.module.codec = self.algorithm.codec
+        self._open_links()
         self.algorithm.setup(self.stage_link)
-        self.module.codec.perp = self.algorithm.perp
         if transport is not None:
             self.transports = [transport(self)]
         elif self.replica_stages is None:
@@ -196,7 +195,10 @@ class HetlocoEngine(PipelineEngineAdapter):
 
     # ------------------------------------------------------------ stage links (adapter hooks)
     def _message_spec(self):
-        return self.module.codec.message_spec(self.micro_batch_size, self.seq_len)
+        return self.algorithm.codec.message_spec(self.micro_batch_size, self.seq_len)
+
+    def _grad_spec(self):
+        return self.algorithm.codec.grad_spec(self.micro_batch_size, self.seq_len)
 
     def send_activations(self, outputs):
         self.links.send(outputs if isinstance(outputs, tuple) else (outputs,), True, "activation")
@@ -212,8 +214,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         self.links.send([t.grad for t in inputs if t.is_floating_point()], False, "activation_grad")
 
     def recv_grads(self, outputs):
-        spec = [s for s in self._message_spec() if s[1].is_floating_point]
-        grads = self.links.recv(spec, False, "activation_grad")
+        grads = self.links.recv(self._grad_spec(), False, "activation_grad")
         return grads[0] if isinstance(outputs, torch.Tensor) else grads
 
     # ------------------------------------------------- overlapped schedule (adapter hooks)
@@ -242,8 +243,7 @@ class HetlocoEngine(PipelineEngineAdapter):
                          keep=self._in_flight)
 
     def post_recv_grads(self, micro_batch):
-        spec = [s for s in self._message_spec() if s[1].is_floating_point]
-        self.links.post_recv(micro_batch, spec, False, "activation_grad")
+        self.links.post_recv(micro_batch, self._grad_spec(), False, "activation_grad")
 
     def wait_recv_grads(self, outputs, micro_batch):
         grads = self.links.wait_recv(micro_batch, False)

@@ -1,10 +1,10 @@
-"""LLaMA as a DeepSpeed PipelineModule whose stage boundaries may be subspace-compressed.
+"""LLaMA as a DeepSpeed PipelineModule whose stage boundaries may be compressed.
 
-The layers (hetloco_ds.model) know nothing of this: the module adds a boundary codec
-(`boundary.BoundaryCodec`) around each stage's slice of layers. On an uncompressed replica a
-boundary carries the hidden state alone; on a compressed one it carries (X - T_perp[x]) U and
-the token ids, and the next stage rebuilds X^ = X~ U^T + T_perp[x]. Autograd then sends
-grad(X^) U backward.
+The layers (hetloco_ds.model) know nothing of this: the module calls a boundary codec
+(`boundary.BoundaryCodec`) around each stage's slice of layers, the one its engine's StageAlgorithm
+built from the config. On an uncompressed replica a boundary carries the hidden state alone; on a
+subspace-compressed one it carries (X - T_perp[x]) U and the token ids, and the next stage
+rebuilds X^ = X~ U^T + T_perp[x]. Autograd then sends grad(X^) U backward.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from transformers import LlamaConfig
 
 from .. import sizes
-from ..boundary import BoundaryCodec
+from ..boundary import BoundaryCodec, IdentityCodec
 from ..model import TokenEmbedding, causal_lm_loss, layer_list
 from ..patches import PipelineModuleAdapter
 
@@ -45,8 +45,8 @@ def head_apart(config: LlamaConfig, replica_stages: list[int] | None, stages: in
 class HetlocoPipelineModule(PipelineModuleAdapter):
     """PipelineModule over `layer_specs(config)` with a BoundaryCodec at each end of the stage.
 
-    The replica's compression is known only once the topology exists, so the codec's basis and
-    wire dtype are set after construction (`configure_boundary`).
+    The replica's codec is known only once the topology exists: the engine hands the module its
+    StageAlgorithm's (`codec`); until then the module's stages meet uncompressed in fp32.
     """
 
     def __init__(self, config: LlamaConfig, num_stages: int, world_size: int, seed: int = 0, hf_dir: str | None = None,
@@ -75,7 +75,7 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
             partition_method="uniform",
             activation_checkpoint_interval=0,
         )
-        self.codec = BoundaryCodec(config.hidden_size, config.vocab_size)
+        self.codec: BoundaryCodec = IdentityCodec(config.hidden_size, config.vocab_size)
         self.autocast_dtype: torch.dtype | None = None
         """Compute dtype of the forward under autocast (bf16 training); None runs in fp32."""
 
@@ -124,11 +124,6 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
             if isinstance(m, TokenEmbedding) and all(m is not e for e in found):
                 found.append(m)
         return found
-
-    def configure_boundary(self, basis: torch.Tensor | None, wire_dtype: torch.dtype) -> None:
-        device = next(self.parameters()).device
-        self.codec.basis = None if basis is None else basis.to(device)
-        self.codec.wire_dtype = wire_dtype
 
     def forward(self, forward_input):
         # Autocast here, inside the engine's forward: DeepSpeed's engine disables an autocast

@@ -16,10 +16,12 @@ inner step (T_perp's share of the weight decay, the ablations' projections, the 
 re-split) and the outer step (`core.outer_step_all`, shared with the per-replica simulator)
 write through those views into the tensors the batched forward reads.
 
-Stage boundaries: a compressed replica's message is ((X - T_perp[x]) U, ids) and the next stage
-rebuilds X~ U^T + T_perp[x]: the codec's own `boundary.encode_hidden` / `decode_hidden` under vmap;
-bases are zero-padded to the largest k, whose extra columns carry zeros both ways, so replicas of
-different ratios share one batched codec.
+Stage boundaries: every replica's codec is its StageAlgorithm's (`StageAlgorithm.codec`). Each
+codec class in the row runs its own pure functions (`BoundaryCodec.encode_hidden` /
+`decode_hidden`) once under vmap for all replicas, over its replicas' `tensors()` stacked by the
+class (`BoundaryCodec.stack`: the subspace codec zero-pads bases to the row's largest k, whose
+extra columns carry zeros both ways, so replicas of different ratios share one batched codec);
+each replica's row is then taken from its own class's result.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .. import optim, sizes
-from ..boundary import decode_hidden, encode_hidden
+from ..boundary import CODECS, codec_name
 from ..config import ConfigError, HetlocoConfig, RunConfig
 from ..model import TokenEmbedding, causal_lm_loss, layer_list
 from .core import build_layers, link_bytes, outer_step_all, stage_algorithms, tied_apart
@@ -57,21 +59,20 @@ class ReplicaView:
     row m of the stacked tensors (what StageAlgorithm reads and writes)."""
 
     def __init__(self, template, stacked: dict[int, nn.Parameter], m: int, parts, hetloco, num_replicas, device,
-                 row: int | None = None):
+                 row: int | None = None, bf16: bool = False):
         self.replica = m  # the global id (a sharded row's block holds rows 0.. of its stacked tensors)
         row = m if row is None else row
         memo = {pid: nn.Parameter(t.detach()[row], requires_grad=False) for pid, t in stacked.items()}
         self.layers = copy.deepcopy(template, memo)
         self.parts = parts
         self.stage_params, self.algorithms, self.links, self.block_ids = stage_algorithms(
-            self.layers, parts, hetloco, m, num_replicas, device)
+            self.layers, parts, hetloco, m, num_replicas, device, bf16=bf16)
         self.params = [p for ps in self.stage_params for p in ps]
 
     @property
     def width(self) -> int:
-        """Elements per token on this replica's stage links: k when compressed, d otherwise."""
-        basis = self.algorithms[0].basis
-        return self.layers[1].layer.self_attn.config.hidden_size if basis is None else basis.shape[1]
+        """Elements per token on this replica's stage links (its codec's: k when compressed, d otherwise)."""
+        return self.algorithms[0].codec.width
 
 
 class BatchedSimulation:
@@ -104,7 +105,7 @@ class BatchedSimulation:
                     stacked[id(p)] = nn.Parameter(p.detach().unsqueeze(0).repeat(M, *([1] * p.dim())))
         self.params = list(stacked.values())
         parts = sizes.stage_parts(llama_config.num_hidden_layers, stages)
-        self.replicas = [ReplicaView(template, stacked, m, parts, hetloco, replicas, device, row)
+        self.replicas = [ReplicaView(template, stacked, m, parts, hetloco, replicas, device, row, run.bf16)
                          for row, m in enumerate(self.shards.ids)]
 
         # T_perp of every (replica, stage) becomes a view of one stacked buffer per stage; every
@@ -137,11 +138,8 @@ class BatchedSimulation:
         self._stage_fns = [vmap(self._stage_call(stage)) for stage in self.stages]
         self._loss = vmap(causal_lm_loss)
 
-        self.wire = torch.bfloat16 if run.bf16 else torch.float32
         self.bf16 = run.bf16
-        self._bases(llama_config.hidden_size)
-        self._encode = vmap(functools.partial(encode_hidden, wire_dtype=self.wire))
-        self._decode = vmap(decode_hidden)
+        self._codecs(hetloco)
         # One compiled graph for the whole forward and loss: compiling the vmapped pieces one
         # by one would put them all in the cache of functorch's one `wrapped` code object.
         if torch.device(device).type == "cuda":
@@ -156,22 +154,25 @@ class BatchedSimulation:
         self.optimizer = optim.build_optimizer(self.params, run.optimizer)
         self.scheduler = optim.build_scheduler(run.scheduler, self.optimizer)
 
-    def _bases(self, d: int) -> None:
-        """Which replicas compress and their bases, zero-padded to the row's largest k; every
-        replica's link width. A sharded row gathers the widths of every block, so each block pads
-        to the k the whole row would and its batched codec computes exactly as the row's."""
-        bases = [r.algorithms[0].basis for r in self.replicas]
-        ks = self.shards.gather(torch.tensor([0 if b is None else b.shape[1] for b in bases], device=self.device))
-        self.widths = [k or d for k in ks.tolist()]
-        self.compressed = torch.tensor([b is not None for b in bases], device=self.device)
-        self.any_compressed = bool(self.compressed.any())
-        self.all_compressed = bool(self.compressed.all())
-        self.basis = None
-        if self.any_compressed:
-            self.basis = torch.zeros(len(bases), d, int(ks.max()), device=self.device)
-            for m, b in enumerate(bases):
-                if b is not None:
-                    self.basis[m, :, :b.shape[1]] = b
+    def _codecs(self, hetloco: HetlocoConfig) -> None:
+        """Every replica's link width (a sharded row gathers every block's), and per codec class of
+        the replicas held here: which rows are its, its pure functions under vmap, and per stage its
+        replicas' tensors stacked (the others' rows zero). A class stacks for the whole row's widths,
+        so each block computes exactly as the row's batched codec."""
+        local = [r.algorithms[0].codec for r in self.replicas]
+        widths = self.shards.gather(torch.tensor([c.width for c in local], device=self.device)).tolist()
+        self.widths = widths
+        names = [codec_name(hetloco.subspace, m, self.M) for m in range(self.M)]
+        self._codec_groups = []
+        for name in sorted({c.name for c in local}):
+            cls = CODECS[name]
+            row_widths = [w for w, n in zip(widths, names) if n == name]
+            mine = torch.tensor([c.name == name for c in local], device=self.device)
+            tensors = [cls.stack([a.codec if a.codec.name == name else None for a in stage], row_widths)
+                       for stage in zip(*(r.algorithms for r in self.replicas))]
+            dims = (0, 0, 0, None if self.perp[0] is None else 0)  # T_perp: none without an embedding split
+            encode = vmap(functools.partial(cls.encode_hidden, wire_dtype=local[0].wire_dtype), in_dims=dims)
+            self._codec_groups.append((mine, tensors, encode, vmap(cls.decode_hidden, in_dims=dims)))
 
     @staticmethod
     def _stage_call(stage: _Stage):
@@ -183,13 +184,11 @@ class BatchedSimulation:
     def _boundary(self, s: int, x):
         """Stage s's output as stage s + 1 receives it, every replica through its own codec."""
         hidden, ids = x
-        plain = decode_hidden(encode_hidden(hidden, None, None, None, self.wire), None, None, None)
-        if not self.any_compressed:
-            return plain, ids
-        rebuilt = self._decode(self._encode(hidden, ids, self.perp[s], self.basis), ids, self.perp[s + 1], self.basis)
-        if self.all_compressed:
-            return rebuilt, ids
-        return torch.where(self.compressed.view(-1, *([1] * (hidden.dim() - 1))), rebuilt, plain), ids
+        out = None
+        for mine, tensors, encode, decode in self._codec_groups:
+            got = decode(tensors[s + 1], encode(tensors[s], hidden, ids, self.perp[s]), ids, self.perp[s + 1])
+            out = got if out is None else torch.where(mine.view(-1, *([1] * (hidden.dim() - 1))), got, out)
+        return out, ids
 
     def losses(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Every replica's loss on its own [b, L] batch (ids [M, b, L]): a float32 [M] tensor."""
@@ -281,4 +280,6 @@ class BatchedSimulation:
         return self.shards.gather(torch.stack(rows), dim=1).mean(0).tolist()
 
     def link_bytes_per_step(self, seq_len: int) -> dict:
-        return link_bytes(self, self.widths, seq_len)
+        """As `replica.Simulation`'s; on a sharded row a gather, which every process calls (rows does)."""
+        local = [r.algorithms[0].codec.nbytes(self.micro, seq_len) for r in self.replicas]
+        return link_bytes(self, [tuple(b) for b in self.shards.gather(torch.tensor(local, device=self.device)).tolist()])

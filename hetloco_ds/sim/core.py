@@ -74,11 +74,12 @@ def param_blocks(layers, params: list[nn.Parameter], held: list[int], blocks: li
 
 
 def stage_algorithms(layers, parts, hetloco: HetlocoConfig, replica: int, num_replicas: int, device,
-                     apart: bool = False):
+                     apart: bool = False, bf16: bool = False):
     """Per virtual stage of one replica: the StageAlgorithm a pipeline rank of that stage holds
-    (set up: T_S / T_perp split, theta snapshot), its LocalStageLink and the outer-sync blocks it
-    holds (`hetloco.replica_stages` mixed: `sizes.block_parts`'s; else the stage itself). `apart`:
-    the layers hold a tied head as a copy of its own (`build_layers`)."""
+    (set up: T_S / T_perp split, theta snapshot; its `codec` the stage's boundary codec), its
+    LocalStageLink and the outer-sync blocks it holds (`hetloco.replica_stages` mixed:
+    `sizes.block_parts`'s; else the stage itself). `apart`: the layers hold a tied head as a copy
+    of its own (`build_layers`); `bf16`: bf16 training (the codecs' wire dtype)."""
     config = layers[1].layer.self_attn.config
     params = stage_params(layers, parts)
     S = len(parts) - 1
@@ -91,7 +92,7 @@ def stage_algorithms(layers, parts, hetloco: HetlocoConfig, replica: int, num_re
                        hidden_size=config.hidden_size, vocab_size=config.vocab_size, device=device,
                        embeddings=[m for m in layers[parts[s]:parts[s + 1]] if isinstance(m, TokenEmbedding)],
                        layers=layers[parts[s]:parts[s + 1]], tied=tied,
-                       blocks=param_blocks(layers, params[s], block_ids[s], blocks) if mixed else None)
+                       blocks=param_blocks(layers, params[s], block_ids[s], blocks) if mixed else None, bf16=bf16)
         for s in range(S)]
     links = LocalStageLink.for_replica(S)
     for alg, link in zip(algorithms, links):
@@ -99,18 +100,15 @@ def stage_algorithms(layers, parts, hetloco: HetlocoConfig, replica: int, num_re
     return params, algorithms, links, block_ids
 
 
-def link_bytes(sim, widths: list[int], seq_len: int) -> dict:
-    """Bytes per optimizer step and replica on stage links (forward + backward; replica m's
-    boundary is `widths[m]` wide) and per outer step on replica links, from the shapes the real
-    pipeline sends; `sim` is either simulator."""
-    config = sim.replicas[0].layers[1].layer.self_attn.config
+def link_bytes(sim, boundary: list[tuple[int, int]]) -> dict:
+    """Bytes per optimizer step and replica on stage links (forward + backward; `boundary[m]`:
+    replica m's codec's (forward, backward) bytes a micro-batch, `BoundaryCodec.nbytes`) and per
+    outer step on replica links, from the shapes the real pipeline sends; `sim` is either simulator."""
     rows = []
-    # every replica's depth (`widths` covers every replica of the row, also where a sharded row's
+    # every replica's depth (`boundary` covers every replica of the row, also where a sharded row's
     # process holds only some of them)
-    depths = sim.hetloco.replica_stages or [sim.S] * len(widths)
-    for width, depth in zip(widths, depths):
-        fwd, bwd = sizes.boundary_nbytes(sim.micro, seq_len, config.hidden_size, width,
-                                         2 if sim.run.bf16 else 4, config.vocab_size)
+    depths = sim.hetloco.replica_stages or [sim.S] * len(boundary)
+    for (fwd, bwd), depth in zip(boundary, depths):
         rows.append((fwd + bwd) * sim.gas * (depth - 1))
     outer = sum(payload_nbytes([tuple(ps[i].shape) for i in block], sim.hetloco.sparseloco)
                 for ps, a in zip(sim.replicas[0].stage_params, sim.replicas[0].algorithms) for block in a.blocks)

@@ -1,8 +1,8 @@
 """The per-replica simulator, the reference: one module set, optimizer and schedule per replica.
 
-Each `SimReplica` holds, per virtual stage, the same StageAlgorithm and BoundaryCodec a pipeline
-rank of that stage holds; `Simulation` runs M of them and meets them at outer steps through
-`core.outer_step_all`, exactly as HetlocoEngine ranks do.
+Each `SimReplica` holds, per virtual stage, the same StageAlgorithm a pipeline rank of that stage
+holds, and encodes and decodes with its codec (`StageAlgorithm.codec`); `Simulation` runs M of them
+and meets them at outer steps through `core.outer_step_all`, exactly as HetlocoEngine ranks do.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from .. import optim, sizes
-from ..boundary import BoundaryCodec
 from ..config import HetlocoConfig, RunConfig
 from ..model import causal_lm_loss, layer_list
 from .core import build_layers, link_bytes, outer_step_all, stage_algorithms, tied_apart
@@ -30,12 +29,9 @@ class SimReplica:
         self.parts = sizes.stage_parts(config.num_hidden_layers, stages)
         self.forward_fns = [e.forward_fn for e in layer_list(config)]
         self.stage_params, self.algorithms, self.links, self.block_ids = stage_algorithms(
-            self.layers, self.parts, hetloco, replica, num_replicas, device, apart)
+            self.layers, self.parts, hetloco, replica, num_replicas, device, apart, run.bf16)
         self.params = [p for ps in self.stage_params for p in ps]
-        wire = torch.bfloat16 if run.bf16 else torch.float32
-        self.codecs = [BoundaryCodec(config.hidden_size, config.vocab_size, alg.basis, wire) for alg in self.algorithms]
-        for alg, codec in zip(self.algorithms, self.codecs):
-            codec.perp = alg.perp
+        self.codecs = [alg.codec for alg in self.algorithms]
         self.bf16 = run.bf16
         self.optimizer = optim.build_optimizer(self.params, run.optimizer)
         self.scheduler = optim.build_scheduler(run.scheduler, self.optimizer)
@@ -124,4 +120,4 @@ class Simulation:
         return [float(torch.stack([r.loss(ids, labels) for ids, labels in batches]).mean()) for r in self.replicas]
 
     def link_bytes_per_step(self, seq_len: int) -> dict:
-        return link_bytes(self, [r.codecs[0].width for r in self.replicas], seq_len)
+        return link_bytes(self, [r.codecs[0].nbytes(self.micro, seq_len) for r in self.replicas])
