@@ -152,7 +152,8 @@ def breakdown(state_cfg, shapes, dev, timer: Timer, repeats: int, m: int) -> dic
     for r in range(repeats + 1):
         per = {k: [] for k in phases}
         for s, count in groups.items():
-            codec = TensorCodec(s, state_cfg.chunk_size, state_cfg.topk, state_cfg.quant_bits, state_cfg.value_dtype)
+            codec = TensorCodec(s, state_cfg.chunk_size, state_cfg.topk, state_cfg.quant_bits,
+                                getattr(torch, state_cfg.value_dtype))
             tp = torch.randn(count, *s, device=dev) * 0.02
             par = tp + 1e-3 * torch.randn_like(tp)
             err = 1e-3 * torch.randn_like(tp)
@@ -208,12 +209,12 @@ def main(argv=None) -> int:
     out_path = args.out or (os.path.join(os.environ["OUT"], "outer_step.json") if os.environ.get("OUT")
                             else os.path.join(REPO, "bench", "results", "outer_step.json"))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    from hetloco_ds.config import SparseLoCoConfig
     from hetloco_ds.sparseloco.outer import SparseLoCoState, payload_nbytes
-    from hetloco_ds.sparseloco.outer import OuterConfig
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     timer = Timer(dev)
-    cfg = OuterConfig(topk=args.topk, chunk_size=args.chunk_size, quant_bits=args.quant_bits)
+    cfg = SparseLoCoConfig(preset="paper", topk=args.topk, chunk_size=args.chunk_size, quant_bits=args.quant_bits)
     shapes = model_shapes(args.shape, args.vocab)
     n_elems = sum(math.prod(s) for _, s in shapes)
     report = {

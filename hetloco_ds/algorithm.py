@@ -260,7 +260,7 @@ class StageAlgorithm:
         (own, theta_old), self._synced = self._synced, None
         # The top-k aggregate has at most M*k non-zeros a chunk; a dense or momentum step has no
         # zeros to skip, and its index list would double the bytes.
-        sparse = not (self.outer.cfg.dense or self.outer.cfg.outer_momentum > 0)
+        sparse = not (self.outer.dense or self.outer.cfg.outer_momentum > 0)
 
         def share(source: str):
             mine = own.get(source)

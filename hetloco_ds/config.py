@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .sizes import CHUNKINGS, MAX_CHUNK, QUANT_BITS, TOPK_RULES
+from .sizes import CHUNKINGS, MAX_CHUNK, QUANT_BITS, VALUE_BYTES
+from .sparseloco.aggregate import AGGREGATIONS, REGISTRIES
 from .sparseloco.presets import PRESETS as OUTER_PRESETS
 
 OUTER_STATE_DEVICE = "cpu"
@@ -25,6 +26,10 @@ OUTER_STATE_DEVICE = "cpu"
 8 B/parameter off the device, at 1B and 8B what puts a GPU's peak at or below stock DeepSpeed's;
 in speed it measured ahead at 1B and within run-to-run noise at 178M and at the 8B shape
 (bench/README.md, "outer state on the host")."""
+
+
+_RULES = {registry.key: registry for registry in REGISTRIES}
+"""The `sparseloco` keys whose choices are a registry's names (sparseloco/aggregate.py)."""
 
 
 class ConfigError(ValueError):
@@ -54,21 +59,26 @@ class SparseLoCoConfig(_Section):
     """Values kept per chunk of `chunk_size` elements (scaled for smaller chunks, at least 1)."""
     quant_bits: Literal[QUANT_BITS] | None = None
     """Quantise the selected values to this many bits with a per-tensor lookup table; null sends float32."""
-    aggregation: Literal["mean", "selected_count", "dense"] = "selected_count"
+    aggregation: str = "selected_count"
     """selected_count (default, the SparseLoCo authors' rule): divide each coordinate's sum by the replicas that
     selected it. mean: by the replicas that contributed (paper eq. 2). dense: whole pseudo-gradients, no top-k,
-    no error feedback (DiLoCo control). README, "Aggregation", has the measurement behind the default."""
+    no error feedback (DiLoCo control); or a rule registered in sparseloco/aggregate.py. README, "Aggregation", has
+    the measurement behind the default."""
     chunking: Literal[CHUNKINGS] = "tiles"
     """tiles: non-2-D tensors in chunks of <= chunk_size. per_dim (templar): every dimension <= sqrt(chunk_size)."""
-    topk_rule: Literal[TOPK_RULES] = "scaled"
-    """scaled: k = topk * chunk_len / chunk_size, >= 1. fixed (templar): k = topk in every chunk, even, >= 2."""
+    topk_rule: str = "scaled"
+    """scaled: k = topk * chunk_len / chunk_size, >= 1. fixed (templar): k = topk in every chunk, even, >= 2; or a
+    rule registered in sparseloco/aggregate.py."""
     quant_rounding: Literal["floor", "nearest"] = "floor"
     """Quantisation bin of a value: floor (ours) or round to nearest (templar)."""
     quant_std: Literal["population", "sample"] = "population"
     """Std behind the quantisation bin width: population (ours) or sample, n - 1 (templar)."""
-    norm_clip: Literal["none", "median"] = "median"
+    norm_clip: str = "median"
     """median (default, templar): scale each replica's decoded tensor down to the replicas' median norm before
-    aggregating (a no-op among honest replicas; bounds what one outlier moves); none: no clip."""
+    aggregating (a no-op among honest replicas; bounds what one outlier moves); none: no clip; or a rule
+    registered in sparseloco/aggregate.py."""
+    value_dtype: Literal[tuple(VALUE_BYTES)] = "float32"
+    """Wire type of the values an unquantised payload sends: float32, or bfloat16 (half the value bytes)."""
     outer_momentum: float = Field(0.0, ge=0, lt=1)
     """Nesterov momentum of the outer SGD; 0 is the paper's plain SGD (DiLoCo: 0.9 with outer_lr 0.7)."""
     outer_state_device: Literal["gpu", "cpu"] = OUTER_STATE_DEVICE
@@ -88,10 +98,16 @@ class SparseLoCoConfig(_Section):
             return {**OUTER_PRESETS[data["preset"]], **data}
         return data
 
+    @field_validator("aggregation", "norm_clip", "topk_rule")
+    @classmethod
+    def _registered(cls, v: str, info) -> str:
+        # The registries hold the choices, so a rule registered at run time is a name the config accepts.
+        return _RULES[info.field_name].check(v)
+
     @model_validator(mode="after")
     def _dense_sends_values(self) -> "SparseLoCoConfig":
-        if self.aggregation == "dense" and self.quant_bits is not None:
-            raise ValueError(f"aggregation 'dense' sends whole tensors unquantised; "
+        if AGGREGATIONS[self.aggregation].dense and self.quant_bits is not None:
+            raise ValueError(f"aggregation {self.aggregation!r} sends whole tensors unquantised; "
                              f"quant_bits must be null, got {self.quant_bits}")
         return self
 

@@ -41,8 +41,6 @@ BYTE_KINDS = ("activation", "activation_grad", "outer_sync", "embedding_sync", "
 """What the engine's ByteMeter counts, by link class (meter.py); the step record's length follows."""
 CHUNKINGS = ("tiles", "per_dim")
 """How tensors that are not 2-D are chunked: <= chunk_size (ours) or <= isqrt(chunk_size) (templar)."""
-TOPK_RULES = ("scaled", "fixed")
-"""k per chunk: topk per chunk_size elements (ours) or topk in every chunk (templar)."""
 
 
 # --------------------------------------------------------------------------- chunks and top-k
@@ -85,15 +83,31 @@ def chunking(shape: Sequence[int], chunk_size: int = MAX_CHUNK, rule: str = "til
     return Chunking(shape, numel // length, length, None)
 
 
+def _k_scaled(chunk_len: int, topk: int, chunk_size: int) -> int:
+    return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
+
+
+def _k_fixed(chunk_len: int, topk: int, chunk_size: int) -> int:
+    k = max(min(topk, chunk_len), 2)
+    return min(chunk_len, k - k % 2)
+
+
+TOPK_RULES: dict = {"scaled": _k_scaled, "fixed": _k_fixed}
+"""k per chunk by rule name, (chunk_len, topk, chunk_size) -> k: topk per chunk_size elements (ours) or
+topk in every chunk (templar). Rules registered at run time (`sparseloco.aggregate.TOPK_RULES`, which
+is this table) join it, so the cost model and the codec lay out the same bytes for them."""
+
+
 def topk_per_chunk(chunk_len: int, topk: int = 32, chunk_size: int = MAX_CHUNK, rule: str = "scaled") -> int:
     """k for a chunk of `chunk_len`. scaled: `topk` per `chunk_size`, at least 1, at most chunk_len.
     fixed (templar): `topk` whatever the length, at least 2, even, at most chunk_len."""
-    if rule == "scaled":
-        return min(chunk_len, max(1, round(topk * chunk_len / chunk_size)))
-    if rule == "fixed":
-        k = max(min(topk, chunk_len), 2)
-        return min(chunk_len, k - k % 2)
-    raise ValueError(f"topk_rule must be one of {TOPK_RULES}, got {rule!r}")
+    if rule not in TOPK_RULES:
+        raise ValueError(f"topk_rule must be one of {tuple(TOPK_RULES)}, got {rule!r}")
+    k = TOPK_RULES[rule](chunk_len, topk, chunk_size)
+    # A registered rule outside [1, chunk_len] would lay out a payload the codec cannot fill.
+    if not isinstance(k, int) or not 1 <= k <= chunk_len:
+        raise ValueError(f"topk_rule {rule!r} gave k = {k!r} for a chunk of {chunk_len}; k must be in [1, {chunk_len}]")
+    return k
 
 
 # --------------------------------------------------------------------------- wire format
@@ -125,7 +139,7 @@ def check_codec(chunk_size: int, topk: int, quant_bits: int | None, value_bytes:
     if chunk_rule not in CHUNKINGS:
         raise ValueError(f"chunking must be one of {CHUNKINGS}, got {chunk_rule!r}")
     if topk_rule not in TOPK_RULES:
-        raise ValueError(f"topk_rule must be one of {TOPK_RULES}, got {topk_rule!r}")
+        raise ValueError(f"topk_rule must be one of {tuple(TOPK_RULES)}, got {topk_rule!r}")
     if not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be an integer in [1, {MAX_CHUNK}], got {chunk_size!r}")
     if not isinstance(topk, int) or not 1 <= topk <= chunk_size:

@@ -21,13 +21,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hetloco_ds.sparseloco.outer import OuterConfig, SparseLoCoState  # noqa: E402
+from hetloco_ds.config import SparseLoCoConfig  # noqa: E402
+from hetloco_ds.sparseloco.outer import SparseLoCoState  # noqa: E402
 from hetloco_ds.transport.auth import SECRET_ENV, FleetRefused, read_fleet_secret  # noqa: E402
 from hetloco_ds.transport.elastic import ElasticConfig, ElasticTransport, replica_store  # noqa: E402
 
 SHAPES = {0: [(8, 8), (16,), (5, 8)], 1: [(8, 8), (12,)]}
-CFG = OuterConfig(chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7)
-CLIPPED = OuterConfig(chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7, norm_clip="median")
+CFG = SparseLoCoConfig(preset="paper", chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7)
+CLIPPED = SparseLoCoConfig(preset="paper", chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7, norm_clip="median")
 INNER = 4
 SCALE = 1000.0
 
@@ -58,7 +59,7 @@ def scale_delta(params, theta_prev) -> None:
         p.copy_(t + SCALE * (p - t))
 
 
-def simulate(schedule: list[tuple[str, ...]], names: list[str], stage: int, cfg: OuterConfig = CFG,
+def simulate(schedule: list[tuple[str, ...]], names: list[str], stage: int, cfg: SparseLoCoConfig = CFG,
              scaled: tuple[str, int] | None = None) -> list[str]:
     """Parameter digest after each outer step when step k applies the payloads of `schedule[k]`.
 

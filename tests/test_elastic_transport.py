@@ -27,7 +27,8 @@ pytest.importorskip("torchft", reason="elastic mode needs the optional extra: pi
 
 import elastic_replica as er  # noqa: E402
 from distributed import fork_context  # noqa: E402
-from hetloco_ds.sparseloco.outer import FLAG_FINITE, HEADER, OuterConfig, SparseLoCoState  # noqa: E402
+from hetloco_ds.config import SparseLoCoConfig  # noqa: E402
+from hetloco_ds.sparseloco.outer import FLAG_FINITE, HEADER, SparseLoCoState  # noqa: E402
 from hetloco_ds.transport import elastic  # noqa: E402
 from hetloco_ds.transport.auth import FleetRefused, read_fleet_secret, tag  # noqa: E402
 from hetloco_ds.transport.state_transfer import AuthenticatedStateTransport, StateTransferError  # noqa: E402
@@ -413,7 +414,7 @@ def test_tampered_or_foreign_payloads_are_dropped_and_the_rest_accepted():
     are not accepted; the rest are, in name order. Breaks if a bad payload could reach `finish`
     (which would raise on a foreign header and wreck the step, or sum a forged pseudo-gradient)."""
     payloads = _payloads(4)
-    payloads[3] = _payloads(1, OuterConfig(chunk_size=16, topk=8, error_decay=0.5, outer_lr=0.7))[0]
+    payloads[3] = _payloads(1, SparseLoCoConfig(preset="paper", chunk_size=16, topk=8, error_decay=0.5, outer_lr=0.7))[0]
     names = ["r3", "r1", "r0", "r2"]  # quorum order is torchft's, not ours
     heard, dropped, plan, frames = _round(payloads, names, contributing=[True, True, True, True])
     accepted, why = elastic.accept(SECRET, plan, frames)

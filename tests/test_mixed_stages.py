@@ -237,9 +237,10 @@ def test_a_stage_split_into_blocks_takes_the_whole_stages_outer_step_bit_for_bit
     one more 16-byte header per block on the wire. The premise of the exchange by block: a
     tensor's chunking, top-k, quantisation, clipping, error feedback and momentum never depend
     on the other tensors of its payload. Breaks if any of them starts to."""
-    from hetloco_ds.sparseloco.outer import BlockStates, OuterConfig, SparseLoCoState
+    from hetloco_ds.config import SparseLoCoConfig
+    from hetloco_ds.sparseloco.outer import BlockStates, SparseLoCoState
 
-    cfg = OuterConfig(topk=4, chunk_size=16, **settings)
+    cfg = SparseLoCoConfig(preset="paper", topk=4, chunk_size=16, **settings)
     g = torch.Generator().manual_seed(0)
     shapes = [(8, 8), (8,), (8, 8), (4, 8), (8,)]
     whole = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]

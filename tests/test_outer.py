@@ -7,15 +7,21 @@ import math
 import pytest
 import torch
 
+from hetloco_ds.config import SparseLoCoConfig
 from hetloco_ds.sparseloco.compress import TensorCodec
-from hetloco_ds.sparseloco.outer import HEADER, OuterConfig, SparseLoCoState, payload_nbytes
+from hetloco_ds.sparseloco.outer import HEADER, SparseLoCoState, payload_nbytes
 from hetloco_ds.sparseloco.presets import PRESETS
 
 SHAPES = [(65, 130), (10000,), (65, 130), (7,), (3, 5), (128, 96)]  # a repeated shape exercises grouping
 DENSE = dict(topk=4096, error_decay=0.0, quant_bits=None, outer_lr=1.0)  # k = whole chunk: no compression
 
 
-def make_replicas(m: int, cfg: OuterConfig, shapes=SHAPES, seed: int = 0):
+def paper(**fields) -> SparseLoCoConfig:
+    """Eq. (2) as the paper writes it (the "paper" preset: divide by M, no clip), `fields` over it."""
+    return SparseLoCoConfig(preset="paper", **fields)
+
+
+def make_replicas(m: int, cfg: SparseLoCoConfig, shapes=SHAPES, seed: int = 0):
     """M replicas that start from the same theta, each with a state; returns (theta0, params, states)."""
     g = torch.Generator().manual_seed(seed)
     theta0 = [torch.randn(s, generator=g) for s in shapes]
@@ -39,14 +45,14 @@ def outer_step(params, states, **kw):
 
 
 @pytest.mark.parametrize("cfg", [
-    OuterConfig(),
-    OuterConfig(chunk_size=64, topk=8, quant_bits=2),
-    OuterConfig(chunk_size=64, topk=8, value_dtype=torch.bfloat16, outer_lr=0.7),
-    OuterConfig(chunk_size=64, topk=8, aggregation="selected_count"),
-    OuterConfig(**PRESETS["templar"]),
-    OuterConfig(**{**PRESETS["templar"], "chunk_size": 64, "topk": 8, "quant_bits": 2}),
-    OuterConfig(**PRESETS["diloco"]),
-    OuterConfig(aggregation="dense", norm_clip="median", value_dtype=torch.bfloat16),
+    paper(),
+    paper(chunk_size=64, topk=8, quant_bits=2),
+    paper(chunk_size=64, topk=8, value_dtype="bfloat16", outer_lr=0.7),
+    paper(chunk_size=64, topk=8, aggregation="selected_count"),
+    paper(**PRESETS["templar"]),
+    paper(**{**PRESETS["templar"], "chunk_size": 64, "topk": 8, "quant_bits": 2}),
+    paper(**PRESETS["diloco"]),
+    paper(aggregation="dense", norm_clip="median", value_dtype="bfloat16"),
 ], ids=["paper", "quant2", "bf16", "selected_count", "templar", "templar_quant2", "diloco", "dense_clip_bf16"])
 def test_replicas_end_each_outer_step_bitwise_identical(cfg):
     """Guards the synchronisation invariant: differing sums or orders would let replicas drift apart."""
@@ -65,7 +71,7 @@ def test_replicas_end_each_outer_step_bitwise_identical(cfg):
 def test_uncompressed_outer_step_equals_mean_of_replicas():
     """Guards eq. (2) end to end: with k = whole chunk, beta = 0, no quantisation and lr = 1 the outer
     step is plain parameter averaging; a wrong sign, scale or 1/M breaks it."""
-    _, params, states = make_replicas(3, OuterConfig(**DENSE))
+    _, params, states = make_replicas(3, paper(**DENSE))
     inner_steps(params, seed=1)
     mean = [torch.stack(ps).mean(0) for ps in zip(*params)]
     outer_step(params, states)
@@ -78,7 +84,7 @@ def test_uncompressed_outer_step_equals_mean_of_replicas():
 def test_nonfinite_replica_is_excluded_and_restored_to_the_synced_theta():
     """Guards the NaN guard: the others average among themselves (divide by 2, not 3), and the faulty
     replica leaves the step with the same theta as everyone else instead of its NaN."""
-    _, params, states = make_replicas(3, OuterConfig(**DENSE))
+    _, params, states = make_replicas(3, paper(**DENSE))
     inner_steps(params, seed=2)
     params[1][3][2] = float("nan")
     params[1][0][10, 7] = float("inf")
@@ -97,7 +103,7 @@ def test_nonfinite_replica_is_excluded_and_restored_to_the_synced_theta():
 
 def test_nonfinite_replica_keeps_its_error_buffer_unpoisoned():
     """Guards error feedback across a bad step: a NaN must not enter e, and e must not absorb delta."""
-    _, params, states = make_replicas(3, OuterConfig(chunk_size=64, topk=8))
+    _, params, states = make_replicas(3, paper(chunk_size=64, topk=8))
     inner_steps(params, seed=3)
     outer_step(params, states)  # a normal step first, so e is non-zero
     before = [e.clone() for e in states[2].error]
@@ -112,7 +118,7 @@ def test_nonfinite_replica_keeps_its_error_buffer_unpoisoned():
 
 def test_all_replicas_nonfinite_leaves_theta_unchanged():
     """Guards the degenerate case: nobody contributes, so no division by zero and theta stays put."""
-    theta0, params, states = make_replicas(2, OuterConfig())
+    theta0, params, states = make_replicas(2, paper())
     for replica in params:
         replica[0][0, 0] = float("nan")
     _, reports = outer_step(params, states, keep_average=[0])
@@ -127,7 +133,7 @@ def test_selected_count_divides_each_coordinate_by_its_selectors():
     deltas = [[3.0, 0.0, 0.0, 0.0], [1.0, 0.5, 0.0, 0.0], [0.0, 0.0, 6.0, 0.0]]  # k = 1 of a 4-chunk
     results = {}
     for aggregation in ("mean", "selected_count"):
-        cfg = OuterConfig(chunk_size=4, topk=1, error_decay=0.0, aggregation=aggregation)
+        cfg = paper(chunk_size=4, topk=1, error_decay=0.0, aggregation=aggregation)
         _, params, states = make_replicas(3, cfg, shapes=[(4,)])
         for replica, d in zip(params, deltas):
             replica[0].sub_(torch.tensor(d))
@@ -141,7 +147,7 @@ def test_selected_count_divides_each_coordinate_by_its_selectors():
 def test_error_buffer_is_beta_e_plus_delta_minus_what_was_sent():
     """Guards e = beta*e + delta - dequant(c) with quantisation: subtracting the pre-quantisation values
     (or nothing) would make the quantisation error vanish from feedback."""
-    cfg = OuterConfig(chunk_size=64, topk=8, quant_bits=2, error_decay=0.95)
+    cfg = paper(chunk_size=64, topk=8, quant_bits=2, error_decay=0.95)
     _, params, states = make_replicas(1, cfg, shapes=[(65, 130)])
     codec = TensorCodec((65, 130), 64, 8, 2)
     for step in range(2):
@@ -172,7 +178,7 @@ def test_two_parameter_model_two_outer_steps_exact():
       avg = ([.1875, .1875], .25); theta = ([.78125, 1.78125], .4375)
     Applying outer_lr to the error buffer too, or dropping the error feedback, changes step 2.
     """
-    cfg = OuterConfig(chunk_size=2, topk=1, error_decay=0.5, outer_lr=0.5)
+    cfg = paper(chunk_size=2, topk=1, error_decay=0.5, outer_lr=0.5)
     theta = [torch.tensor([1.0, 2.0]), torch.tensor([0.5])]
     params = [[t.clone() for t in theta] for _ in range(2)]
     states = [SparseLoCoState(p, cfg) for p in params]
@@ -194,7 +200,7 @@ def test_two_parameter_model_two_outer_steps_exact():
 
 def test_state_dict_round_trip_resumes_bit_for_bit():
     """Guards checkpointing: theta_prev and e must both be saved, or a resumed run sends different bytes."""
-    cfg = OuterConfig(chunk_size=64, topk=8, quant_bits=4)
+    cfg = paper(chunk_size=64, topk=8, quant_bits=4)
     _, params, states = make_replicas(2, cfg)
     inner_steps(params, seed=5)
     outer_step(params, states)
@@ -215,8 +221,8 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
 
 def test_mismatched_replicas_are_rejected_with_a_readable_error():
     """Guards against silently averaging payloads built with another config or parameter list."""
-    _, params, states = make_replicas(1, OuterConfig())
-    other = SparseLoCoState([p.clone() for p in params[0]], OuterConfig(error_decay=0.9))
+    _, params, states = make_replicas(1, paper())
+    other = SparseLoCoState([p.clone() for p in params[0]], paper(error_decay=0.9))
     mine, theirs = states[0].prepare(params[0]), other.prepare(params[0])
     with pytest.raises(ValueError, match="fingerprint"):
         states[0].finish(params[0], [mine, theirs])
@@ -245,7 +251,7 @@ def test_median_clip_scales_each_replica_to_the_lower_median_norm_before_dividin
     upper median (10) or the mean of the middle two (7.5) B would not be halved; clipping the
     aggregate instead of each sender gives other numbers."""
     deltas = [[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 6.0, 8.0], [0.0, 3.0, 4.0, 0.0], [600.0, 0.0, 0.0, 800.0]]
-    cfg = OuterConfig(chunk_size=4, topk=2, error_decay=0.0, aggregation=aggregation, norm_clip="median")
+    cfg = paper(chunk_size=4, topk=2, error_decay=0.0, aggregation=aggregation, norm_clip="median")
     _, params, states = make_replicas(4, cfg, shapes=[(4,)])
     for replica, d in zip(params, deltas):
         replica[0].sub_(torch.tensor(d))
@@ -266,7 +272,7 @@ def test_median_clip_bounds_the_step_when_one_replica_is_scaled_by_1000(aggregat
     m, lr = 4, 1.0
     moved = {}
     for clip in ("median", "none"):
-        cfg = OuterConfig(**{**PRESETS["templar"], "chunk_size": 64, "topk": 8, "error_decay": 0.0,
+        cfg = paper(**{**PRESETS["templar"], "chunk_size": 64, "topk": 8, "error_decay": 0.0,
                              "aggregation": aggregation, "norm_clip": clip, "outer_lr": lr})
         _, params, states = make_replicas(m, cfg)
         inner_steps(params, seed=3)
@@ -303,7 +309,7 @@ def test_dense_outer_step_averages_whole_pseudo_gradients_without_error_feedback
     """Guards the DiLoCo control: at lr 1 the synced model is the replicas' average (the value_dtype-
     rounded deltas), the error buffers stay zero whatever beta is, and the payload carries every
     parameter (numel x value_dtype, padded to 4 bytes) behind the header."""
-    cfg = OuterConfig(aggregation="dense", error_decay=0.95, value_dtype=value_dtype)
+    cfg = paper(aggregation="dense", error_decay=0.95, value_dtype=str(value_dtype).removeprefix("torch."))
     theta0, params, states = make_replicas(3, cfg)
     size = 4 if value_dtype == torch.float32 else 2
     assert payload_nbytes(SHAPES, cfg) == HEADER.size + sum(-(-math.prod(s) * size // 4) * 4 for s in SHAPES)
@@ -324,7 +330,7 @@ def test_outer_momentum_is_torch_nesterov_sgd_on_the_average():
     """Guards outer_momentum against torch.optim.SGD(nesterov=True) applied to the averaged pseudo-
     gradient (DiLoCo's outer optimizer), over three syncs; and that the report's average is the
     applied step, so the embedding resync (theta_prev - outer_lr * avg) stays right."""
-    cfg = OuterConfig(**PRESETS["diloco"])
+    cfg = paper(**PRESETS["diloco"])
     theta0, params, states = make_replicas(2, cfg)
     ref = [torch.nn.Parameter(t.double().clone()) for t in theta0]
     opt = torch.optim.SGD(ref, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
@@ -357,37 +363,42 @@ def test_replicas_with_different_rule_options_refuse_each_others_payloads(field,
     the payload length unchanged, so only the fingerprint stops a replica from averaging payloads
     built under another rule (e.g. one clipping, one not). A dense replica differs in length."""
     shapes = [(64, 64)]  # one full tile: k = 32 under either top-k rule, the same tiles under either chunking
-    base = OuterConfig(quant_bits=2)
-    other = OuterConfig(**{"quant_bits": 2, field: value})
+    base = paper(quant_bits=2)
+    other = paper(**{"quant_bits": 2, field: value})
     _, params, states = make_replicas(1, base, shapes=shapes)
     theirs = SparseLoCoState([p.clone() for p in params[0]], other)
     mine, their_payload = states[0].prepare(params[0]), theirs.prepare(params[0])
     assert mine.numel() == their_payload.numel()
     with pytest.raises(ValueError, match="fingerprint"):
         states[0].finish(params[0], [mine, their_payload])
-    dense = SparseLoCoState([p.clone() for p in params[0]], OuterConfig(aggregation="dense"))
+    dense = SparseLoCoState([p.clone() for p in params[0]], paper(aggregation="dense"))
     with pytest.raises(ValueError, match="disagree"):
         states[0].finish(params[0], [mine, dense.prepare(params[0])])
 
 
 def test_presets_set_every_rule_and_explicit_fields_win():
     """Guards the config edge: 'templar' selects all of templar's rules at once, a field written next
-    to it overrides it, and a dense run asking for quantisation fails with one line naming quant_bits."""
+    to it overrides it, the defaults are one set (the config's, no second copy to drift), and a dense
+    run asking for quantisation fails with one line naming quant_bits."""
     from hetloco_ds.config import ConfigError, parse_config
+    from hetloco_ds.sparseloco.outer import LOCAL_FIELDS
 
     def outer(section):
-        return OuterConfig.from_any(parse_config({"hetloco": {"sparseloco": section}}).hetloco.sparseloco)
+        cfg = parse_config({"hetloco": {"sparseloco": section}}).hetloco.sparseloco
+        return {k: v for k, v in cfg.model_dump().items() if k not in LOCAL_FIELDS}
 
-    assert outer({"preset": "templar"}) == OuterConfig(**PRESETS["templar"])
-    assert outer({"preset": "templar"}) == OuterConfig(chunking="per_dim", topk_rule="fixed", quant_rounding="nearest",
-                                                       quant_std="sample", aggregation="selected_count",
-                                                       norm_clip="median")
-    assert outer({"preset": "templar", "aggregation": "mean"}).aggregation == "mean"
-    assert outer({"preset": "diloco"}) == OuterConfig(aggregation="dense", outer_lr=0.7, outer_momentum=0.9)
-    # The run's default is the measured one (README, "Aggregation"); "paper" is eq. (2) as written,
-    # which the pure OuterConfig keeps as its own default.
-    assert outer({}) == OuterConfig(aggregation="selected_count", norm_clip="median")
-    assert outer({"preset": "paper"}) == OuterConfig()
+    def want(**fields):
+        return outer({"preset": "paper", **fields})
+
+    assert outer({"preset": "templar"}) == want(**PRESETS["templar"])
+    assert outer({"preset": "templar"}) == want(chunking="per_dim", topk_rule="fixed", quant_rounding="nearest",
+                                                quant_std="sample", aggregation="selected_count", norm_clip="median")
+    assert outer({"preset": "templar", "aggregation": "mean"})["aggregation"] == "mean"
+    assert outer({"preset": "diloco"}) == want(aggregation="dense", outer_lr=0.7, outer_momentum=0.9)
+    # The run's default is the measured one (README, "Aggregation"); "paper" is eq. (2) as written.
+    assert outer({}) == want(aggregation="selected_count", norm_clip="median")
+    assert outer({}) == {k: v for k, v in SparseLoCoConfig().model_dump().items() if k not in LOCAL_FIELDS}
+    assert want() == {k: v for k, v in paper().model_dump().items() if k not in LOCAL_FIELDS}
     with pytest.raises(ConfigError, match="quant_bits"):
         outer({"aggregation": "dense", "quant_bits": 2})
 
@@ -402,8 +413,8 @@ def test_size_rule_payload_equals_the_codecs_under_every_rule(preset, quant_bits
 
     if preset == "diloco" and quant_bits is not None:
         pytest.skip("the dense control sends unquantised values")
-    cfg = OuterConfig(**{**PRESETS.get(preset, {}), "quant_bits": quant_bits, "chunk_size": 64, "topk": 8,
-                         "value_dtype": value_dtype})
+    cfg = paper(**{**PRESETS.get(preset, {}), "quant_bits": quant_bits, "chunk_size": 64, "topk": 8,
+                         "value_dtype": str(value_dtype).removeprefix("torch.")})
     _, params, states = make_replicas(1, cfg)
     value_bytes = 4 if value_dtype == torch.float32 else 2
     want = sizes.stage_payload_nbytes(SHAPES, cfg.chunk_size, cfg.topk, cfg.quant_bits, value_bytes,
@@ -412,9 +423,9 @@ def test_size_rule_payload_equals_the_codecs_under_every_rule(preset, quant_bits
 
 
 @pytest.mark.parametrize("cfg", [
-    OuterConfig(chunk_size=64, topk=8, quant_bits=2),
-    OuterConfig(**PRESETS["templar"]),
-    OuterConfig(**PRESETS["diloco"]),
+    paper(chunk_size=64, topk=8, quant_bits=2),
+    paper(**PRESETS["templar"]),
+    paper(**PRESETS["diloco"]),
 ], ids=["quant2", "templar", "diloco_momentum"])
 def test_host_resident_state_and_sliced_groups_train_the_same_bits(cfg):
     """outer_state_device "cpu" (the state in host memory, copied in and out unit by unit) and groups
@@ -459,8 +470,8 @@ def test_matches_is_true_exactly_when_the_parameters_are_theta_at_the_last_sync(
     whether the replicas are synced) wherever the state lives: true from the start and after an
     outer step, false once one element of one parameter moved by one ulp, whatever its unit. Breaks if
     the comparison skips a unit or a member, or compares a host copy that is not the state's."""
-    theta0, params, states = make_replicas(2, OuterConfig(), seed=3)
-    states = [SparseLoCoState(p, OuterConfig(), **placement) for p in params]
+    theta0, params, states = make_replicas(2, paper(), seed=3)
+    states = [SparseLoCoState(p, paper(), **placement) for p in params]
     assert all(s.matches(p) for s, p in zip(states, params))
     for i in range(len(SHAPES)):
         flat = params[0][i].view(-1)

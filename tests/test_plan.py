@@ -454,11 +454,12 @@ def test_plan_payload_equals_the_bytes_the_engine_builds(quant_bits, value_dtype
     SparseLoCoState actually builds, for every quant width and both value types, on 178M's
     stage tensors (awkward 2688-wide FFN; a 1000-token vocabulary for speed and odd tiles).
     Breaks if either side restates a size rule."""
-    from hetloco_ds.sparseloco.outer import OuterConfig, SparseLoCoState
+    from hetloco_ds.config import SparseLoCoConfig
+    from hetloco_ds.sparseloco.outer import SparseLoCoState
 
     for ts in plan.stage_tensors(ModelShape.preset("178M", vocab=1000), 2):  # 1000 x 1024: 50 x 64 tiles
         shapes = sorted({tuple(s) for _, s in ts})  # one tensor of each shape keeps it fast
-        cfg = OuterConfig(quant_bits=quant_bits, value_dtype=value_dtype)
+        cfg = SparseLoCoConfig(preset="paper", quant_bits=quant_bits, value_dtype=str(value_dtype).removeprefix("torch."))
         built = SparseLoCoState([torch.randn(s) for s in shapes], cfg).prepare([torch.randn(s) for s in shapes])
         value_bytes = torch.empty((), dtype=value_dtype).element_size()
         assert plan.outer_payload_bytes([("", s) for s in shapes], quant_bits=quant_bits,

@@ -1,7 +1,8 @@
 """SparseLoCo, one module per job (import them by name; this package imports nothing, so the
 config reads `presets` without torch):
 
-    compress.py  per-chunk top-k, quantisation, index packing: one tensor's wire format
-    outer.py     SparseLoCoState: error feedback, the two-phase outer step, the payload header
-    presets.py   the named rule sets of the config's `sparseloco.preset`
+    compress.py   per-chunk top-k, quantisation, index packing: one tensor's wire format
+    outer.py      SparseLoCoState: error feedback, the two-phase outer step, the payload header
+    aggregate.py  the outer step's rules by name (aggregation, clip, screen, top-k): where a new one goes
+    presets.py    the named rule sets of the config's `sparseloco.preset`
 """

@@ -5,7 +5,8 @@
     avg   = (1 / contributors) * sum_m dequant(c_m)
     theta = theta_prev - outer_lr * avg      (written into the parameters; theta_prev = theta)
 
-Aggregation rules (`OuterConfig`; every rule a named option, the defaults are the paper's)
+Rules (`config.SparseLoCoConfig`, the one schema and the one set of defaults; each key names a rule
+of a registry in aggregate.py, where a new one is registered; the "paper" preset is eq. (2) as written)
     aggregation "mean"            eq. (2): sum / contributing replicas (M when all are finite).
                 "selected_count"  per coordinate: sum / replicas that selected it (0 where none did).
                 "dense"           the uncompressed control: every replica sends its whole delta
@@ -112,109 +113,69 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from .. import sizes
-from .compress import DenseCodec, TensorCodec, check_codec_settings
+from ..config import SparseLoCoConfig
+from .aggregate import AGGREGATIONS, CLIPS, REGISTRIES
+from .compress import DenseCodec, TensorCodec
 
 HEADER = struct.Struct("<4sBBHII")
 assert HEADER.size == sizes.PAYLOAD_HEADER_BYTES
 MAGIC = b"SLC1"
 VERSION = 1
 FLAG_FINITE = 1
-AGGREGATIONS = ("mean", "selected_count", "dense")
-NORM_CLIPS = ("none", "median")
-CLIP_EPS = 1e-8  # templar's: factor = min(1, median / (norm + 1e-8))
 UNIT_NUMEL = 1 << 26
 """Elements of the largest slice of a same-shape group the outer step works on at once (module docstring)."""
+LOCAL_FIELDS = ("preset", "outer_state_device")
+"""`SparseLoCoConfig` fields the payload fingerprint leaves out: a shorthand for the others, and where a
+replica keeps its own state; replicas may differ in these and still sum each other's payloads."""
 
-@dataclass(frozen=True)
-class OuterConfig:
-    """The outer step's settings (field names match `config.SparseLoCoConfig`). Its own defaults
-    are the paper's equations as written (presets.PRESETS["paper"]); a run's defaults are the config's,
-    chosen by measurement (README, "Aggregation")."""
 
-    error_decay: float = 0.95
-    """beta in e = beta * e + delta."""
-    outer_lr: float = 1.0
-    """Outer SGD learning rate; multiplies the aggregate once (never the error buffer)."""
-    chunk_size: int = 4096
-    """Largest chunk in elements; 2-D tensors are tiled isqrt(chunk_size) square."""
-    topk: int = 32
-    """Values kept per chunk of chunk_size elements (scaled for smaller chunks, at least 1)."""
-    quant_bits: int | None = None
-    """None sends value_dtype values; 2/4/8 sends codes plus a per-tensor lookup table."""
-    value_dtype: torch.dtype = torch.float32
-    """Wire type of unquantised values: float32 or bfloat16."""
-    aggregation: str = "mean"
-    """mean: sum / contributing replicas (paper). selected_count: per coordinate, sum / replicas that
-    selected it (templar). dense: whole pseudo-gradients, no top-k, no error feedback, / contributors."""
-    chunking: str = "tiles"
-    """tiles: tensors that are not 2-D in chunks of <= chunk_size. per_dim (templar): <= isqrt(chunk_size)."""
-    topk_rule: str = "scaled"
-    """scaled: k = topk * chunk_len / chunk_size (>= 1). fixed (templar): k = topk in every chunk (even, >= 2)."""
-    quant_rounding: str = "floor"
-    """Quantisation bins: floor (ours) or nearest (templar)."""
-    quant_std: str = "population"
-    """Std behind the quantisation bin width: population (ours) or sample, n - 1 (templar)."""
-    norm_clip: str = "none"
-    """median (templar): before aggregating, scale each replica's decoded tensor down to the median of
-    the replicas' norms of that tensor (factor min(1, median / (norm + 1e-8)))."""
-    outer_momentum: float = 0.0
-    """Nesterov momentum of the outer SGD (0: plain SGD, the paper's; DiLoCo uses 0.9 at outer_lr 0.7)."""
+def outer_config(cfg=None) -> SparseLoCoConfig:
+    """The outer step's settings: `config.SparseLoCoConfig`, the one schema and the one set of
+    defaults (None: those defaults; a dict: validated as the config's `sparseloco` section). A copy,
+    so a later assignment to the caller's config cannot part a state from the payloads it lays out."""
+    if cfg is None:
+        return SparseLoCoConfig()
+    if isinstance(cfg, dict):
+        return SparseLoCoConfig.model_validate(cfg)
+    if isinstance(cfg, SparseLoCoConfig):
+        return cfg.model_copy(deep=True)
+    raise TypeError(f"the outer step's settings must be a SparseLoCoConfig, a dict or None, got {type(cfg).__name__}")
 
-    def __post_init__(self):
-        if not 0.0 <= self.error_decay <= 1.0:
-            raise ValueError(f"error_decay must be in [0, 1], got {self.error_decay}")
-        if not self.outer_lr > 0:
-            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
-        check_codec_settings(self.chunk_size, self.topk, self.quant_bits, self.value_dtype,
-                             self.chunking, self.topk_rule, self.quant_rounding, self.quant_std)
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-        if self.aggregation == "dense" and self.quant_bits is not None:
-            raise ValueError(f"aggregation 'dense' sends whole value_dtype tensors; quant_bits must be None, "
-                             f"got {self.quant_bits}")
-        if self.norm_clip not in NORM_CLIPS:
-            raise ValueError(f"norm_clip must be one of {NORM_CLIPS}, got {self.norm_clip!r}")
-        if not 0.0 <= self.outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
 
-    @classmethod
-    def from_any(cls, cfg=None) -> "OuterConfig":
-        """From None (defaults), an OuterConfig, or any object with these attribute names
-        (e.g. the pydantic `config.SparseLoCoConfig`; its other fields are ignored)."""
-        if cfg is None:
-            return cls()
-        if isinstance(cfg, cls):
-            return cfg
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
+def is_dense(cfg: SparseLoCoConfig) -> bool:
+    """Whether `cfg`'s aggregation sends whole pseudo-gradients (no top-k, no error feedback)."""
+    return AGGREGATIONS[cfg.aggregation].dense
 
-    @property
-    def dense(self) -> bool:
-        return self.aggregation == "dense"
 
-    def codec(self, shape) -> TensorCodec | DenseCodec:
-        if self.dense:
-            return DenseCodec(tuple(shape), self.value_dtype)
-        return TensorCodec(tuple(shape), self.chunk_size, self.topk, self.quant_bits, self.value_dtype,
-                           chunking=self.chunking, topk_rule=self.topk_rule, quant_rounding=self.quant_rounding,
-                           quant_std=self.quant_std)
+def tensor_codec(cfg: SparseLoCoConfig, shape) -> TensorCodec | DenseCodec:
+    """The wire format of one tensor of `shape` under `cfg`."""
+    value_dtype = getattr(torch, cfg.value_dtype)
+    if is_dense(cfg):
+        return DenseCodec(tuple(shape), value_dtype)
+    return TensorCodec(tuple(shape), cfg.chunk_size, cfg.topk, cfg.quant_bits, value_dtype,
+                       chunking=cfg.chunking, topk_rule=cfg.topk_rule, quant_rounding=cfg.quant_rounding,
+                       quant_std=cfg.quant_std)
 
 
 def payload_nbytes(shapes: Iterable[Sequence[int]], cfg=None) -> int:
     """Bytes of one replica's payload for parameters of `shapes`: a pure function of the config."""
-    cfg = OuterConfig.from_any(cfg)
-    return HEADER.size + sum(cfg.codec(s).nbytes for s in shapes)
+    cfg = outer_config(cfg)
+    return HEADER.size + sum(tensor_codec(cfg, s).nbytes for s in shapes)
 
 
-def _fingerprint(shapes: Sequence[tuple[int, ...]], cfg: OuterConfig) -> int:
-    settings = tuple(str(getattr(cfg, f.name)) for f in fields(cfg))
-    return zlib.crc32(repr((VERSION, settings, tuple(shapes))).encode())
+def _fingerprint(shapes: Sequence[tuple[int, ...]], cfg: SparseLoCoConfig) -> int:
+    # Every field but the local ones, and each chosen rule as its registry knows it: a rule
+    # registered under the same name but defined otherwise on another replica is a mismatch too.
+    settings = tuple(f"{name}={getattr(cfg, name)}" for name in type(cfg).model_fields if name not in LOCAL_FIELDS)
+    rules = tuple(registry.identity(getattr(cfg, registry.key)) for registry in REGISTRIES)
+    return zlib.crc32(repr((VERSION, settings, rules, tuple(shapes))).encode())
 
 
 @dataclass(frozen=True)
@@ -353,7 +314,10 @@ class SparseLoCoState:
             raise ValueError(f"all parameters of a stage must be on one device, got {sorted(map(str, devices))}")
         if unit_numel < 1:
             raise ValueError(f"unit_numel must be >= 1, got {unit_numel}")
-        self.cfg = OuterConfig.from_any(cfg)
+        self.cfg = outer_config(cfg)
+        # The rules are looked up once: the state keeps the ones its fingerprint names.
+        self.dense = is_dense(self.cfg)
+        self._aggregation, self._clip = AGGREGATIONS[self.cfg.aggregation], CLIPS[self.cfg.norm_clip]
         self.device = params[0].device
         self.on_host = on_host
         self._copies = _HostCopies(self.device) if on_host else None
@@ -370,7 +334,7 @@ class SparseLoCoState:
             for shape, members in by_shape.items():
                 tp = self._snapshot([params[i] for i in members])
                 momentum = self._zeros(tp) if self.cfg.outer_momentum > 0 else None
-                group = _Group(shape, members, self.cfg.codec(shape), offset, tp, self._zeros(tp), momentum)
+                group = _Group(shape, members, tensor_codec(self.cfg, shape), offset, tp, self._zeros(tp), momentum)
                 for j, i in enumerate(members):
                     self._where[i] = (len(self._groups), j)
                 self._groups.append(group)
@@ -492,7 +456,7 @@ class SparseLoCoState:
         params = self._check(params)
         if self._pending:
             raise RuntimeError("prepare() called twice without finish(): the error buffer would absorb delta twice")
-        beta, dense = self.cfg.error_decay, self.cfg.dense
+        beta, dense = self.cfg.error_decay, self.dense
         # The new error buffers, on the device until the replica is known to be finite.
         fresh = {id(g): torch.empty((len(g.members), *g.shape), device=self.device) for g in self._groups}
         staged = []
@@ -602,32 +566,28 @@ class SparseLoCoState:
         selected, distinct = (counts[0], int(counts[1])) if counts is not None else (None, None)
         return OuterReport(self.nbytes, contributors, excluded, averages, selected, distinct)
 
+    def _decode(self, g: _Group, rows: list[Tensor]) -> tuple[Tensor | None, Tensor]:
+        """The contributors' rows (each [size, nbytes], size members of group g) decoded at once:
+        values [n, size, per] (per = numel when dense, else n_selected) and, for sparse payloads,
+        positions [n, size * per] in the members' flattened [size * numel] state."""
+        n, size, numel = len(rows), rows[0].shape[0], g.numel
+        flat = torch.stack(rows).view(n * size, g.codec.nbytes)
+        if self.dense:
+            return None, g.codec.unpack(flat).view(n, size, -1)
+        pos, values = g.codec.unpack(flat)
+        starts = torch.arange(0, size * numel, numel, device=self.device)  # each member's first element
+        return (pos.view(n, size, -1) + starts.view(1, size, 1)).view(n, -1), values.view(n, size, -1)
+
     def _aggregate(self, g: _Group, rows: list[Tensor], counts: list | None = None) -> tuple[Tensor, float]:
         """(acc, scale) over the contributors' payload rows (each [size, nbytes], size members of
         group g), in list order: the aggregate of those members' flattened [size * numel] state is
         scale * acc. `counts`, when given, [selected, distinct] to add their entries sent and
         coordinates sent by anyone to."""
         n, size, numel = len(rows), rows[0].shape[0], g.numel
-        flat = torch.stack(rows).view(n * size, g.codec.nbytes)
-        # Decode all contributors at once into [n, G, per] values (per = numel when dense, else
-        # n_selected) and, for sparse payloads, their positions in the group's flattened state.
-        if self.cfg.dense:
-            pos, values = None, g.codec.unpack(flat).view(n, size, -1)
-        else:
-            pos, values = g.codec.unpack(flat)
-            starts = torch.arange(0, size * numel, numel, device=self.device)  # each member's first element
-            pos = (pos.view(n, size, -1) + starts.view(1, size, 1)).view(n, -1)
-            values = values.view(n, size, -1)
-        if self.cfg.norm_clip == "median":
-            # Per tensor, over the contributors' decoded tensors (positions inside one payload are
-            # distinct, so the norm of the values is the norm of the decoded sparse tensor). Every
-            # replica computes this from the same bytes in the same order: identical factors.
-            norms = torch.linalg.vector_norm(values, dim=-1)  # [n, G]
-            # The lower middle value for even n, as torch.median; by sort, which has a deterministic
-            # form on a GPU (median's indices have none: train.deterministic would refuse it).
-            median = norms.sort(dim=0).values[(norms.shape[0] - 1) // 2]
-            values = values * (median / (norms + CLIP_EPS)).clamp(max=1.0).unsqueeze(-1)
-        values = values.reshape(n, -1)
+        pos, values = self._decode(g, rows)
+        # Per tensor, over the contributors' decoded tensors; every replica computes it from the same
+        # bytes in the same order: identical factors.
+        values = self._clip(values).reshape(n, -1)
         if counts is not None:
             if pos is None:  # dense: every coordinate from every contributor
                 counts[0] += n * size * numel
@@ -637,23 +597,7 @@ class SparseLoCoState:
                 hit[pos.reshape(-1)] = True
                 counts[0] += pos.numel()
                 counts[1] += hit.sum()
-        if pos is None:
-            acc = values[0].clone()
-            for r in range(1, n):
-                acc.add_(values[r])
-            return acc, 1.0 / n
-        # Sum in contributor order. Positions inside one payload are distinct, so each
-        # scatter_add_ adds exactly one value per address: the same bits on every replica and
-        # every run, atomics or not.
-        acc = torch.zeros(size * numel, device=self.device)
-        for r in range(n):
-            acc.scatter_add_(0, pos[r], values[r])
-        if self.cfg.aggregation == "selected_count":
-            cnt = torch.zeros(size * numel, device=self.device)
-            for r in range(n):
-                cnt.scatter_add_(0, pos[r], torch.ones_like(values[r]))
-            return acc.div_(cnt.clamp_(min=1)), 1.0  # unselected coordinates: 0 / 1
-        return acc, 1.0 / n  # paper eq. (2): divide by the contributors (M when all are finite)
+        return self._aggregation(pos, values, size * numel)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -700,7 +644,7 @@ class BlockStates:
         if sorted(i for b in self.blocks for i in b) != list(range(len(params))):
             raise ValueError(f"blocks {self.blocks} do not cover the {len(params)} parameters once each")
         self.states = [SparseLoCoState([params[i] for i in b], cfg, on_host=on_host) for b in self.blocks]
-        self.cfg, self.on_host = self.states[0].cfg, on_host
+        self.cfg, self.dense, self.on_host = self.states[0].cfg, self.states[0].dense, on_host
         self._where = {i: (k, j) for k, b in enumerate(self.blocks) for j, i in enumerate(b)}
 
     def _per_param(self, name: str) -> list[Tensor] | None:
