@@ -1,7 +1,8 @@
-"""A research variant written in this file alone: a stage-boundary codec registered here, selected by
-the config, run through the engine (2 stages x 2 replicas, gloo) and both simulators.
+"""A research variant written in this file alone: a stage-boundary codec and an outer-step
+aggregation registered here, selected by the config, run through the engine (2 stages x 2 replicas,
+gloo) and both simulators.
 
-This is the walk-through of docs/extending.md: nothing under hetloco_ds/ names the codec below.
+This is the walk-through of docs/extending.md: nothing under hetloco_ds/ names the two rules below.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from distributed import run_ranks
 from hetloco_ds.boundary import BoundaryCodec, register_codec
 from hetloco_ds.model import residual_dtype
+from hetloco_ds.sparseloco import aggregate
 
 SEQ, VOCAB, H, STEPS, MICRO = 16, 96, 2, 4, 2
 
@@ -61,20 +63,15 @@ class SignTopK(BoundaryCodec):
         return hidden.to(residual_dtype(hidden))
 
 
-# ------------------------------------------------------------------------------------------------
-# The toy outer aggregation belongs here, registered beside the codec and selected by the same
-# config (`hetloco.sparseloco.aggregation`), once the outer-step rule registry
-# (`hetloco_ds/sparseloco/aggregate.py`, issue 60 item 2, branch `rules`) is merged; it was not when
-# this file was written. Its shape there:
-#
-#     from hetloco_ds.sparseloco import aggregate
-#
-#     @aggregate.aggregation("toy_half_mean")
-#     def half_mean(pos, values, numel):
-#         return aggregate.scatter_sum(pos, values, numel), 0.5 / values.shape[0]
-#
-# and `_config` below then sets {"aggregation": "toy_half_mean"} in its sparseloco section.
-# ------------------------------------------------------------------------------------------------
+CALLS: list[int] = []
+"""Contributors each time this process ran the toy aggregation (every driver must run it)."""
+
+
+@aggregate.aggregation("toy_half_mean")
+def half_mean(pos, values, numel):
+    """The contributors' mean, halved: an outer step that moves theta half as far as eq. 2."""
+    CALLS.append(values.shape[0])
+    return aggregate.scatter_sum(pos, values, numel), 0.5 / values.shape[0]
 
 
 def _config():
@@ -83,7 +80,7 @@ def _config():
         "gradient_accumulation_steps": 1,
         "pipeline": {"stages": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-        "hetloco": {"sparseloco": {"inner_steps": H},
+        "hetloco": {"sparseloco": {"inner_steps": H, "aggregation": "toy_half_mean"},
                     "subspace": {"codec": "toy_sign_topk", "ratio": 2, "compressed_replicas": [1]},
                     "train": {"seq_len": SEQ, "seed": 7}},
     }
@@ -106,6 +103,7 @@ def _engine_body(rank, cfg):
     losses = [engine.train_step(iter([_batch(engine.replica, step)])) for step in range(1, STEPS + 1)]
     last = losses[-1].bytes
     return {"replica": engine.replica, "codec": module.codec.name, "losses": [r.loss for r in losses],
+            "aggregated": CALLS[:],
             "outer": [r.outer is not None for r in losses], "nbytes": module.codec.nbytes(MICRO, SEQ),
             "activation": last["activation"]["sent"], "activation_grad": last["activation_grad"]["sent"]}
 
@@ -121,18 +119,22 @@ def _simulate(cls):
     for step in range(1, STEPS + 1):
         losses.append(sim.train_step([[_batch(m, step)] for m in range(2)]).reshape(-1).tolist())
         if step % H == 0:
+            CALLS.clear()
             sim.outer_step()
+            assert CALLS and set(CALLS) == {2}, CALLS  # the toy aggregation, over both replicas' payloads
     return [[row[m] for row in losses] for m in range(2)]
 
 
-def test_a_codec_registered_in_a_test_file_runs_alike_in_the_engine_and_both_simulators():
-    """The toy codec above, on replica 1 of 2 (2 stages, H = 2, two outer steps): the engine's
-    replica-1 ranks encode with it and meter exactly its message (values and int16 indices forward,
-    the values' gradient backward, per micro-batch), and every replica's loss at every step is the same
-    in the engine, the per-replica simulator and the batched one (float rounding). Breaks if a driver
-    builds its codec other than through StageAlgorithm (the toy would not be there, or not on the
-    wire), if the batched simulator's vmap of a codec's pure functions differs from the per-replica
-    call, or if the backward message is not autograd's gradient of the floating part."""
+def test_a_codec_and_an_aggregation_registered_in_a_test_file_run_alike_in_the_engine_and_both_simulators():
+    """The toy codec above on replica 1 of 2 and the toy aggregation on every stage (2 stages, H = 2,
+    two outer steps): the engine's replica-1 ranks encode with the codec and meter exactly its message
+    (values and int16 indices forward, the values' gradient backward, per micro-batch), every rank and
+    both simulators aggregate with the toy rule over both replicas' payloads, and every replica's loss
+    at every step is the same in the engine, the per-replica simulator and the batched one (float
+    rounding). Breaks if a driver builds its codec or its outer rule other than from the config
+    through StageAlgorithm (the toy would not be there, not on the wire, or not called), if the
+    batched simulator's vmap of a codec's pure functions differs from the per-replica call, or if the
+    backward message is not autograd's gradient of the floating part."""
     from hetloco_ds.sim.batched import BatchedSimulation
     from hetloco_ds.sim.replica import Simulation
 
@@ -143,6 +145,7 @@ def test_a_codec_registered_in_a_test_file_runs_alike_in_the_engine_and_both_sim
         engine.setdefault(r["replica"], r["losses"])
         assert engine[r["replica"]] == r["losses"]  # every stage reports its replica's loss
         assert r["outer"] == [False, True, False, True]
+        assert r["aggregated"] and set(r["aggregated"]) == {2}, r["aggregated"]
     k = 32 // 2  # d / ratio
     toy = (MICRO * SEQ * (k * 4 + k * 2), MICRO * SEQ * k * 4)
     assert {r["nbytes"] for r in ranks if r["replica"] == 1} == {toy}
