@@ -286,6 +286,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     if record is not None:
         try:
             resume = checkpoint.pick(os.path.join(out, rundir.CHECKPOINTS), world)
+            checkpoint.check_readable(os.path.join(out, rundir.CHECKPOINTS), resume.tag)
         except checkpoint.CheckpointError as err:
             raise ConfigError(f"--resume: {err}") from None
     return RunPlan(args, run, raw, llama_config, tokenizer, corpus, world, M, hf_dir, resume, secret)
