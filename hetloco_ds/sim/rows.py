@@ -61,7 +61,8 @@ class Variant:
             # stays unless the row overrides it (a field written next to a preset wins).
             merged = {**cfg.sparseloco.model_dump(exclude_unset=True), **self.sparseloco}
             try:
-                cfg.sparseloco = SparseLoCoConfig.model_validate(merged)
+                # Lax, unlike a config file's section: --variants values are command-line strings.
+                cfg.sparseloco = SparseLoCoConfig.model_validate(merged, strict=False)
             except ValueError as err:  # pydantic's ValidationError is a ValueError
                 raise ConfigError(f"row {self.name}: sparseloco {self.sparseloco}: "
                                   f"{str(err).splitlines()[-1].strip()}") from None
