@@ -155,7 +155,7 @@ def gpu_ids(device: str, chosen: str | None = None) -> list[str]:
 
 
 def load(args):
-    blob = torch.load(args.data)
+    blob = torch.load(args.data, weights_only=True)  # a corpus file: tensors and plain data, nothing run
     # bench/make_corpus.py stores int16 (half the file); the feed indexes with int32 like data.load_corpus.
     corpus = Corpus(train=blob["train"].to(torch.int32), val=blob["val"].to(torch.int32),
                     description=blob["description"], cache_path=args.data)
@@ -604,7 +604,7 @@ def main(argv=None) -> int:
             return 0
         print(f"paper_tables: --resume-only: resuming {', '.join(left)}", flush=True)
     if args.tokens_per_param or args.passes:
-        blob = torch.load(args.data, mmap=True)
+        blob = torch.load(args.data, mmap=True, weights_only=True)
         llama = model_config_for(args.model, blob["vocab_size"])
         seq_len = blob["train"].shape[1]
         args.steps = (steps_for_tokens(llama, args, seq_len) if args.tokens_per_param

@@ -286,6 +286,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     if record is not None:
         try:
             resume = checkpoint.pick(os.path.join(out, rundir.CHECKPOINTS), world)
+            checkpoint.check_readable(os.path.join(out, rundir.CHECKPOINTS), resume.tag)
         except checkpoint.CheckpointError as err:
             raise ConfigError(f"--resume: {err}") from None
     return RunPlan(args, run, raw, llama_config, tokenizer, corpus, world, M, hf_dir, resume, secret)
@@ -534,9 +535,12 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
             dist.barrier()
         return 0
     except FleetRefused as err:
-        # Every stage of the replica may be refused at once: one line for the job.
+        # Every stage of the replica may be refused at once: one line for the job, on a line of its
+        # own. A progress bar leaves its line open: this rank's is ended first; one of another rank
+        # (or, under --elastic, of another replica's job) may be open on the same terminal.
+        shown = loop.end_progress()
         if fleet.claim_refusal(rundir.state_dir(out, "heartbeat", job)):
-            print(f"hetloco-ds train: error: {_first_line(err)}", file=sys.stderr, flush=True)
+            print(("" if shown else "\n") + f"hetloco-ds train: error: {_first_line(err)}", file=sys.stderr, flush=True)
         else:
             time.sleep(QUIET_EXIT_DELAY_S)
         return EXIT_REFUSED
@@ -680,6 +684,12 @@ class _Loop:
         self.settle(block=True)
         self.progress.close()
         self.writer.close()
+
+    def end_progress(self) -> bool:
+        """End the progress bar now (before a line that must start one of its own); whether this
+        rank showed it."""
+        progress, self.progress = self.progress, None
+        return progress is not None and progress.close()
 
     def close(self) -> None:
         if self.engine is not None:

@@ -13,7 +13,9 @@ skipping our override (a subclass method whose base method was renamed is never 
                 gradient reduction, the optimizer step, the loss, the training schedule) that
                 hetloco_ds.engine implements; a subclass's own instructions join the map
     module.py   PipelineModuleAdapter: the layer build and the stage partition as hooks; the
-                stage's layers; DeepSpeed's per-layer seeding and checkpoint file names
+                stage's layers and their load from a checkpoint through the caller's reader (not
+                DeepSpeed's checkpoint engine, which unpickles with weights_only=False);
+                DeepSpeed's per-layer seeding and checkpoint file names
     comm.py     the CPU shared-memory op DeepSpeed would JIT-build at process-group creation
 """
 from __future__ import annotations

@@ -3,6 +3,7 @@ DeepSpeed conventions other code must follow: per-layer seeding and checkpoint f
 from __future__ import annotations
 
 import functools
+import os
 
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime import utils as ds_utils
@@ -94,6 +95,15 @@ class PipelineModuleAdapter(PipelineModule):
         """Layer index -> module, for the layer files DeepSpeed's save_state_dict writes on this
         stage (a tied head is a function over another stage's module: no file of its own)."""
         return {self._local_start + i: f for i, f in enumerate(self.forward_funcs) if isinstance(f, nn.Module)}
+
+    def load_layer_files(self, directory: str, read) -> None:
+        """This stage's layers from their files in `directory`, each read by `read(path)`, then the
+        tied weights synchronised: what DeepSpeed's `load_state_dir` does, whose checkpoint engine
+        unpickles with weights_only=False (any function a file names is called) and reads every
+        file twice."""
+        for idx, layer in self.checkpoint_layers().items():
+            layer.load_state_dict(read(os.path.join(directory, layer_checkpoint_name(idx))), strict=True)
+        self._synchronize_tied_weights()
 
     def tied_copy_owned(self, param, global_rank: int) -> bool:
         """False for a tied copy held by a stage that is not its owner (counted once in norms)."""

@@ -15,6 +15,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -353,6 +354,26 @@ def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_j
     assert min(first) == 1 and first[1]["loss"] != fleet.rows(0, "step")[1]["loss"]
     for m in (0, 1):
         _finite_losses(fleet, m, range(1, 13))
+
+
+def test_a_refused_replicas_line_starts_a_line_of_its_own_after_its_progress_bar(fleet, tmp_path):
+    """A replica with another fleet secret, launched as a user launches one (`--nproc 2`: its ranks
+    write to one stderr, rank 0 draws the progress bar), is refused at its first outer boundary:
+    exit 5 and exactly one error line, starting a line. Breaks if the line is printed while the
+    bar's line is open; it once read "train:   0%|          | 0/4 [00:00<?, ?it/s]hetloco-ds
+    train: error: refused by the fleet: ..." on the terminal."""
+    cfg = write_config(tmp_path / "cfg.json", {**BASE, "hetloco.elastic.max_replicas": 2})
+    fleet.start("r0", 0, cfg, 4)
+    fleet.start("stranger", 1, cfg, 4, out=tmp_path / "stranger", secret="not-the-fleet-secret-0123456789",
+                launcher=True)
+    fleet.open_gate(4)
+    fleet.done(["stranger"], expect_exit={"stranger"})
+    assert fleet.exits["stranger"] == [5, 5], fleet.exits
+    err = (tmp_path / "stranger.rank0.err").read_text()
+    assert re.search(r"train: +\d+%\|", err), err  # the bar was drawn: there was a line to be glued to
+    lines = [line for line in re.split(r"[\r\n]", err) if "error:" in line]
+    assert lines == ["hetloco-ds train: error: refused by the fleet: 1 of the 2 replicas in the quorum do not "
+                     "authenticate with this replica's fleet secret"], err
 
 
 # ---------------------------------------------------------------------- what a fleet must agree on (no processes)
