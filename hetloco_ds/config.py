@@ -628,9 +628,13 @@ def check_scheduler(section: dict | None, source: str) -> dict | None:
     if "warmup_type" in accepted and params.get("warmup_type", "log") not in WARMUP_TYPES:
         # DeepSpeed would log a warning and warm up logarithmically.
         raise ConfigError(f"{where}.warmup_type = {params['warmup_type']!r}: one of {', '.join(WARMUP_TYPES)}")
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    # The run's optimizer (AdamW: OneCycle would warn that SGD has no betas to cycle), and a probe
+    # built as at its first step: at -1 DeepSpeed's warmup schedulers ask themselves for the
+    # learning rate before any step and warn "before it has started". The constructor runs
+    # every value check either way; only the initial learning rate it sets differs.
+    probe = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
     try:
-        getattr(lr_schedules, kind)(probe, **params)
+        getattr(lr_schedules, kind)(probe, last_batch_iteration=0, **params)
     except Exception as err:  # noqa: BLE001 - DeepSpeed's schedulers raise ValueError, TypeError, asserts
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"{where}: DeepSpeed's {kind} rejects them: {first}") from None

@@ -17,6 +17,8 @@ skipping our override (a subclass method whose base method was renamed is never 
                 DeepSpeed's checkpoint engine, which unpickles with weights_only=False);
                 DeepSpeed's per-layer seeding and checkpoint file names
     comm.py     the CPU shared-memory op DeepSpeed would JIT-build at process-group creation
+    logs.py     DeepSpeed's log lines a user cannot act on, each dropped exactly and explained
+                (the filter goes on DeepSpeed's logger when this package is imported)
 """
 from __future__ import annotations
 
@@ -25,8 +27,12 @@ from .checks import CHECKED_AGAINST, INSTANCE_ATTRIBUTES, REQUIRED, DeepSpeedMis
 check()
 
 from . import comm  # noqa: E402  (after the check: the modules subclass what it verified)
+from . import logs  # noqa: E402
 from .engine import PipelineEngineAdapter  # noqa: E402
 from .module import PipelineModuleAdapter, layer_checkpoint_name, seed_layer  # noqa: E402
+
+# At import, not in apply_all: the simulator and the public API build DeepSpeed schedulers too.
+logs.quiet_scheduler_start()
 
 __all__ = ["CHECKED_AGAINST", "DeepSpeedMismatch", "INSTANCE_ATTRIBUTES", "REQUIRED", "PipelineEngineAdapter", "PipelineModuleAdapter",
            "apply_all", "check", "check_instance", "layer_checkpoint_name", "seed_layer"]
