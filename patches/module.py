@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime import utils as ds_utils
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -147,5 +148,11 @@ class PipelineModuleAdapter(PipelineModule):
         return comms
 
     def _synchronize_tied_weights(self):
-        PipelineModule._synchronize_tied_weights(self)
-        self.sync_local_copies()
+        # Without grad: DeepSpeed broadcasts the tied parameters themselves (not their `.data`), an
+        # in-place c10d::broadcast_ on tensors that require grad, which torch's autograd fallback
+        # records; every later backward through the tied weight then warned "c10d::broadcast_: an
+        # autograd kernel was not registered to the Autograd key(s)". Copying a weight from its
+        # owner stage is set-up, not something to differentiate.
+        with torch.no_grad():
+            PipelineModule._synchronize_tied_weights(self)
+            self.sync_local_copies()

@@ -64,6 +64,13 @@ def test_a_run_does_not_warn_that_its_lr_scheduler_has_not_started(mixed_tied_ru
     assert TOO_SHORT in out
 
 
+def test_a_tied_model_across_stages_trains_without_the_c10d_autograd_warning(mixed_tied_run):
+    """Synchronising the tied embedding and head across stages records no c10d::broadcast_ in
+    autograd, so backward does not warn "an autograd kernel was not registered". Breaks if the
+    adapter's `_synchronize_tied_weights` broadcasts the parameters with grad enabled."""
+    assert "autograd kernel was not registered" not in "".join(mixed_tied_run)
+
+
 def test_the_scheduler_start_filter_drops_only_a_constructors_own_warning(ds_log):
     """DeepSpeed's warm-up schedulers ask themselves for the learning rate in their constructor:
     that warning is dropped, for each of them; asking a scheduler that has not stepped for its
