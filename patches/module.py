@@ -8,11 +8,10 @@ import os
 import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime import utils as ds_utils
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from torch import nn
 
 from .checks import check_instance
-from .grid import replica_grid
+from .grid import WorldTopology, replica_grid
 
 
 def seed_layer(base_seed: int, layer_idx: int) -> None:
@@ -37,12 +36,10 @@ class PipelineModuleAdapter(PipelineModule):
     def __init__(self, *args, replica_ranks: list[list[int]] | None = None, **kwargs):
         self._replica_ranks = replica_ranks
         if replica_ranks is not None:
-            from deepspeed import comm as dist
-
             # DeepSpeed's __init__ builds a grid from `topology` before it partitions: a valid
             # one-stage grid over the world (its groups are made on every rank alike, then unused);
             # `_partition_layers`, called next, puts the replica's own grid in its place.
-            kwargs["topology"] = PipeDataParallelTopology(num_pp=1, num_dp=dist.get_world_size())
+            kwargs["topology"] = WorldTopology(replica_ranks)
         super().__init__(*args, **kwargs)
         check_instance(self, "PipelineModule")
         if replica_ranks is not None:

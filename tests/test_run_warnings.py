@@ -71,6 +71,16 @@ def test_a_tied_model_across_stages_trains_without_the_c10d_autograd_warning(mix
     assert "autograd kernel was not registered" not in "".join(mixed_tied_run)
 
 
+def test_the_topology_line_of_mixed_depths_is_the_replicas_layout(mixed_tied_run):
+    """With replica_stages [1, 2] the one "Using topology" line shows rank 0 as replica 0's only
+    stage and ranks 1, 2 as replica 1's stages 0 and 1, not three one-stage replicas (the
+    placeholder grid DeepSpeed builds before the replica's own). Breaks if the adapter hands
+    DeepSpeed a topology that prints otherwise."""
+    lines = [line for line in mixed_tied_run[0].splitlines() if line.startswith("Using topology:")]
+    assert lines == ["Using topology: {ProcessCoord(pipe=0, data=0): 0, ProcessCoord(pipe=0, data=1): 1, "
+                     "ProcessCoord(pipe=1, data=1): 2}"]
+
+
 def test_the_scheduler_start_filter_drops_only_a_constructors_own_warning(ds_log):
     """DeepSpeed's warm-up schedulers ask themselves for the learning rate in their constructor:
     that warning is dropped, for each of them; asking a scheduler that has not stepped for its
