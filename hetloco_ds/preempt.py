@@ -164,7 +164,9 @@ class Preemption:
                     self._wait_resolved()
             for r in (self._stop, self._save):
                 if r.step is not None and step > r.step:
-                    raise RuntimeError(f"rank {self.rank} is at step {step}, past the agreed step {r.step} ({r.key})")
+                    # Only a jump can pass an agreed step (no rank starts past one): an elastic replica
+                    # healed at its outer step takes the donor's step count, every rank of it alike.
+                    r.step = step
             stop_here, save_here = self._stop.step == step, self._save.step == step
             if save_here:  # consumed: the next save round
                 self._saves += 1
