@@ -58,6 +58,19 @@ def _complete(ckpt_dir: Path, tag: str) -> None:
     assert checkpoint.verify(str(ckpt_dir), tag, WORLD) is None, checkpoint.verify(str(ckpt_dir), tag, WORLD)
 
 
+def _released_and_saved(hold: Path, proc, out: Path, step: int) -> None:
+    """Once the ranks agreed on `step`, rank 1 goes on: the job must commit that step, exit 75 and say so."""
+    assert _agreed(hold, proc) == step
+    (hold / "hold").unlink()
+    _, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    ckpt_dir, tag = out / "checkpoints", f"global_step{step}"
+    assert _lines(err) == [f"hetloco-ds train: stopped by SIGTERM at step {step}; checkpoint {tag} is committed in "
+                           f"{ckpt_dir}: --resume continues from it"], err[-3000:]
+    assert checkpoint.latest_tag(str(ckpt_dir)) == tag
+    _complete(ckpt_dir, tag)
+
+
 def test_sigterm_to_the_launcher_mid_round_saves_and_the_resume_reproduces_the_uninterrupted_run(tiny_jobs, tmp_path):
     """SIGTERM to the `--nproc` launcher while the job is inside step 3 (H = 2: between outer steps,
     each replica's weights its own): the ranks agree on step 3, commit global_step3 and the launcher
@@ -69,15 +82,7 @@ def test_sigterm_to_the_launcher_mid_round_saves_and_the_resume_reproduces_the_u
     inputs, out, hold, proc = _held_launch(tiny_jobs, tmp_path, "pipe")
     with _cleaned_up(proc, []):
         proc.send_signal(signal.SIGTERM)
-        assert _agreed(hold, proc) == 3
-        (hold / "hold").unlink()
-        _, err = proc.communicate(timeout=WAIT_S)
-    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
-    ckpt_dir = out / "checkpoints"
-    assert _lines(err) == [f"hetloco-ds train: stopped by SIGTERM at step 3; checkpoint global_step3 is committed in "
-                           f"{ckpt_dir}: --resume continues from it"], err[-3000:]
-    assert checkpoint.latest_tag(str(ckpt_dir)) == "global_step3"
-    _complete(ckpt_dir, "global_step3")
+        _released_and_saved(hold, proc, out, 3)
 
     run_job(tmp_path / "resumed", WORLD, ["train", "--steps", runs.STEPS, "--out", out, "--resume"],
             runs.env(inputs["cache"]))
@@ -102,15 +107,7 @@ def test_sigterm_to_one_rank_of_one_replica_stops_every_replica_at_one_step(tiny
     pids = _rank_pids(out)
     with _cleaned_up(proc, pids):
         os.kill(pids[0], signal.SIGTERM)
-        assert _agreed(hold, proc) == 4
-        (hold / "hold").unlink()
-        _, err = proc.communicate(timeout=WAIT_S)
-    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
-    ckpt_dir = out / "checkpoints"
-    assert _lines(err) == [f"hetloco-ds train: stopped by SIGTERM at step 4; checkpoint global_step4 is committed in "
-                           f"{ckpt_dir}: --resume continues from it"], err[-3000:]
-    assert checkpoint.latest_tag(str(ckpt_dir)) == "global_step4"
-    _complete(ckpt_dir, "global_step4")
+        _released_and_saved(hold, proc, out, 4)
 
 
 def test_a_second_signal_to_the_launcher_stops_at_once_without_committing(tiny_jobs, tmp_path):
