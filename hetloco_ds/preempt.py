@@ -58,6 +58,8 @@ import time
 from .launch import EXIT_PREEMPTED, STOP_SIGNALS
 
 REPEAT_WINDOW_S = 2.0
+STOPPED = "stopped"
+"""The claim (`Preemption.claim`) of the job's one line saying it stopped after saving."""
 AGREE_TIMEOUT_S = 600.0
 POLL_S = 1.0
 """Longest wait between two polls of the store (shorter for a short grace period)."""
@@ -183,7 +185,8 @@ class Preemption:
             self._last_save = time.monotonic()
 
     def committed(self) -> None:
-        """The stop's checkpoint is committed: past the deadline the process exits EXIT_PREEMPTED."""
+        """The stop's checkpoint, or the run's last, is committed: nothing is left to save, so a stop
+        exits EXIT_PREEMPTED at its deadline, and one that comes from now on at once."""
         with self._cond:
             self._committed = True
 
@@ -219,7 +222,7 @@ class Preemption:
             if left <= 0:
                 line = (f"the ranks did not agree on a checkpoint step within {AGREE_TIMEOUT_S:.0f} s ({r.key} round: "
                         f"not every rank published its step to the job's store)")
-                raise NoAgreement(line, self._claim("no-agreement"))
+                raise NoAgreement(line, self.claim("no-agreement"))
             self._cond.wait(min(left, 1.0))
 
     # ------------------------------------------------------------------ signal thread
@@ -254,7 +257,7 @@ class Preemption:
 
     def _arm(self, now: float) -> None:
         """Under the lock: the grace period starts (the earliest of this rank's reasons counts)."""
-        end = now + self.grace_s
+        end = now if self._committed else now + self.grace_s
         self._deadline = end if self._deadline is None else min(self._deadline, end)
 
     def _expire(self) -> None:
@@ -262,10 +265,13 @@ class Preemption:
             committed, step = self._committed, self._stop.step
             signum = self._stop.signal or self._signal or signal.SIGTERM
         if committed:
+            if self.claim(STOPPED):
+                print(f"{self.prefix_line}: stopped by {signal.Signals(signum).name} after its last checkpoint was "
+                      "committed: --resume continues from it", file=sys.stderr, flush=True)
             os._exit(EXIT_PREEMPTED)
         what = f"committed no checkpoint at the agreed step {step}" if step is not None else \
             "did not agree on a step to save"
-        if self._claim("preempt-expired"):
+        if self.claim("preempt-expired"):
             print(f"{self.prefix_line}: error: stopped by {signal.Signals(signum).name} without saving: the ranks {what} "
                   f"within train.preempt_grace_s = {self.grace_s:g} s; --resume continues from the newest complete "
                   "checkpoint", file=sys.stderr, flush=True)
@@ -274,7 +280,7 @@ class Preemption:
         sys.stdout.flush()
         os._exit(128 + signum)
 
-    def _claim(self, name: str) -> bool:
+    def claim(self, name: str) -> bool:
         """Whether this rank is the first of its job to report `name` (one line for the job)."""
         if self.claim_dir is None:
             return True

@@ -40,7 +40,7 @@ from .config import (ConfigError, RunConfig, check_run, check_topology, default_
 from .elastic import replica as fleet
 from .elastic.replica import EXIT_REFUSED, FleetArgs
 from .model import parameter_count
-from .preempt import EXIT_PREEMPTED, NoAgreement, Preemption
+from .preempt import EXIT_PREEMPTED, STOPPED, NoAgreement, Preemption
 from .presets import model_config_for
 from .watchdog import EXIT_STALLED, Watchdog
 
@@ -567,7 +567,7 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
     except Preempted as stop:
         if loop.progress is not None:
             loop.progress.close()  # the bar's last line ends before the job's
-        return _stopped(stop, plan.ckpt_dir, rank)
+        return _stopped(stop, plan.ckpt_dir, rank == 0 and stopper.claim(STOPPED))
     finally:
         watchdog.stop()
         loop.close()
@@ -595,14 +595,15 @@ def _preemption(plan: RunPlan, job: str, rank: int, world: int, watchdog: Watchd
                       busy=watchdog.busy).install()
 
 
-def _stopped(stop: Preempted, ckpt_dir: str, rank: int) -> int:
-    """The job's line (rank 0) and exit code once every rank stopped on a signal."""
+def _stopped(stop: Preempted, ckpt_dir: str, report: bool) -> int:
+    """The job's line (`report`: rank 0, unless a rank ending at the deadline said it) and exit code
+    once every rank stopped on a signal."""
     if stop.tag is None:
-        if rank == 0:
+        if report:
             print(f"hetloco-ds train: stopped by {stop} before the first step; nothing to save", file=sys.stderr,
                   flush=True)
         return 128 + stop.signum
-    if rank == 0:
+    if report:
         print(f"hetloco-ds train: stopped by {stop} at step {stop.step}; checkpoint {stop.tag} is committed in "
               f"{ckpt_dir}: --resume continues from it", file=sys.stderr, flush=True)
     return EXIT_PREEMPTED
@@ -761,8 +762,8 @@ class _Loop:
         if engine.local_steps != self.resumed_at:  # a resume with nothing left to train already has it
             self.save(engine.local_steps, wait=True)
         self.settle(block=True)
-        self.stopper.committed()  # a deadline from here on finds the run's last checkpoint committed
         signum = _most_of_all_ranks(engine, self.stopper.stop_signal)
+        self.stopper.committed()  # a stop from here on (the export) has nothing left to save
         if signum:  # a stop that came after the last step started: its checkpoint is the run's last one
             raise Preempted(signum, engine.local_steps, self.last_good)
         self.progress.close()
