@@ -155,8 +155,8 @@ class TrainConfig(_Section):
     checkpoint_every_s: float = Field(1800.0, ge=0)
     """Also save once this many seconds have passed since the last save (rank 0's clock decides, every
     rank saves at the first outer boundary all can reach), so a power cut or a SIGKILL loses at most
-    about this much training; 0 turns it off. Half an hour costs a few saves a day, and bounds the loss
-    where a scheduler kills without warning."""
+    about this much training; 0 turns it off. Half an hour: training waits only for each save's copy to
+    host memory (the write runs in the background), while a kill without warning costs at most that."""
     preempt_grace_s: float = Field(20.0, gt=0)
     """After SIGTERM or SIGINT (to a launcher or a rank), seconds the ranks have to agree on a step,
     save it and commit; past it they exit without committing. Schedulers follow SIGTERM with SIGKILL

@@ -545,9 +545,10 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
     out = plan.args.out
     watchdog = Watchdog(rundir.state_dir(out, "heartbeat", job), rank, world,
                         plan.run.hetloco.train.watchdog_timeout).start()
-    stopper = _preemption(plan, job, rank, world, watchdog)
-    loop = _Loop(plan, watchdog, stopper)
+    stopper = loop = None
     try:
+        stopper = _preemption(plan, job, rank, world, watchdog)
+        loop = _Loop(plan, watchdog, stopper)
         loop.build(tag, rank)
         loop.run()
         with watchdog.busy("export"):
@@ -570,8 +571,9 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
         return _stopped(stop, plan.ckpt_dir, rank == 0 and stopper.claim(STOPPED))
     finally:
         watchdog.stop()
-        loop.close()
-        stopper.close()
+        for part in (loop, stopper):
+            if part is not None:
+                part.close()
 
 
 STORE_TIMEOUT_S = 30.0
@@ -597,11 +599,9 @@ def _preemption(plan: RunPlan, job: str, rank: int, world: int, watchdog: Watchd
 
 def _stopped(stop: Preempted, ckpt_dir: str, report: bool) -> int:
     """The job's line (`report`: rank 0, unless a rank ending at the deadline said it) and exit code
-    once every rank stopped on a signal."""
+    once every rank stopped on a signal; before a fresh run's first step there is nothing to save, and
+    it ends as a process stopped by the signal would."""
     if stop.tag is None:
-        if report:
-            print(f"hetloco-ds train: stopped by {stop} before the first step; nothing to save", file=sys.stderr,
-                  flush=True)
         return 128 + stop.signum
     if report:
         print(f"hetloco-ds train: stopped by {stop} at step {stop.step}; checkpoint {stop.tag} is committed in "
