@@ -44,10 +44,14 @@ def _agreed(hold: Path, proc) -> int:
     return int((hold / "agreed-stop").read_text())
 
 
-def _rank_pids(out: Path) -> list[int]:
+def _heartbeats(out: Path) -> list[dict]:
     beats = sorted((out / ".hetloco" / "heartbeat").rglob("rank*.json"))
     assert len(beats) == WORLD, beats
-    return [json.loads(b.read_text())["pid"] for b in beats]
+    return [json.loads(b.read_text()) for b in beats]
+
+
+def _rank_pids(out: Path) -> list[int]:
+    return [beat["pid"] for beat in _heartbeats(out)]
 
 
 def _lines(err: str) -> list[str]:
@@ -106,6 +110,10 @@ def test_sigterm_to_one_rank_of_one_replica_stops_every_replica_at_one_step(tiny
     _, out, hold, proc = _held_launch(tiny_jobs, tmp_path, "replicas")
     pids = _rank_pids(out)
     with _cleaned_up(proc, pids):
+        deadline = time.monotonic() + WAIT_S
+        while _heartbeats(out)[0]["where"] != "finished step 3":  # then inside step 4, waiting for replica 1
+            assert time.monotonic() < deadline, _heartbeats(out)[0]
+            time.sleep(0.1)
         os.kill(pids[0], signal.SIGTERM)
         _released_and_saved(hold, proc, out, 4)
 
