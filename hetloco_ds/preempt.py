@@ -303,6 +303,8 @@ class Preemption:
             try:
                 self._poll()
             except Exception:  # noqa: BLE001 - a store gone with its job; the deadline and timeouts bound the rest
+                with self._cond:
+                    self._recheck = True  # a round opened meanwhile is not missed once the store answers again
                 time.sleep(self.poll_s)
 
     def _next_poll(self) -> float:
