@@ -182,6 +182,18 @@ class TrainConfig(_Section):
     """Micro-batches of held-out data per validation."""
     checkpoint_interval: int = Field(0, ge=0)
     """Save every this many outer steps (0: only at the end). Checkpoints are taken at outer-step boundaries."""
+    checkpoint_every_s: float = Field(1800.0, ge=0)
+    """Also save once this many seconds have passed since the last save (rank 0's clock decides, every
+    rank saves at the first outer boundary all can reach), so a power cut or a SIGKILL loses at most
+    about this much training; 0 turns it off. Half an hour: training waits only for each save's copy to
+    host memory (the write runs in the background), while a kill without warning costs at most that."""
+    preempt_grace_s: float = Field(20.0, gt=0)
+    """After SIGTERM or SIGINT (to a launcher or a rank), seconds the ranks have to agree on a step,
+    save it and commit; past it they exit without committing. Schedulers follow SIGTERM with SIGKILL
+    after a grace of their own: Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds default
+    to 30 s, spot instances give 30 s to 2 minutes. 20 s fits inside the shortest of those with room
+    for the signal to travel through launchers and for the processes to exit; raise it where the
+    scheduler's grace is longer and a save takes more."""
     seed: int = 0
     """Seed for model initialisation and data order."""
     vocab_size: int = Field(8192, ge=256)

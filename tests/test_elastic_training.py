@@ -153,11 +153,14 @@ class Fleet:
         return job_stderr(self.tmp / name, STAGES)
 
     def poll(self) -> None:
-        """A launcher's job: when a rank of a replica has exited, stop its other rank."""
+        """A launcher's job: when a rank of a replica has failed, stop its other rank (one that stopped
+        after saving, EXIT_PREEMPTED, has peers finishing the same save: they end by themselves)."""
+        from hetloco_ds.launch import EXIT_PREEMPTED
+
         for name, procs in self.replicas.items():
             if name in self.exits:
                 continue
-            if any(p.exitcode not in (None, 0) for p in procs):
+            if any(p.exitcode not in (None, 0, EXIT_PREEMPTED) for p in procs):
                 for p in procs:
                     if p.exitcode is None:
                         p.kill()
@@ -278,6 +281,51 @@ def test_killed_replica_costs_the_others_one_heartbeat_timeout_and_rejoins_when_
     rows = [fleet.rows(m) for m in range(3)]
     assert rows[2][14]["healed"] and rows[0][14]["members"] == rows[2][14]["members"] == [0, 1], rows[2][14]
     assert rows[0][14]["params_checksum"] == rows[1][14]["params_checksum"] == rows[2][14]["params_checksum"]
+
+
+def test_a_replica_told_to_stop_saves_its_own_state_leaves_and_rejoins_from_it(fleet, tmp_path):
+    """2 replicas x 2 stages. Replica 1 is held inside its step 3 (between outer steps) and SIGTERM
+    reaches its rank 0 alone: both its ranks agree on step 3, commit their own mid-round state and
+    exit 75 (the elastic leave), while replica 0 finishes its outer step at 4 without it. Replica 1
+    restarted with --resume continues from its step-3 checkpoint and is healed at its next outer
+    boundary, from which its parameters are the fleet's. Breaks if a replica told to stop saves
+    nothing, waits for the fleet to save, takes the fleet down with it, or leaves a checkpoint
+    that cannot rejoin."""
+    from hetloco_ds import checkpoint
+    from hetloco_ds.launch import EXIT_PREEMPTED
+
+    cfg = write_config(tmp_path / "cfg.json", {**BASE, "hetloco.elastic.max_replicas": 2,
+                                               "hetloco.train.checkpoint_interval": 1})
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "hold").touch()
+    (tmp_path / "hold-3").touch()  # replica 0 waits at its third outer boundary (step 6) for replica 1's return
+    fleet.start("r0", 0, cfg, 8, fault=f"0:holdsync:3:{tmp_path}")
+    fleet.start("r1", 1, cfg, 8, fault=f"1:holdstep:3:{hold}")
+    fleet.open_gate(4)
+    fleet.wait(lambda: (hold / "held").exists(), 120, "replica 1 inside its step 3")
+    os.kill(fleet.replicas["r1"][0].pid, signal.SIGTERM)
+    fleet.wait(lambda: (hold / "agreed-stop").exists(), 60, "replica 1's ranks agreeing where to save")
+    assert (hold / "agreed-stop").read_text() == "3"
+    (hold / "hold").unlink()
+    fleet.done(["r1"], expect_exit={"r1"})
+    assert fleet.exits["r1"] == [EXIT_PREEMPTED] * STAGES, fleet.stderr("r1")[-3000:]
+    ckpt_dir = fleet.out / "replica-1" / "checkpoints"
+    assert checkpoint.latest_tag(str(ckpt_dir)) == "global_step3"
+    assert checkpoint.verify(str(ckpt_dir), "global_step3", STAGES) is None
+    fleet.wait(lambda: 4 in fleet.rows(0), 120, "replica 0's outer step at 4", expect_exit={"r1"})
+    assert fleet.rows(0)[4]["members"] == [0], fleet.rows(0)[4]
+
+    fleet.start("r1-again", 1, cfg, 8, resume=True)
+    fleet.wait(lambda: "(quorum)" in fleet.where(1), 120, "replica 1 back at an outer boundary", expect_exit={"r1"})
+    (tmp_path / "hold-3").unlink()
+    fleet.done(["r0", "r1-again"], expect_exit={"r1"})
+    assert fleet.exits["r0"] == fleet.exits["r1-again"] == [0, 0], fleet.exits
+    ref, back = fleet.rows(0), {s: r for s, r in fleet.rows(1).items() if s > 3}
+    joined = min(back)
+    assert back[joined]["healed"], back[joined]
+    for s in range(joined, 9, 2):
+        assert back[s]["params_checksum"] == ref[s]["params_checksum"], s
 
 
 def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_judged(fleet, job, tmp_path):
