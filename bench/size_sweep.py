@@ -789,10 +789,12 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
         cards = [c or meta["card"] for c in r["card_per_seed"]]
         out.append({
             "mode": mode, "model": model, "n_params": meta["n_params"], "lr": r["lr"],
-            # a mode with an lr bracket: its best lr on seed 0 so far, tuned once the bracket is complete;
-            # DiLoCo runs at one lr
+            # Tuned only where the row's own mode has a closed lr bracket with this lr its best on seed
+            # 0. DiLoCo runs at one lr, and a compressed row at whatever lr it was given: neither
+            # inherits SparseLoCo's bracket (the paper marks rows tuned for the compressed setting
+            # apart, Table 1's *), so a row run at one lr never reads as tuned.
             "best_lr_so_far": best_so_far(r),
-            "tuned": mode not in brackets or (best_so_far(r) and brackets[mode]["complete"]),
+            "tuned": mode in brackets and best_so_far(r) and brackets[mode]["complete"],
             "val_loss_mean": r["val_loss_mean"], "seeds": r["seeds"], "per_seed": r["val_loss_per_seed"],
             "outer_steps": r["outer_steps"], "tokens_per_param": r["tokens_per_param"],
             "tokens_per_replica_step": r["tokens_per_replica_step"], "epochs": r["epochs"],

@@ -224,6 +224,47 @@ def test_size_sweep_summary_of_the_committed_runs(tmp_path):
     assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(diffs) / 2) < 1e-12
 
 
+def test_committed_size_sweep_summaries_rebuild_byte_for_byte_from_their_runs(tmp_path):
+    """Each regime's committed summary.json is what `summarize` makes of the committed run JSONs
+    today: a change to the summary code that is not followed by regenerating the summaries (or a
+    summary edited by hand) fails here."""
+    import shutil
+
+    ss = bench_module("size_sweep")
+    for one_pass, micro in ((False, ss.MICRO), (True, ss.MICRO), (True, 8)):
+        folder = Path(ss.results_folder(one_pass, micro))
+        copy = tmp_path / f"{int(one_pass)}_{micro}"
+        for sub in (*ss.SIZES, "repeats"):
+            if (folder / sub).is_dir():
+                shutil.copytree(folder / sub, copy / sub)
+        argv = ["summarize", "--results", str(copy)] + (["--one-pass"] if one_pass else []) + \
+            ([] if micro == ss.MICRO else ["--micro", str(micro)])
+        assert ss.main(argv) == 0
+        assert (copy / "summary.json").read_bytes() == (folder / "summary.json").read_bytes(), folder
+
+
+def test_only_a_modes_best_lr_inside_its_closed_bracket_is_tuned_never_a_compressed_or_diloco_row(tmp_path,
+                                                                                                   monkeypatch):
+    """`tuned` in the summary rows: SparseLoCo's and AdamW's best lr of a closed bracket on seed 0,
+    nothing else. A compressed row run at SparseLoCo's tuned lr (5e-4 at 105M, micro-batch 8) and
+    DiLoCo at its one lr are not tuned: they have no bracket of their own (the committed summaries
+    marked both tuned until issue 57)."""
+    ss = bench_module("size_sweep")
+    copy = results_without(ss, tmp_path, monkeypatch, {})
+    home = copy / "one_pass" / "micro8" / "105M"
+    add_row(home, "pp:8:lr=0.002@seed0", "pp:8:lr=0.0005@seed0", -0.2)
+    summary, meta = ss.load_size("105M", str(copy / "one_pass" / "micro8"))
+    rows = ss.summary_rows("105M", summary, meta)
+    assert sorted((r["mode"], r["lr"]) for r in rows if r["tuned"]) == [("adamw", 0.001), ("sparseloco", 0.0005)]
+    assert {r["mode"] for r in rows if not r["tuned"]} >= {"pp:8", "het:8", "pp:96", "het:96", "diloco"}
+    # an open bracket tunes nothing, not even its best lr so far
+    opened = results_without(ss, tmp_path / "open", monkeypatch, {"one_pass/micro8/105M": ["sparseloco:lr=0.00025@seed0"]})
+    summary, meta = ss.load_size("105M", str(opened / "one_pass" / "micro8"))
+    rows = ss.summary_rows("105M", summary, meta)
+    assert [(r["mode"], r["lr"]) for r in rows if r["tuned"]] == [("adamw", 0.001)]
+    assert any(r["mode"] == "sparseloco" and r["lr"] == 0.0005 and r["best_lr_so_far"] for r in rows)
+
+
 def test_size_sweep_gap_against_outer_syncs_from_the_committed_runs():
     """gaps_by_outer_steps: in each regime, SparseLoCo's gap to the best AdamW lr of seed 0 at each
     size, recomputed by hand from the committed run JSONs, with the syncs (steps / H) and passes over
