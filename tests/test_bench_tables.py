@@ -1081,3 +1081,127 @@ def test_size_sweep_ingest_puts_a_calls_rows_where_plan_reads_them_and_nothing_t
     tgz(broken / "fill.tgz", {"size_sweep_fill/one_pass/micro8/60M/paper_tables_b_g0p0.json": b"{\"rows\": [{}]}"})
     refused(broken, r"broken/fill.tgz:size_sweep_fill/one_pass/micro8/60M/paper_tables_b_g0p0.json: not a paper_tables "
             "run JSON")
+
+
+def test_penalty_set_runs_each_sizes_compressed_rows_at_sparselocos_tuned_lr_on_both_seeds(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Issue 57, item 2, by name: `--set penalty` at 20M and 105M in the micro-batch-8 one-pass regime
+    is PP-Compress and Het at 1/8 and 1/96 (and PP-Compress at 1/16 at 105M: k = 48, 20M's k at 1/8)
+    at SparseLoCo's tuned lr there (1e-3, 5e-4), seeds 0 and 1, seed 0 first; run hands exactly
+    these to paper_tables with the regime's own flags; plan prices them at the committed rows'
+    H200 pace; another regime, another size or an open bracket is refused before anything runs.
+    Breaks if a penalty row could run at an untuned lr or outside its regime."""
+    import sys
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    from hetloco_ds.presets import model_config_for
+
+    d = {m: model_config_for(m, 8192).hidden_size for m in ss.PENALTY_ROWS}
+    assert [d["20M"] // int(r.split(":")[1]) for r in ss.PENALTY_ROWS["20M"]] == [48, 48, 4, 4]
+    assert [d["105M"] // int(r.split(":")[1]) for r in ss.PENALTY_ROWS["105M"]] == [96, 96, 8, 8, 48]
+    micro8 = ss.results_folder(True, 8)
+    tuned = {"20M": "0.001", "105M": "0.0005"}
+    for model in ss.PENALTY_ROWS:
+        left = ss.rows_of_set("penalty", model, ss.load_size(model, micro8)[0])
+        want = [f"{r}:lr={tuned[model]}" for r in ss.PENALTY_ROWS[model]]
+        assert left == [(r, 0) for r in want] + [(r, 1) for r in want]
+    assert ss.main(["plan", "--set", "penalty", "--one-pass", "--micro", "8"]) == 0
+    out = capsys.readouterr().out
+    pace = ss.measured_pace(ss.load_size("105M", micro8), "NVIDIA H200", 1)
+    assert f"105M: 3950 steps at {pace:.4f} s a step" in out and "10 row-seeds left" in out
+    assert "20M: 3950 steps" in out and "8 row-seeds left" in out
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "paper_tables", type(sys)("paper_tables"))
+    sys.modules["paper_tables"].main = lambda argv: calls.append(argv) or 0
+    data = tmp_path / "c.pt"
+    data.write_bytes(b"")
+    base = ["run", "--set", "penalty", "--data", str(data), "--out", str(tmp_path / "o"), "--whole-rows"]
+    assert ss.main(base + ["--model", "20M,105M", "--one-pass", "--micro", "8"]) == 0
+    for model, argv in zip(("20M", "105M"), calls):
+        flag = flags(argv)
+        assert flag["--rows"] == ",".join(f"{r}:lr={tuned[model]}" for r in ss.PENALTY_ROWS[model])
+        assert flag["--seeds"] == "0,1" and flag["--micro"] == "8" and flag["--passes"] == "1"
+        assert flag["--out"] == str(tmp_path / "o" / "one_pass" / "micro8" / model)
+    calls.clear()
+    with pytest.raises(SystemExit, match="--set penalty runs in one_pass/micro8"):
+        ss.main(base + ["--model", "20M", "--one-pass"])
+    with pytest.raises(SystemExit, match="--set penalty has rows at 20M, 105M, not 60M"):
+        ss.main(base + ["--model", "60M", "--one-pass", "--micro", "8"])
+    results_without(ss, tmp_path, monkeypatch, {"one_pass/micro8/105M": ["sparseloco:lr=0.00025@seed0"]})
+    with pytest.raises(SystemExit, match="105M's SparseLoCo lr bracket is open"):
+        ss.main(base + ["--model", "105M", "--one-pass", "--micro", "8"])
+    with pytest.raises(SystemExit, match="--set penalty runs in one_pass/micro8"):
+        ss.main(["fill", "--set", "penalty", "--regimes", "one_pass", "--data", str(data)])
+    assert calls == []
+    # fill, one GPU, time enough: every row-seed once, seed 0 of both sizes first, --model's order within
+    monkeypatch.undo()
+    pt = bench_module("paper_tables")
+    monkeypatch.setattr(pt, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setitem(sys.modules, "paper_tables", pt)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert ss.main(["fill", "--set", "penalty", "--model", "105M,20M", "--regimes", "one_pass/micro8",
+                    "--data", str(data), "--out", str(tmp_path / "f"), "--budget-s", "100000"]) == 0
+    picked = [(flags(a)["--model"], flags(a)["--rows"], flags(a)["--seeds"]) for a in calls]
+    assert picked == [(m, f"{r}:lr={tuned[m]}", str(s)) for s in (0, 1) for m in ("105M", "20M")
+                      for r in ss.PENALTY_ROWS[m]]
+    assert all(flags(a)["--micro"] == "8" and flags(a)["--gpu-ids"] == "0" for a in calls)
+
+
+def _penalty_row(folder: Path, like: str, name: str, ratio: int, compressed: int, loss: float) -> None:
+    """A made-up compressed row run under issue 57's method (its variant's two switches at their
+    defaults), from the committed row `like`."""
+    import json
+
+    add_row(folder, like, name, 0.0)
+    made = sorted(folder.glob("paper_tables_made_*"), key=lambda p: int(p.name.split("_")[3]))[-1]
+    doc = json.loads(made.read_text())
+    doc["rows"][0]["variant"].update(ratio=ratio, compressed=compressed, project_embedding_every_step=False,
+                                     embedding_weight_decay="table")
+    doc["rows"][0]["val_loss"] = loss
+    made.write_text(json.dumps(doc))
+
+
+def test_penalty_reads_each_compressed_row_against_sparseloco_at_its_seed_and_lr_and_plots_k_and_k_over_d(tmp_path):
+    """size_sweep penalty: every compressed row of a regime against the SparseLoCo row of the same
+    seed and lr, in % and nats per seed and their mean, with k = d / ratio, whether its lr is
+    SparseLoCo's tuned one, and the method its JSON records (the committed rows: before issue 57);
+    the plot of it against k/d and k is written. Made-up rows at 20M and 105M, recomputed by hand."""
+    import json
+    import shutil
+
+    ss = bench_module("size_sweep")
+    copy = tmp_path / "micro8"
+    shutil.copytree(ss.results_folder(True, 8), copy)
+    sl = {}  # (model, seed) -> SparseLoCo's committed loss at the tuned lr
+    for model, lr in (("20M", "0.001"), ("105M", "0.0005")):
+        for f in (copy / model).glob("paper_tables_*.json"):
+            for r in json.loads(f.read_text())["rows"]:
+                if r["variant"]["name"].startswith(f"sparseloco:lr={lr}@"):
+                    sl[(model, r["variant"]["seed"])] = r["val_loss"]
+    made = {("20M", "pp:8:lr=0.001", 0): 2.40, ("20M", "pp:8:lr=0.001", 1): 2.45,
+            ("105M", "pp:16:lr=0.0005", 0): 2.20}
+    for (model, name, seed), loss in made.items():
+        ratio = int(name.split(":")[1])
+        _penalty_row(copy / model, f"sparseloco:lr={name.split('lr=')[1]}@seed{seed}", f"{name}@seed{seed}",
+                     ratio, 8, loss)
+    assert ss.main(["penalty", "--one-pass", "--micro", "8", "--results", str(copy)]) == 0
+    doc = json.loads((copy / "penalty.json").read_text())
+    rows = {(r["model"], r["row"]): r for r in doc["rows"]}
+    pp8 = rows[("20M", "pp:8:lr=0.001")]
+    want = [100 * (made[("20M", "pp:8:lr=0.001", s)] - sl[("20M", s)]) / sl[("20M", s)] for s in (0, 1)]
+    assert pp8["seeds"] == [0, 1] and pp8["penalty_pct_per_seed"] == want and pp8["penalty_pct"] == sum(want) / 2
+    assert (pp8["k"], pp8["d"], pp8["method"], pp8["at_tuned_sparseloco_lr"]) == (48, 384, "issue 57", True)
+    pp16 = rows[("105M", "pp:16:lr=0.0005")]
+    assert (pp16["k"], pp16["k_over_d"], pp16["seeds"]) == (48, 1 / 16, [0])
+    assert pp16["penalty_nats_per_seed"] == [made[("105M", "pp:16:lr=0.0005", 0)] - sl[("105M", 0)]]
+    old = rows[("105M", "pp:8:lr=0.002")]
+    assert (old["method"], old["at_tuned_sparseloco_lr"], old["k"]) == ("before issue 57", False, 96)
+    assert abs(old["penalty_pct"] - 27.845691597904015) < 1e-9  # the committed summary's degradation_pct
+    paper = {(p["model"], p["kind"], p["ratio"]): p for p in doc["paper"]}
+    assert paper[("512M", "pp", 96)]["penalty_pct"] == 8.4 and paper[("512M", "het", 8)]["k"] == 192
+    assert abs(paper[("178M", "pp", 8)]["penalty_pct"] - 100 * 0.07 / 3.07) < 1e-9
+    assert (copy / "penalty.png").stat().st_size > 10_000
+
