@@ -87,7 +87,8 @@ def run_config(args, seq_len: int) -> dict:
         "bf16": {"enabled": args.device == "cuda"},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupCosineLR",
-                      "params": {"total_num_steps": args.steps, "warmup_num_steps": max(1, args.steps // 10),
+                      "params": {"total_num_steps": args.steps,
+                                 "warmup_num_steps": getattr(args, "warmup_steps", 0) or max(1, args.steps // 10),
                                  "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}},
         "hetloco": {"sparseloco": {"inner_steps": args.inner_steps, "outer_lr": 1.0, "error_decay": 0.95, "topk": 32},
                     "train": {"seq_len": seq_len, "eval_batches": args.eval_batches, "seed": 0}},
@@ -155,7 +156,7 @@ def gpu_ids(device: str, chosen: str | None = None) -> list[str]:
 
 
 def load(args):
-    blob = torch.load(args.data)
+    blob = torch.load(args.data, weights_only=True)  # a corpus file: tensors and plain data, nothing run
     # bench/make_corpus.py stores int16 (half the file); the feed indexes with int32 like data.load_corpus.
     corpus = Corpus(train=blob["train"].to(torch.int32), val=blob["val"].to(torch.int32),
                     description=blob["description"], cache_path=args.data)
@@ -271,6 +272,14 @@ def saved_state(path: str | None) -> bool:
     return bool(path) and (os.path.exists(path) or os.path.exists(path + ".g0"))
 
 
+def saved_curve(path: str) -> list[dict]:
+    """The validation curve (`--val-every`) of a row saved at `path` (by one process, or a group's
+    first block): a row whose state cannot leave the machine still brings back how far it got.
+    Memory-mapped, so the state's tensors (gigabytes at 178M) are not read."""
+    path = path if os.path.exists(path) else path + ".g0"
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("val_curve", [])
+
+
 def resumable(state_dir: str) -> set[str]:
     """The rows (`safe_name`s, with their seed) saved in `state_dir` and not finished since: what
     --resume-only runs. A machine given back and lent again holds none."""
@@ -293,7 +302,7 @@ def worker_meta(args, llama, corpus, device) -> dict:
         "tokens_per_row": args.steps * args.replicas * tokens_per_replica_step,
         "corpus_train_tokens": corpus.train.numel(), "data": corpus.description, "simulator": "batched",
         "compile": args.compile, "lr_sweep": args.lr_sweep, "eval_batches": args.eval_batches,
-        "val_every": args.val_every,
+        "val_every": args.val_every, "warmup_steps": args.warmup_steps or max(1, args.steps // 10),
     }
     if args.gpus_per_row > 1:
         meta["gpus_per_row"] = args.gpus_per_row
@@ -348,7 +357,7 @@ def worker(args) -> int:
         r, t0 = run_row(args, v, run, llama, corpus, device, state, meta)
         if r["status"] != "done":
             unfinished.append({k: r[k] for k in ("status", "step", "steps", "seconds", "seconds_by_phase")}
-                              | {"row": v.name})
+                              | {"row": v.name, "val_curve": saved_curve(state) if r["status"] == "saved" else []})
             print(f"{who(args)} {v.name:<28} {r['status']} at step {r['step']} of {args.steps}", flush=True)
         else:
             pace = (time.time() - t0) / args.steps
@@ -410,7 +419,7 @@ def calibrate_worker(args) -> int:
 
 FORWARD = ("data", "model", "replicas", "stages", "steps", "inner_steps", "micro", "gas", "lr", "rows", "seeds",
            "device", "procs_per_gpu", "command", "eval_batches", "lr_sweep", "sweep_rows", "lr_from", "aggregation",
-           "outer_lr", "state_dir", "s_per_step", "skip_done", "val_every")
+           "outer_lr", "state_dir", "s_per_step", "skip_done", "val_every", "warmup_steps")
 
 
 def gpu_blocks(args, gpus: list[str]) -> list[list[str]]:
@@ -526,6 +535,8 @@ def main(argv=None) -> int:
     p.add_argument("--gas", type=int, default=2, help="micro-batches a step: micro x gas x seq tokens per replica step")
     p.add_argument("--lr", type=float, default=1e-3, help="inner lr of rows without their own (lr=X or --lr-from)")
     p.add_argument("--eval-batches", type=int, default=16, help="held-out micro-batches each replica validates on")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="linear lr warm-up steps before the cosine decay (0: a tenth of --steps)")
     p.add_argument("--val-every", type=int, default=0,
                    help="also validate every this many steps, a multiple of --inner-steps (each row's val_curve; "
                         "0: at the end only)")
@@ -604,7 +615,7 @@ def main(argv=None) -> int:
             return 0
         print(f"paper_tables: --resume-only: resuming {', '.join(left)}", flush=True)
     if args.tokens_per_param or args.passes:
-        blob = torch.load(args.data, mmap=True)
+        blob = torch.load(args.data, mmap=True, weights_only=True)
         llama = model_config_for(args.model, blob["vocab_size"])
         seq_len = blob["train"].shape[1]
         args.steps = (steps_for_tokens(llama, args, seq_len) if args.tokens_per_param

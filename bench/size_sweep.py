@@ -17,6 +17,8 @@ Four verbs, each a step of spending device time in pieces:
     OUT=$OUT bash bench/gpu.sh --gpus 2 size_sweep.py fill --regimes one_pass,one_pass/micro8 --budget-s 560
     python bench/size_sweep.py summarize                     # bench/results/size_sweep/summary.json + .png
     ... plan | run | summarize --one-pass                    # every row within one pass: size_sweep/one_pass/
+    ... plan | run | fill --set penalty --one-pass --micro 8  # issue 57's item 2 rows by name (PENALTY_ROWS)
+    python bench/size_sweep.py penalty --one-pass --micro 8  # penalty.json + .png: the penalty against k/d and k
 
 `run` builds the corpus on the GPU machine once (bench/make_corpus.py: its Python and CUDA sources,
 BPE-8192 from `.benchdata/tokenizer`, which the call carries), then runs the size's unfinished rows
@@ -222,6 +224,44 @@ def rows_ready(model: str, summary: list[dict]) -> list[tuple[str, int]]:
     return [x for x in ready if x not in done]
 
 
+# Issue 57, item 2: what sets compression's cost. The one-pass micro-batch-8 regime (79 syncs, every
+# SparseLoCo bracket closed) at its narrowest and widest sizes, each row at SparseLoCo's tuned lr
+# there, so that no row is measured against an lr that regime does not train at. 105M's PP-Compress
+# at 1/16 keeps k = 48, 20M's k at 1/8, which parts k from k/d. Both seeds: a row of this regime
+# takes 3-8 minutes on an H200 (the committed rows' seconds), under the issue's 10 for a second seed.
+PENALTY_REGIME = "one_pass/micro8"
+PENALTY_ROWS = {"20M": ("pp:8", "het:8", "pp:96", "het:96"), "105M": ("pp:8", "het:8", "pp:96", "het:96", "pp:16")}
+PENALTY_SEEDS = (0, 1)
+SETS = ("sweep", "penalty")
+
+
+def penalty_rows(model: str, summary: list[dict]) -> list[str]:
+    """`model`'s rows of issue 57's item 2 (PENALTY_ROWS) at SparseLoCo's tuned lr among `summary`
+    (the size's rows in PENALTY_REGIME); refused at another size and while that bracket is open."""
+    if model not in PENALTY_ROWS:
+        raise SystemExit(f"size_sweep: --set penalty has rows at {', '.join(PENALTY_ROWS)}, not {model}")
+    b = lr_bracket(summary, "sparseloco")
+    if not b["complete"]:
+        raise SystemExit(f"size_sweep: --set penalty: {model}'s SparseLoCo lr bracket is open (best so far "
+                         f"{b['best']}): its rows run at the tuned lr, so close it first")
+    return [f"{row}:{lr_flag(b['best'])}" for row in PENALTY_ROWS[model]]
+
+
+def rows_of_set(name: str, model: str, summary: list[dict]) -> list[tuple[str, int]]:
+    """(row, seed) of the named set (SETS) that can start now, none finished: "sweep", the size
+    sweep's own (`rows_ready`); "penalty", `penalty_rows` on every seed of PENALTY_SEEDS, seed 0 first."""
+    if name == "sweep":
+        return rows_ready(model, summary)
+    done = done_row_seeds(summary)
+    return [(r, s) for s in PENALTY_SEEDS for r in penalty_rows(model, summary) if (r, s) not in done]
+
+
+def check_set(name: str, sub: str) -> None:
+    """A set's rows belong to one regime (its folder under RESULTS): "penalty" to PENALTY_REGIME."""
+    if name == "penalty" and os.path.normpath(sub) != PENALTY_REGIME:
+        raise SystemExit(f"size_sweep: --set penalty runs in {PENALTY_REGIME} (--one-pass --micro 8), not {sub!r}")
+
+
 def results_folder(one_pass: bool, micro: int = MICRO) -> str:
     """Where a regime's committed rows live: a micro-batch other than MICRO (the same tokens in more,
     smaller replica steps, so more outer syncs) in a sub-folder of its own."""
@@ -324,6 +364,8 @@ def estimated_paces(one_pass: bool, micro: int, results: str, mfu: float, load=l
 
 def plan(args) -> int:
     """Each size's rows, steps and GPU-minutes (`estimated_paces`)."""
+    if args.set == "penalty":
+        return plan_penalty(args)
     total, results = 0.0, results_of(args)
     load = functools.lru_cache(maxsize=None)(load_size)  # a folder read once, whichever of the roles below it plays
     paces = estimated_paces(args.one_pass, args.micro, results, args.mfu, load)
@@ -348,6 +390,29 @@ def plan(args) -> int:
         if left_rows:
             print("  left: " + ", ".join(f"{r}@seed{seed}" for r, seed in left_rows))
     print(f"all sizes: about {total / 60:.1f} GPU-hours left")
+    return 0
+
+
+def plan_penalty(args, card: str = "NVIDIA H200") -> int:
+    """The penalty set's row-seeds left at each size and their GPU-minutes on `card`, one row a GPU:
+    the median seconds a step of the size's committed rows in the regime on that card, times its
+    steps (those rows' seconds hold their compile and validation; a fresh machine also builds the
+    corpus, 38-58 s)."""
+    results = results_of(args)
+    check_set("penalty", os.path.relpath(results, RESULTS))
+    total = 0.0
+    for model in PENALTY_ROWS:
+        loaded = load_size(model, results)
+        left = rows_of_set("penalty", model, loaded[0] if loaded else [])
+        steps, _ = steps_for(model, args.one_pass, args.micro)
+        pace = measured_pace(loaded, card, 1)
+        minutes = pace * steps / 60
+        total += minutes * len(left)
+        print(f"{model}: {steps} steps at {pace:.4f} s a step on one {card} (committed rows): {minutes:.1f} "
+              f"GPU-minutes a row; {len(left)} row-seeds left, {minutes * len(left):.0f} GPU-minutes")
+        if left:
+            print("  left: " + ", ".join(f"{r}@seed{seed}" for r, seed in left))
+    print(f"penalty set: about {total:.0f} GPU-minutes left")
     return 0
 
 
@@ -378,13 +443,27 @@ def side_by_side(work: dict[str, tuple[int, float]], blocks: list[list[str]]) ->
     return [(blocks[j], lanes[j]) for j in range(len(blocks)) if lanes[j]]
 
 
-def ensure_corpus(args) -> None:
+def ensure_corpus(args, seq_len: int = SEQ) -> None:
     if not os.path.isfile(args.data):
         # Its own process, with the Rust tokenizer's threads on: gpu.sh turns them off for the
         # benches, and serial encoding took 225 of the build's 232 s on a 32-core machine.
         subprocess.run([sys.executable, os.path.join(HERE, "make_corpus.py"), "--tokenizer", args.tokenizer,
-                        "--out", args.data, "--max-bytes", "1e9", "--roots", *[r for r in args.roots.split(",") if r]],
+                        "--out", args.data, "--max-bytes", "1e9", "--seq-len", str(seq_len),
+                        "--roots", *[r for r in args.roots.split(",") if r]],
                        env=dict(os.environ, TOKENIZERS_PARALLELISM="true"), check=True)
+
+
+def smoke_corpus(path: str, vocab: int = 512) -> str:
+    """A corpus of random tokens in make_corpus.py's format for `run --cpu-smoke`: the recipe's rows
+    and flags run end to end on a CPU without a tokenizer or a corpus build."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save({"train": torch.randint(vocab, (256, 32), generator=g, dtype=torch.int16),
+                "val": torch.randint(vocab, (16, 32), generator=g, dtype=torch.int16),
+                "vocab_size": vocab, "description": "random tokens (size_sweep.py run --cpu-smoke)"}, path)
+    return path
 
 
 def cores_a_gpu(gpus: list[str]) -> int:
@@ -427,9 +506,16 @@ def run(args) -> int:
     def summary(model: str) -> list[dict]:
         return (load(model, results) or ([], None))[0]
 
-    rows = {m: second_seed_rows(m, results) if args.seeds == "1" and not args.rows else
-            (args.rows.split(",") if args.rows else first_seed_rows(m, bracket_rows(summary(m))))
-            for m in models}  # refused before the corpus
+    sub = os.path.relpath(results_folder(args.one_pass, args.micro), RESULTS)  # ".", one_pass, one_pass/micro8, ...
+    check_set(args.set, sub)
+    if args.set == "penalty":
+        args.seeds = args.seeds or ",".join(map(str, PENALTY_SEEDS))
+        rows = {m: penalty_rows(m, summary(m)) for m in models}
+    else:
+        args.seeds = args.seeds or "0"
+        rows = {m: second_seed_rows(m, results) if args.seeds == "1" and not args.rows else
+                (args.rows.split(",") if args.rows else first_seed_rows(m, bracket_rows(summary(m))))
+                for m in models}  # refused before the corpus
     lanes, threads_a_gpu = [(None, models)], 0
     if args.side_by_side:
         gpus = paper_tables.gpu_ids("cuda")
@@ -451,7 +537,6 @@ def run(args) -> int:
             print(f"size_sweep: no row left at {args.model}", flush=True)
             return 0
         print("side by side: " + "; ".join(f"GPUs {','.join(g)}: {', '.join(ms)}" for g, ms in lanes), flush=True)
-    sub = os.path.relpath(results_folder(args.one_pass, args.micro), RESULTS)  # ".", one_pass, one_pass/micro8, ...
     state_dir = args.state_dir + ("" if sub == "." else "_" + sub.replace(os.sep, "_"))
     if args.resume_only:
         saved = {m: paper_tables.resumable(os.path.join(state_dir, m)) for m in models}
@@ -461,7 +546,10 @@ def run(args) -> int:
                   "resume (the machine was given back since the call that saved them)", flush=True)
             return 0
         lanes = [(g, kept) for g, ms in lanes if (kept := [m for m in ms if saved[m]])]
-    ensure_corpus(args)
+    if args.cpu_smoke:
+        args.data = smoke_corpus(os.path.join(args.out, "smoke_corpus.pt"))
+    else:
+        ensure_corpus(args)
 
     def lane(gpus: list[str] | None, sizes: list[str]) -> int:
         status = 0
@@ -471,8 +559,14 @@ def run(args) -> int:
                 print(f"size_sweep: {model} not started, {left:.0f} s of the budget left", flush=True)
                 break
             done = os.path.join(results, model)
+            out = os.path.normpath(os.path.join(args.out, sub, model))
+            if args.cpu_smoke:  # the same rows and seeds, paper_tables' tiny CPU schedule
+                argv = ["--data", args.data, "--cpu-smoke", "--model", model, "--rows", ",".join(rows[model]),
+                        "--seeds", args.seeds, "--val-every", "1", "--tag", args.tag, "--out", out]
+                status = max(status, paper_tables.main(argv))
+                continue
             argv = paper_tables_argv(args.data, model, args.one_pass, args.micro, rows[model], args.seeds, left,
-                                     args.tag, os.path.normpath(os.path.join(args.out, sub, model)))
+                                     args.tag, out)
             if not args.whole_rows:
                 argv += ["--state-dir", os.path.join(state_dir, model)] + (["--resume-only"] if args.resume_only else [])
             elif (pace := measured_pace(load(model, results), card, args.gpus_per_row)) is not None:
@@ -530,6 +624,8 @@ def fill(args) -> int:
     t0 = time.time()
     models = sizes_of(args.model)
     regimes = {sub: regime_of(sub) for sub in dict.fromkeys(args.regimes.split(","))}
+    for sub in regimes:
+        check_set(args.set, sub)
     gpus = paper_tables.gpu_ids("cuda")
     if not gpus:
         raise SystemExit("size_sweep: fill: no CUDA device visible "
@@ -571,7 +667,7 @@ def fill(args) -> int:
             for seed in (0, 1):
                 for model in models:
                     summary, pace = ready[model]
-                    for row, s in rows_ready(model, summary):
+                    for row, s in rows_of_set(args.set, model, summary):
                         key = (sub, model, row, s)
                         if s != seed or key in running or key in tried:
                             continue
@@ -789,10 +885,12 @@ def summary_rows(model: str, summary: list[dict], meta: dict) -> list[dict]:
         cards = [c or meta["card"] for c in r["card_per_seed"]]
         out.append({
             "mode": mode, "model": model, "n_params": meta["n_params"], "lr": r["lr"],
-            # a mode with an lr bracket: its best lr on seed 0 so far, tuned once the bracket is complete;
-            # DiLoCo runs at one lr
+            # Tuned only where the row's own mode has a closed lr bracket with this lr its best on seed
+            # 0. DiLoCo runs at one lr, and a compressed row at whatever lr it was given: neither
+            # inherits SparseLoCo's bracket (the paper marks rows tuned for the compressed setting
+            # apart, Table 1's *), so a row run at one lr never reads as tuned.
             "best_lr_so_far": best_so_far(r),
-            "tuned": mode not in brackets or (best_so_far(r) and brackets[mode]["complete"]),
+            "tuned": mode in brackets and best_so_far(r) and brackets[mode]["complete"],
             "val_loss_mean": r["val_loss_mean"], "seeds": r["seeds"], "per_seed": r["val_loss_per_seed"],
             "outer_steps": r["outer_steps"], "tokens_per_param": r["tokens_per_param"],
             "tokens_per_replica_step": r["tokens_per_replica_step"], "epochs": r["epochs"],
@@ -1065,6 +1163,125 @@ def summarize(args) -> int:
     return 0
 
 
+def method_of(variant: dict) -> str:
+    """Which method a compressed row ran under, from its JSON's variant: rows written before issue 57
+    lack its two switches and ran the old one (T_S projected after every inner step, weight decay on
+    T_S alone)."""
+    if "project_embedding_every_step" not in variant:
+        return "before issue 57"
+    ablated = [f for f, on in (("stepproj", variant["project_embedding_every_step"]),
+                               ("tsdecay", variant.get("embedding_weight_decay") == "t_s")) if on]
+    return "ablation: " + ",".join(ablated) if ablated else "issue 57"
+
+
+def penalties(results: str) -> list[dict]:
+    """Every compressed SparseLoCo row of a regime's committed runs (`results`, its <model>/ folders)
+    against the uncompressed SparseLoCo row of the same seed, lr and outer-step settings: its
+    penalty in % and in nats per seed and their mean over the seeds that have both, with k = d /
+    ratio, k/d, the lr and whether it is SparseLoCo's tuned lr at that size, and the method."""
+    out = []
+    for model in SIZES:
+        runs = load_runs(os.path.join(results, model))
+        if runs is None:
+            continue
+        rows, meta = runs
+        d = meta["model_config"]["hidden_size"]
+        tuned = lr_bracket(summarize_tables.summarize(rows, meta), "sparseloco")
+        base = {summarize_tables.base_key(r["variant"]): r["val_loss"] for r in rows if not r["variant"]["compressed"]}
+        groups: dict[str, list[dict]] = {}
+        for r in sorted(rows, key=lambda r: r["variant"]["seed"]):
+            if r["variant"]["compressed"] and r["variant"]["mode"] == "sparseloco":
+                groups.setdefault(r["variant"]["name"].split("@")[0], []).append(r)
+        for name, group in groups.items():
+            v = group[0]["variant"]
+            paired = [(r["variant"]["seed"], r["val_loss"], b) for r in group
+                      if (b := base.get(summarize_tables.base_key(r["variant"]))) is not None]
+            pct = [100 * (x - b) / b for _, x, b in paired]
+            nats = [x - b for _, x, b in paired]
+            out.append({"model": model, "n_params": meta["n_params"], "d": d, "row": name, "kind": name.split(":")[0],
+                        "ratio": v["ratio"], "k": d // v["ratio"], "k_over_d": 1 / v["ratio"], "lr": v["lr"],
+                        "at_tuned_sparseloco_lr": tuned["complete"] and v["lr"] == tuned["best"],
+                        "method": method_of(v), "seeds": [s for s, _, _ in paired],
+                        "val_loss_per_seed": [x for _, x, _ in paired],
+                        "sparseloco_val_loss_per_seed": [b for _, _, b in paired],
+                        "penalty_pct_per_seed": pct, "penalty_nats_per_seed": nats,
+                        "penalty_pct": sum(pct) / len(pct) if pct else None,
+                        "penalty_nats": sum(nats) / len(nats) if nats else None})
+    return out
+
+
+def paper_penalties() -> list[dict]:
+    """The paper's penalties with their k: Table 2 (512M, every ratio) and Table 1 (178M, 1/8)."""
+    table1 = summarize_tables.PAPER_TABLE1_LOSS["178M"]
+    out = [{"model": "512M", "kind": kind, "ratio": ratio, "k": summarize_tables.PAPER_WIDTH["512M"] // ratio,
+            "k_over_d": 1 / ratio, "penalty_pct": pct, "source": "Table 2"}
+           for kind, by_ratio in summarize_tables.PAPER_TABLE2_PCT.items() for ratio, pct in by_ratio.items()]
+    return out + [{"model": "178M", "kind": kind, "ratio": 8, "k": summarize_tables.PAPER_WIDTH["178M"] // 8,
+                   "k_over_d": 1 / 8, "source": "Table 1",
+                   "penalty_pct": 100 * (table1[f"{kind}:8"] - table1["sparseloco"]) / table1["sparseloco"]}
+                  for kind in ("pp", "het")]
+
+
+def plot_penalties(rows: list[dict], paper: list[dict], path: str) -> None:
+    """The penalty against k/d (left) and against k (right): ours by size (issue 57's method filled
+    and joined, older methods hollow, each seed's range as a bar), the paper's as stars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.4))
+    for ax, x, label in ((axes[0], "k_over_d", "k/d"), (axes[1], "k", "k (dimensions a boundary sends)")):
+        for i, model in enumerate(dict.fromkeys(r["model"] for r in rows)):
+            for kind, marker, ls in (("pp", "o", "-"), ("het", "s", "--")):
+                for method in dict.fromkeys(r["method"] for r in rows):
+                    pts = sorted((r[x], r) for r in rows if r["model"] == model and r["kind"] == kind
+                                 and r["method"] == method and r["penalty_pct"] is not None)
+                    if not pts:
+                        continue
+                    new = method == "issue 57"
+                    ys = [r["penalty_pct"] for _, r in pts]
+                    err = [[y - min(r["penalty_pct_per_seed"]) for y, (_, r) in zip(ys, pts)],
+                           [max(r["penalty_pct_per_seed"]) - y for y, (_, r) in zip(ys, pts)]]
+                    ax.errorbar([p for p, _ in pts], ys, yerr=err, marker=marker, ls=ls if new else "none", capsize=3,
+                                color=f"C{i}", markerfacecolor=None if new else "none",
+                                label=f"ours {model} {kind}" + ("" if new else f" ({method})"))
+        for j, (source, kind) in enumerate(dict.fromkeys((p["source"], p["kind"]) for p in paper)):
+            pts = sorted((p[x], p["penalty_pct"]) for p in paper if (p["source"], p["kind"]) == (source, kind))
+            model = next(p["model"] for p in paper if p["source"] == source)
+            ax.plot(*zip(*pts), "*" + ("-" if kind == "pp" else "--"), color="k" if source == "Table 2" else "grey",
+                    markersize=11, lw=0.8, label=f"paper {model} {kind} ({source})")
+        ax.set(xscale="log", xlabel=label, ylabel="penalty: validation loss over SparseLoCo (%)",
+               title=f"compression's penalty against {label.split(' ')[0]}")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def penalty(args) -> int:
+    """penalty.json and penalty.png in a regime's folder: every compressed row's penalty (`penalties`)
+    beside the paper's (`paper_penalties`)."""
+    results = args.results or results_folder(args.one_pass, args.micro)
+    rows = penalties(results)
+    if not rows:
+        raise SystemExit(f"size_sweep: no compressed rows under {results}")
+    doc = {"regime": regime_name(args.one_pass, args.micro), "rows": rows, "paper": paper_penalties(),
+           "command": "python bench/size_sweep.py penalty" + (" --one-pass" if args.one_pass else "")
+                      + ("" if args.micro == MICRO else f" --micro {args.micro}")}
+    with open(os.path.join(results, "penalty.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    plot_penalties(rows, doc["paper"], os.path.join(results, "penalty.png"))
+    for r in rows:
+        per = ", ".join(f"{p:+.2f}" for p in r["penalty_pct_per_seed"])
+        print(f"{r['model']:>5} {r['row']:<18} k {r['k']:>3} (k/d 1/{r['ratio']}), {r['method']}"
+              + ("" if r["at_tuned_sparseloco_lr"] else ", not SparseLoCo's tuned lr")
+              + (f": {r['penalty_pct']:+.2f}% ({per}; seeds {r['seeds']})" if r["seeds"] else ": no SparseLoCo row to compare"))
+    print(f"wrote {results}/penalty.json and penalty.png")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     verbs = p.add_subparsers(dest="verb", required=True)
@@ -1074,8 +1291,12 @@ def main(argv=None) -> int:
     r = verbs.add_parser("run", help="one size's unfinished rows on this machine's GPUs")
     r.add_argument("--model", required=True,
                    help=f"one of {', '.join(SIZES)}, or several, comma-separated, run in turn")
-    r.add_argument("--seeds", default="0", help='"0": every row of the size and the next lr of each open bracket; '
-                   '"1": SparseLoCo and AdamW at their tuned lrs, DiLoCo')
+    r.add_argument("--seeds", default=None, help='"0" (the default): every row of the size and the next lr of each '
+                   'open bracket; "1": SparseLoCo and AdamW at their tuned lrs, DiLoCo; with --set penalty '
+                   f'{",".join(map(str, PENALTY_SEEDS))} by default')
+    r.add_argument("--cpu-smoke", action="store_true",
+                   help="the rows and seeds this call would run, on the CPU: a corpus of random tokens, paper_tables' "
+                        "tiny schedule (M = 2 x S = 2, 2 steps) at the size's own width")
     r.add_argument("--rows", default="", help="comma-separated rows instead of the size's own")
     fl = verbs.add_parser("fill", help="whole rows of several regimes and sizes, one a GPU, until the budget")
     fl.add_argument("--model", default=",".join(SIZES), help="sizes, comma-separated, in the order their rows go first")
@@ -1117,7 +1338,15 @@ def main(argv=None) -> int:
     ig.add_argument("--tag", default="", help="the call's tag: its size_sweep.log lands as size_sweep_<tag>.log")
     s = verbs.add_parser("summarize", help="summary.json and the plot from the committed runs")
     s.add_argument("--results", default="", help=f"default {RESULTS} ({ONE_PASS} with --one-pass)")
-    for verb in (pl, r, s):
+    pe = verbs.add_parser("penalty", help="penalty.json and penalty.png: each compressed row's penalty against "
+                                          "k/d and k, beside the paper's (issue 57, item 2)")
+    pe.add_argument("--results", default="", help="default: the regime's folder")
+    for verb in (pl, r, fl):
+        verb.add_argument("--set", choices=SETS, default="sweep",
+                          help="which rows: the size sweep's own (sweep), or issue 57's item 2 (penalty: "
+                               + "; ".join(f"{m} {', '.join(v)}" for m, v in PENALTY_ROWS.items())
+                               + f", at SparseLoCo's tuned lr, seeds {PENALTY_SEEDS}; {PENALTY_REGIME} only)")
+    for verb in (pl, r, s, pe):
         verb.add_argument("--one-pass", action="store_true",
                           help="the regime without repetition: every row within one pass over the corpus "
                                f"(results under {os.path.relpath(ONE_PASS, HERE)})")
@@ -1130,7 +1359,8 @@ def main(argv=None) -> int:
                          "regime validates on")
     if getattr(args, "resume_only", False) and args.whole_rows:
         raise SystemExit("size_sweep: --resume-only continues saved rows and --whole-rows saves none: give one")
-    return {"plan": plan, "run": run, "fill": fill, "ingest": ingest, "summarize": summarize}[args.verb](args)
+    return {"plan": plan, "run": run, "fill": fill, "ingest": ingest, "summarize": summarize,
+            "penalty": penalty}[args.verb](args)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,15 @@ PAPER = {
 }
 # Paper, 512M, DCLM, 10B tokens: the uncompressed rows' validation loss (METHOD.md).
 PAPER_LOSS = {"sparseloco": 2.73, "adamw": 2.75}
+# Paper, Table 1 (losses at the end of each size's compute-optimal run, the baseline's hyperparameters
+# for every row) and Table 4's AdamW (512M; the paper has no AdamW row at 178M).
+PAPER_TABLE1_LOSS = {"178M": {"sparseloco": 3.07, "pp:8": 3.14, "het:8": 3.12},
+                     "512M": {"sparseloco": 2.73, "pp:8": 2.84, "het:8": 2.82, "adamw": 2.75}}
+# Paper, Table 2 (512M): degradation over SparseLoCo in % at each d/k.
+PAPER_TABLE2_PCT = {"pp": {8: 4.0, 24: 5.9, 96: 8.4, 192: 11.0, 384: 11.4, 768: 12.5},
+                    "het": {8: 3.3, 24: 5.5, 96: 7.7, 192: 8.8, 384: 9.5, 768: 9.9}}
+# Table 9: the widths behind the paper's k = d / ratio.
+PAPER_WIDTH = {"178M": 1024, "512M": 1536}
 
 
 # Table order: SparseLoCo rows (Tables 1/2, 5a), then AdamW (Table 4), the dense control; others after them.

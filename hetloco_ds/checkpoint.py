@@ -48,6 +48,7 @@ import zlib
 import torch
 from deepspeed import comm as dist
 
+from . import safe_load
 from .patches import layer_checkpoint_name
 
 STATE_FILE = "hetloco_rank{rank:05d}.pt"
@@ -201,6 +202,18 @@ def file_crc32(path: str) -> int:
     return crc
 
 
+def _not_plain(name: str, obj) -> str | None:
+    """Why file `name` holding `obj` could not be read back (`_read` builds tensors and plain data
+    only), or None. Checked before writing, in the background write: no file is committed that a
+    resume would refuse."""
+    problem = safe_load.plain_data_problem(obj)
+    if problem is None:
+        return None
+    hint = "; pass client_state as plain data (e.g. float(x), x.tolist())" if "['client_state']" in problem else ""
+    return (f"{name} would not load back: its {problem}, and a checkpoint holds only tensors and plain data (dict, "
+            f"list, tuple, str, int, float, bool, None, bytes){hint}")
+
+
 def _write_files(directory: str, files: dict) -> dict:
     """The background half of a save: `files` ({name: staged object}) written durably into
     `directory`; {"files": {name: [bytes, crc32]}, "error": one line or None, "write_s"}. A
@@ -208,31 +221,15 @@ def _write_files(directory: str, files: dict) -> dict:
     t0, done = time.perf_counter(), {}
     for name, obj in files.items():
         path = os.path.join(directory, name)
+        problem = _not_plain(name, obj)
+        if problem is not None:
+            return {"files": done, "error": problem, "write_s": time.perf_counter() - t0}
         try:
             size = write_durably(path, lambda f, obj=obj: torch.save(obj, f))
             done[name] = [size, file_crc32(path)]
         except (OSError, RuntimeError) as err:
             return {"files": done, "error": describe_os_error(err, path), "write_s": time.perf_counter() - t0}
     return {"files": done, "error": None, "write_s": time.perf_counter() - t0}
-
-
-@contextlib.contextmanager
-def _deepspeed_reads(engine):
-    """Name the file when DeepSpeed's load of a checkpoint file fails."""
-    ce = engine.checkpoint_engine
-    original = ce.load
-
-    def load(path, map_location=None):
-        try:
-            return original(path, map_location=map_location)
-        except Exception as err:  # noqa: BLE001 - pickle, zip and torch errors alike
-            raise CheckpointError(f"checkpoint file {path} is corrupt: {_first_line(err)}") from err
-
-    ce.load = load
-    try:
-        yield
-    finally:
-        del ce.load
 
 
 def _first_line(err: BaseException) -> str:
@@ -597,12 +594,23 @@ def pick(ckpt_dir: str, world_size: int | None = None) -> Pick:
 
 
 def _read(path: str, device, what: str = "") -> dict:
+    """A checkpoint file's tensors and plain data; nothing it names is called (`safe_load`)."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path} is missing{what}")
     try:
-        return torch.load(path, map_location=device, weights_only=False, mmap=True)
-    except Exception as err:  # noqa: BLE001 - pickle, zip and torch errors alike
-        raise CheckpointError(f"checkpoint file {path} is corrupt: {_first_line(err)}") from err
+        return safe_load.load(path, device, what="checkpoint file")
+    except safe_load.UnreadableFile as err:
+        raise CheckpointError(str(err)) from err
+
+
+def check_readable(ckpt_dir: str, tag: str) -> None:
+    """Every torch file of checkpoint `tag` read as `load` will read it (memory-mapped: only the
+    pickles are parsed), before any rank starts: a file that would run code, or that its checksum
+    passed but does not parse, is CheckpointError naming it, not a rank's failure mid-load."""
+    path = os.path.join(ckpt_dir, tag)
+    for name in sorted(_manifest(path)["files"]):
+        if name.endswith(".pt"):
+            _read(os.path.join(path, name), "cpu")
 
 
 @torch.no_grad()
@@ -622,8 +630,7 @@ def load(engine, ckpt_dir: str, tag: str | None = None, *, module_only: bool = F
             f"checkpoint {ckpt_dir}/{tag} was written by {state['world_size']} ranks in {state['stages']} stages; "
             f"this run has {dist.get_world_size()} ranks in {engine.num_stages} stages"
         )
-    with _deepspeed_reads(engine):
-        engine.module.load_state_dir(path, checkpoint_engine=engine.checkpoint_engine, strict=True)
+    engine.module.load_layer_files(path, lambda file: _read(file, "cpu"))
     algorithm = engine.algorithm
     if state.get("params") is not None:  # saved between boundaries: this replica's own weights
         for p, t in zip(algorithm.params, state["params"]):

@@ -81,7 +81,7 @@ def _train(args) -> int:
 
     from .config import ConfigError
     from .rundir import state_dir
-    from .launch import core_shares, spawn, under_launcher
+    from .launch import STOP_GRACE_S, core_shares, spawn, under_launcher
     from .elastic.replica import FleetArgs, replica_dir
     from .train import ENV_JOB, ENV_OWNED, ENV_TAG, EXIT_BAD_INPUT, TrainArgs, default_out, main_rank, own_run, plan_run
 
@@ -159,7 +159,10 @@ def _train(args) -> int:
     try:
         if args.link:
             return rehearse.run(nproc, argv, args.link, targs.out, plan.run.stages, env)
-        return spawn(nproc, argv, env=env, bind_cores=args.bind_cores)
+        # Told to stop, the ranks get their grace to save plus the launcher's to see them exit; after
+        # a rank failed no save can complete (it needs every rank), so the others stop at once.
+        return spawn(nproc, argv, env=env, bind_cores=args.bind_cores,
+                     grace_s=plan.run.hetloco.train.preempt_grace_s + STOP_GRACE_S, failed_grace_s=0.0)
     finally:
         shutil.rmtree(state_dir(targs.out, "heartbeat"), ignore_errors=True)  # the job is over
         lock.release()

@@ -2,8 +2,9 @@
 
 A run's configuration is one DeepSpeed JSON file. DeepSpeed reads its own keys; ours live
 under `"hetloco"`. `load_config` splits the two, validates ours with pydantic
-(`extra="forbid"`: an unknown key is one error naming the key and the file), checks the
-DeepSpeed settings we depend on, and hands typed objects inward.
+(`extra="forbid"`, strict types: an unknown key, or a value of the wrong type, is one error naming
+the key, the value and the file), checks the DeepSpeed settings we depend on, and hands typed
+objects inward.
 """
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: a value of the wrong type is an error naming it ("inner_steps": "5" was once read as 5,
+    # "enabled": 1 as true); an int is still a float. What JSON cannot say strictly (a dict's integer
+    # keys) and unions that would report each member are read by the fields' own validators.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class SparseLoCoConfig(_Section):
@@ -140,6 +144,28 @@ class SubspaceConfig(_Section):
     embedding_weight_decay: Literal["table", "t_s"] = "table"
     """What inner AdamW's weight decay shrinks: table (default, the authors' code), TE = T_S + T_perp; t_s, T_S alone."""
 
+    @field_validator("compressed_replicas", mode="before")
+    @classmethod
+    def _ids_or_all_or_none(cls, v: Any) -> Any:
+        if v in ("all", "none") or (isinstance(v, list) and all(type(m) is int for m in v)):
+            return v
+        raise ValueError(f'compressed_replicas = {v!r} must be a list of replica ids (whole numbers), "all" or "none"')
+
+    @field_validator("replica_ratios", mode="before")
+    @classmethod
+    def _replica_ids_from_json_keys(cls, v: Any) -> Any:
+        # A JSON object's keys are strings: {"1": 64} names replica 1.
+        if not isinstance(v, dict):
+            return v
+        ids = {}
+        for key, ratio in v.items():
+            if isinstance(key, str) and key.isascii() and key.isdigit():
+                key = int(key)
+            elif type(key) is not int:
+                raise ValueError(f"replica_ratios = {v!r}: key {key!r} is not a replica id (a whole number >= 0)")
+            ids[key] = ratio
+        return ids
+
     @field_validator("replica_ratios")
     @classmethod
     def _ratios_positive(cls, v: dict[int, int]) -> dict[int, int]:
@@ -175,6 +201,18 @@ class TrainConfig(_Section):
     """Micro-batches of held-out data per validation."""
     checkpoint_interval: int = Field(0, ge=0)
     """Save every this many outer steps (0: only at the end). Checkpoints are taken at outer-step boundaries."""
+    checkpoint_every_s: float = Field(1800.0, ge=0)
+    """Also save once this many seconds have passed since the last save (rank 0's clock decides, every
+    rank saves at the first outer boundary all can reach), so a power cut or a SIGKILL loses at most
+    about this much training; 0 turns it off. Half an hour: training waits only for each save's copy to
+    host memory (the write runs in the background), while a kill without warning costs at most that."""
+    preempt_grace_s: float = Field(20.0, gt=0)
+    """After SIGTERM or SIGINT (to a launcher or a rank), seconds the ranks have to agree on a step,
+    save it and commit; past it they exit without committing. Schedulers follow SIGTERM with SIGKILL
+    after a grace of their own: Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds default
+    to 30 s, spot instances give 30 s to 2 minutes. 20 s fits inside the shortest of those with room
+    for the signal to travel through launchers and for the processes to exit; raise it where the
+    scheduler's grace is longer and a save takes more."""
     seed: int = 0
     """Seed for model initialisation and data order."""
     vocab_size: int = Field(8192, ge=256)
@@ -352,12 +390,31 @@ class RunConfig:
         return ds
 
 
+_QUOTED = {"int_type": "written without quotes", "float_type": "written without quotes",
+           "bool_type": "true or false, without quotes"}
+"""Strict types refuse a string that lax parsing would have read: say how to write the value."""
+
+
+def _dotted(prefix: str, loc: tuple) -> str:
+    """`loc` as the key a user wrote: `a.b[0]`; a union member's or a dict key's tag, which pydantic
+    appends to the field's location, is not part of it."""
+    where = prefix
+    for part in loc:
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif part.isidentifier():
+            where = f"{where}.{part}" if where else part
+        else:
+            break
+    return where
+
+
 def _format_pydantic(err: ValidationError, source: str, prefix: str = "hetloco") -> str:
     """All of pydantic's errors as one line, each naming the dotted key, the value and the file."""
     parts = []
     for e in err.errors():
         loc = [str(p) for p in e["loc"]]
-        where = ".".join([prefix, *loc]) if prefix else ".".join(loc)
+        where = _dotted(prefix, e["loc"])
         if e["type"] == "extra_forbidden":
             parts.append(f"unknown key '{where}'")
         elif e["type"] == "value_error":
@@ -367,7 +424,10 @@ def _format_pydantic(err: ValidationError, source: str, prefix: str = "hetloco")
                 where = where.rsplit(".", 1)[0]
             parts.append(f"{where}.{msg}" if " = " in msg.split(",")[0] else f"{where}: {msg}")
         else:
-            parts.append(f"{where} = {e.get('input')!r}: {e['msg']}")
+            hint = f" ({_QUOTED[e['type']]})" if e["type"] in _QUOTED and isinstance(e.get("input"), str) else ""
+            part = f"{where} = {e.get('input')!r}: {e['msg']}{hint}"
+            if part not in parts:
+                parts.append(part)
     return f"{source}: " + "; ".join(parts)
 
 
@@ -465,7 +525,7 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     stages = pipeline.get("stages", 1)
     if stages == "auto":
         stages = 1
-    if not isinstance(stages, int) or stages < 1:
+    if type(stages) is not int or stages < 1:
         raise ConfigError(f"{source}: pipeline.stages must be a positive integer, got {stages!r}")
     if hetloco.replica_stages is not None:
         stages = max(hetloco.replica_stages)  # the deepest replica's (each replica has its own)
@@ -486,13 +546,13 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
         value = ds.get(key, 1)
         if value == "auto":
             value = 1
-        elif not isinstance(value, int) or value < 1:
+        elif type(value) is not int or value < 1:  # bool is an int, and true would be a batch of 1
             raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
         ds[key] = value
     if ds.get("train_batch_size") == "auto":
         ds.pop("train_batch_size")
     clip = ds.get("gradient_clipping", 1.0)
-    if not isinstance(clip, (int, float)) or clip < 0:
+    if type(clip) not in (int, float) or clip < 0:
         raise ConfigError(f"{source}: gradient_clipping must be a non-negative number, got {clip!r}")
     check_deepspeed_section(ds, source)
     optimizer = _optimizer_settings(ds.get("optimizer"), source)
@@ -518,11 +578,21 @@ def _optimizer_settings(section: dict | None, source: str) -> OptimizerSettings:
         raise ConfigError(f"{source}: optimizer.params.adam_w_mode = false (Adam with L2 weight decay): the inner "
                           "optimizer is AdamW (decoupled weight decay); remove adam_w_mode")
     d = OptimizerSettings()
-    try:
-        out = OptimizerSettings(lr=float(p.get("lr", d.lr)), betas=tuple(float(b) for b in p.get("betas", d.betas)),
-                                eps=float(p.get("eps", d.eps)), weight_decay=float(p.get("weight_decay", d.weight_decay)))
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: optimizer.params must hold numbers, got {p!r}") from None
+
+    def number(key: str, value):
+        # As strict as the hetloco section: float("1e-3") would read a quoted number silently.
+        if type(value) not in (int, float):
+            quoted = ", written without quotes" if isinstance(value, str) else ""
+            raise ConfigError(f"{source}: optimizer.params.{key} = {value!r} must be a number{quoted}")
+        return float(value)
+
+    betas = p.get("betas", list(d.betas))
+    if not isinstance(betas, (list, tuple)):
+        raise ConfigError(f"{source}: optimizer.params.betas = {betas!r} must be two numbers in [0, 1)")
+    out = OptimizerSettings(lr=number("lr", p.get("lr", d.lr)),
+                            betas=tuple(number(f"betas[{i}]", b) for i, b in enumerate(betas)),
+                            eps=number("eps", p.get("eps", d.eps)),
+                            weight_decay=number("weight_decay", p.get("weight_decay", d.weight_decay)))
     if not out.lr > 0:
         raise ConfigError(f"{source}: optimizer.params.lr = {out.lr} must be > 0")
     if len(out.betas) != 2 or not all(0 <= b < 1 for b in out.betas):
@@ -589,9 +659,13 @@ def check_scheduler(section: dict | None, source: str) -> dict | None:
     if "warmup_type" in accepted and params.get("warmup_type", "log") not in WARMUP_TYPES:
         # DeepSpeed would log a warning and warm up logarithmically.
         raise ConfigError(f"{where}.warmup_type = {params['warmup_type']!r}: one of {', '.join(WARMUP_TYPES)}")
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    # The run's optimizer (AdamW: OneCycle would warn that SGD has no betas to cycle), and a probe
+    # built as at its first step: at -1 DeepSpeed's warmup schedulers ask themselves for the
+    # learning rate before any step and warn "before it has started". The constructor runs
+    # every value check either way; only the initial learning rate it sets differs.
+    probe = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
     try:
-        getattr(lr_schedules, kind)(probe, **params)
+        getattr(lr_schedules, kind)(probe, last_batch_iteration=0, **params)
     except Exception as err:  # noqa: BLE001 - DeepSpeed's schedulers raise ValueError, TypeError, asserts
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"{where}: DeepSpeed's {kind} rejects them: {first}") from None

@@ -42,6 +42,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig
 
+from . import safe_load
 from .model import layer_list
 from .patches import layer_checkpoint_name
 from .sizes import LayerLayout
@@ -743,13 +744,14 @@ def _write_hf_dir(
     final = Path(out_dir)
     with _staged_dir(final, overwrite=overwrite) as tmp:
         writer = _ShardWriter(tmp, _export_plan(config, dtype), limit)
-        bar = tqdm(itertools.chain([first], layer_states), total=len(export_layers(config)), desc="export",
-                   unit="layer", disable=not progress)
-        first = None  # the chain holds it now; let it go once written
-        for idx, state, source in bar:
-            for hf_key, tensor in _layer_to_hf(config, idx, state, source, dtype):
-                writer.add(hf_key, tensor)
-            del state
+        # Closed on an error too, ending its line: the error's line is then one of its own.
+        with tqdm(itertools.chain([first], layer_states), total=len(export_layers(config)), desc="export",
+                  unit="layer", disable=not progress) as bar:
+            first = None  # the chain holds it now; let it go once written
+            for idx, state, source in bar:
+                for hf_key, tensor in _layer_to_hf(config, idx, state, source, dtype):
+                    writer.add(hf_key, tensor)
+                del state
         writer.finish()
         config.dtype = dtype
         setattr(config, PROVENANCE_KEY, provenance)
@@ -831,7 +833,11 @@ def export(
 
     def states():
         for idx, path in files.items():
-            yield idx, torch.load(path, map_location="cpu", weights_only=True, mmap=True), str(path)
+            try:
+                state = safe_load.load(path, "cpu", what="layer file")
+            except safe_load.UnreadableFile as err:
+                raise ConversionError(str(err)) from None
+            yield idx, state, str(path)
 
     def side_files(tmp: Path, written_config: LlamaConfig) -> None:
         for src in meta_dir.iterdir():

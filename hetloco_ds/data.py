@@ -51,6 +51,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
 
+from . import safe_load
+
 if TYPE_CHECKING:  # annotations only: datasets is imported where it is used (the simulator runs without it)
     import datasets
 
@@ -654,7 +656,10 @@ def load_corpus(
     path = root / "corpus" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32] + ".pt")
     if path.exists():
         log.info("corpus cache hit: %s", path)
-        saved = torch.load(path, mmap=True, weights_only=True)
+        try:
+            saved = safe_load.load(path, None, what="token cache")
+        except safe_load.UnreadableFile as err:
+            raise DataError(f"{err}; delete it to rebuild it") from None
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".datasets-") as tmp:

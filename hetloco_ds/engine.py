@@ -488,7 +488,9 @@ class HetlocoEngine(PipelineEngineAdapter):
         stands), `client_state`) under SAVE_DIR/TAG
         (default global_step<N>), committed atomically across ranks before it returns
         (`checkpoint.save`), and the model's HF metadata beside it, so `hetloco-ds export SAVE_DIR`
-        works; a collective. DeepSpeed's own save would keep one replica's optimizer only and no
+        works; a collective. `client_state` must be plain data (dicts, lists, tuples, strings,
+        numbers, bytes, None, tensors): checkpoints are read back without running code, so
+        anything else is refused (CheckpointError on every rank, nothing committed). DeepSpeed's own save would keep one replica's optimizer only and no
         algorithm state."""
         from . import checkpoint
 

@@ -4,9 +4,11 @@ Each rank is a fresh `python -m hetloco_ds.cli ...` process with the environment
 `deepspeed` launcher and `torchrun` would give it. When a rank fails, the others are stopped
 at once (a stopped, SIGSTOPped one included), so a crash never leaves peers waiting in a
 collective; a rank that died by a signal is named in one line, since it could not say so itself.
-SIGTERM, SIGHUP or SIGINT to the launcher stops its ranks the same way before it lets go of the
-run directory (each rank is its own process group, so the signal reaches whatever it started,
-and a Ctrl-C in the terminal reaches only the launcher, which stops the ranks in order).
+SIGTERM, SIGHUP or SIGINT to the launcher is passed on to its ranks as SIGTERM (each rank is its
+own process group, so the signal reaches whatever it started, and a Ctrl-C in the terminal
+reaches only the launcher); training ranks then save a checkpoint (hetloco_ds/preempt.py), and
+the launcher waits for them up to its grace period, or until a second signal, before SIGKILL, and
+only then lets go of the run directory.
 `spawn_groups` runs several such jobs side by side (`--elastic`: one per replica), where a
 failure stops only its own job.
 """
@@ -24,6 +26,10 @@ import time
 
 STOP_GRACE_S = 5.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+EXIT_PREEMPTED = 75
+"""A job told to stop that committed a checkpoint first: `--resume` continues it. sysexits.h's
+EX_TEMPFAIL ("try again later"), so a scheduler's retry policy can match it, and apart from the
+small codes a run's own outcomes use and the 128 + N of a process ended by signal N."""
 
 
 def free_port() -> int:
@@ -68,17 +74,16 @@ def signal_group(p: subprocess.Popen, sig: int) -> None:
 @contextlib.contextmanager
 def stop_requests():
     """While the launcher waits on its ranks: STOP_SIGNALS recorded instead of ending the launcher,
-    which would leave the ranks training in a directory no longer locked. Yields a list that holds
-    the first such signal once one came; the waiting loop polls it, so the stop itself is never
-    interrupted by a second signal."""
+    which would leave the ranks training in a directory no longer locked. Yields a list of the
+    signals that came, in order; the waiting loop polls it, so the stop itself is never interrupted
+    by a second signal: it only hurries it."""
     came: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
         yield came
         return
 
     def note(signum, _frame):
-        if not came:
-            came.append(signum)
+        came.append(signum)  # the first is the stop; a later one hurries it (`stop_ranks`)
 
     before = {sig: signal.signal(sig, note) for sig in STOP_SIGNALS}
     try:
@@ -88,19 +93,21 @@ def stop_requests():
             signal.signal(sig, handler)
 
 
-def stop_ranks(procs: list[subprocess.Popen], send=signal_group) -> None:
-    """SIGTERM (with SIGCONT, so a stopped process receives it), then SIGKILL after a grace period,
-    each signal delivered by `send(proc, sig)` (by default to the rank's process group: what the
-    rank started, a compile worker or a data loader, stops with it)."""
+def stop_ranks(procs: list, send=signal_group, grace_s: float = STOP_GRACE_S, hurry=None, term: bool = True) -> None:
+    """SIGTERM (with SIGCONT, so a stopped process receives it; none when `term` is False: the ranks
+    are stopping by themselves), then SIGKILL to whichever still runs after `grace_s` or as soon as
+    `hurry()` is true (a second signal to the launcher), each signal delivered by `send(proc, sig)`
+    (by default to the rank's process group: what the rank started, a compile worker or a data
+    loader, stops with it)."""
     for p in procs:
-        if p.poll() is None:
+        if term and p.poll() is None:
             send(p, signal.SIGTERM)
             send(p, signal.SIGCONT)
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not (hurry and hurry()):
+        time.sleep(0.05)
     for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
             send(p, signal.SIGKILL)
             p.wait()
 
@@ -180,10 +187,14 @@ def start_rank(cmd: list[str], env: dict, pin) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, preexec_fn=prepare, start_new_session=True)
 
 
-def supervise(procs: list[subprocess.Popen], send=signal_group) -> tuple[int | None, int]:
+def supervise(procs: list[subprocess.Popen], send=signal_group, grace_s: float = STOP_GRACE_S,
+              failed_grace_s: float = STOP_GRACE_S) -> tuple[int | None, int]:
     """Wait for one job's ranks until all have exited 0, one fails or the launcher is asked to stop
-    (STOP_SIGNALS); then stop the rest (`stop_ranks`, signals delivered by `send`). Returns (the
-    first failing rank, its return code), (None, 0) when all succeeded, or (None, 128 + N) when
+    (STOP_SIGNALS); then stop the rest (`stop_ranks`, signals delivered by `send`): after a signal,
+    or a rank that stopped with EXIT_PREEMPTED (it was signalled and its peers are saving with it),
+    within `grace_s` (a second signal: at once); after a failure within `failed_grace_s`. Returns
+    (the first failing rank, its return code), (None, 0) when all succeeded, (None, EXIT_PREEMPTED)
+    when stopped by a signal and every rank exited EXIT_PREEMPTED, else (None, 128 + N) when
     stopped by signal N."""
     running = set(range(len(procs)))
     first: tuple[int | None, int] = (None, 0)
@@ -198,8 +209,13 @@ def supervise(procs: list[subprocess.Popen], send=signal_group) -> tuple[int | N
                     first = (rank, rc)
                     break
             time.sleep(0.05)
-        stop_ranks(procs, send)
-    return (None, 128 + came[0]) if came and first[0] is None else first
+        asked = len(came)
+        saving = bool(came) or first[1] == EXIT_PREEMPTED
+        stop_ranks(procs, send, grace_s if saving else failed_grace_s, hurry=lambda: len(came) > asked,
+                   term=first[1] != EXIT_PREEMPTED or bool(came))
+    if came and first[0] is None:
+        return None, EXIT_PREEMPTED if all(p.poll() == EXIT_PREEMPTED for p in procs) else 128 + came[0]
+    return first
 
 
 def _stopped_by(rc: int, ranks: int) -> str:
@@ -211,14 +227,17 @@ def _died(rank: int, proc: subprocess.Popen, rc: int) -> str:
 
 
 def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "hetloco-ds train",
-          bind_cores: bool = False, program: list[str] | None = None) -> int:
+          bind_cores: bool = False, program: list[str] | None = None, grace_s: float = STOP_GRACE_S,
+          failed_grace_s: float = STOP_GRACE_S) -> int:
     """Run `python -m hetloco_ds.cli *argv` (or `program *argv`) as `nproc` ranks, each pinned to its
     own share of the cores with `bind_cores` (`core_shares`); returns the first failing rank's exit
-    code (128 + N for a rank killed by signal N), or 0."""
+    code (128 + N for a rank killed by signal N), or 0. `grace_s`, `failed_grace_s`: `supervise`'s
+    (training: the time its ranks have to save when told to stop; none after a rank failed, since a
+    save needs every rank)."""
     procs = _start(nproc, argv, env, threads_per_rank(nproc), core_shares(nproc) if bind_cores else None, program)
-    rank, rc = supervise(procs)
+    rank, rc = supervise(procs, grace_s=grace_s, failed_grace_s=failed_grace_s)
     if rank is None:
-        if rc:
+        if rc and rc != EXIT_PREEMPTED:  # a stop that saved: the ranks said so
             print(f"{name}: error: {_stopped_by(rc, nproc)}", file=sys.stderr, flush=True)
         return rc
     if rc < 0:
@@ -228,12 +247,16 @@ def spawn(nproc: int, argv: list[str], env: dict | None = None, name: str = "het
     return rc
 
 
-def spawn_groups(groups: dict, tick=None, ended=None, bind_cores: bool = False) -> dict:
+def spawn_groups(groups: dict, tick=None, ended=None, bind_cores: bool = False, grace_s: float = STOP_GRACE_S,
+                 failed_grace_s: float = STOP_GRACE_S) -> dict:
     """Several independent jobs at once (an elastic fleet's replicas): `groups` maps a name to
     (nproc, argv, env) as `spawn` takes them. A job whose rank fails is stopped alone, and
     `ended(name, line)` is told (line: what failed, or None when the job finished); the others go
-    on. `tick(running names)` is called while they run; `bind_cores`: as `spawn`'s, over every rank of
-    every job. Returns {name: exit code} (128 + N for a rank killed by signal N)."""
+    on. A job whose rank exits EXIT_PREEMPTED (told to stop, it saved: an elastic replica leaving)
+    ends the same way, its other ranks given `grace_s` to finish saving. `tick(running names)` is
+    called while they run; `bind_cores`: as `spawn`'s, over every rank of every job; `grace_s`,
+    `failed_grace_s`: as `supervise`'s, a signal to the launcher stopping every job at once.
+    Returns {name: exit code} (128 + N for a rank killed by signal N)."""
     total = sum(n for n, _, _ in groups.values())
     shares = iter(core_shares(total)) if bind_cores else None
     procs = {g: _start(n, argv, env, threads_per_rank(total), [next(shares) for _ in range(n)] if shares else None)
@@ -248,11 +271,14 @@ def spawn_groups(groups: dict, tick=None, ended=None, bind_cores: bool = False) 
                 bad = [(r, rc) for r, rc in enumerate(polled) if rc not in (None, 0)]
                 if bad:
                     rank, rc = bad[0]
-                    stop_ranks(ranks)
+                    left = rc == EXIT_PREEMPTED
+                    stop_ranks(ranks, grace_s=grace_s if left else failed_grace_s, term=not left)
                     codes[g] = 128 - rc if rc < 0 else rc
-                    what = _died(rank, ranks[rank], rc) if rc < 0 else f"rank {rank} exited with code {rc}"
+                    what = (_died(rank, ranks[rank], rc) + "; stopped its other ranks" if rc < 0 else
+                            f"left the fleet after committing a checkpoint (exit {rc})" if left else
+                            f"rank {rank} exited with code {rc}; stopped its other ranks")
                     if ended is not None:
-                        ended(g, f"{what}; stopped its other ranks")
+                        ended(g, what)
                 elif all(rc == 0 for rc in polled):
                     codes[g] = 0
                     if ended is not None:
@@ -260,8 +286,9 @@ def spawn_groups(groups: dict, tick=None, ended=None, bind_cores: bool = False) 
             if tick is not None:
                 tick({g for g in procs if g not in codes})
             time.sleep(0.05)
-        for g, ranks in procs.items():
-            if g not in codes:
-                stop_ranks(ranks)
-                codes[g] = 128 + came[0]
+        rest = {g: ranks for g, ranks in procs.items() if g not in codes}
+        asked = len(came)
+        stop_ranks([p for ranks in rest.values() for p in ranks], grace_s=grace_s, hurry=lambda: len(came) > asked)
+        for g, ranks in rest.items():
+            codes[g] = EXIT_PREEMPTED if all(p.poll() == EXIT_PREEMPTED for p in ranks) else 128 + came[0]
     return codes

@@ -237,5 +237,7 @@ class Progress:
         if self.monitor is not None:
             self.monitor.write_events([("Validation/loss", loss, step)])
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """End the bar (its line too); whether it was shown."""
         self.bar.close()
+        return not self.bar.disable

@@ -9,7 +9,9 @@ have passed, so a bad invocation exits 2 having written nothing.
 
 Exit codes: 0 done, 1 a failure while running (a full disk, a lost rank), 2 bad input, 3 every
 replica went non-finite (the last good checkpoint stays `latest`), 4 a rank stalled (watchdog),
-5 an elastic replica refused by its fleet (another secret, or a config the fleet cannot sum with).
+5 an elastic replica refused by its fleet (another secret, or a config the fleet cannot sum with),
+75 stopped by a signal after committing a checkpoint (`preempt.py`: every rank saves at one agreed
+step; 128 + N when signal N stopped it and the save did not commit within train.preempt_grace_s).
 
 Elastic mode (`args.fleet`, see hetloco_ds/elastic/): the job is one replica of a fleet, its run
 directory OUT/replica-<id>; its outer sync goes through torchft instead of the static world. The
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import importlib
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -36,6 +40,7 @@ from .config import (ConfigError, RunConfig, check_run, check_topology, default_
 from .elastic import replica as fleet
 from .elastic.replica import EXIT_REFUSED, FleetArgs
 from .model import parameter_count
+from .preempt import EXIT_PREEMPTED, STOPPED, NoAgreement, Preemption
 from .presets import model_config_for
 from .watchdog import EXIT_STALLED, Watchdog
 
@@ -96,6 +101,15 @@ class RunPlan:
 
 class Diverged(RuntimeError):
     """Every replica's update was non-finite for too many outer steps in a row."""
+
+
+class Preempted(Exception):
+    """The job was told to stop (`signum`) and every rank stopped at `step`; `tag` is the newest
+    committed checkpoint (None: nothing was ever saved, a fresh run stopped before its first step)."""
+
+    def __init__(self, signum: int, step: int, tag: str | None):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.step, self.tag = signum, step, tag
 
 
 def default_out() -> str:
@@ -286,6 +300,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     if record is not None:
         try:
             resume = checkpoint.pick(os.path.join(out, rundir.CHECKPOINTS), world)
+            checkpoint.check_readable(os.path.join(out, rundir.CHECKPOINTS), resume.tag)
         except checkpoint.CheckpointError as err:
             raise ConfigError(f"--resume: {err}") from None
     return RunPlan(args, run, raw, llama_config, tokenizer, corpus, world, M, hf_dir, resume, secret)
@@ -419,6 +434,15 @@ def _all_replicas_nonfinite(engine, rec) -> bool:
     return bool(flag.item())
 
 
+def _most_of_all_ranks(engine, value: int) -> int:
+    """The largest of every rank's `value` (one scalar all-reduce over the world, once a run)."""
+    from deepspeed import comm as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=engine.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -522,8 +546,10 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
     out = plan.args.out
     watchdog = Watchdog(rundir.state_dir(out, "heartbeat", job), rank, world,
                         plan.run.hetloco.train.watchdog_timeout).start()
-    loop = _Loop(plan, watchdog)
+    stopper = loop = None
     try:
+        stopper = _preemption(plan, job, rank, world, watchdog)
+        loop = _Loop(plan, watchdog, stopper)
         loop.build(tag, rank)
         loop.run()
         with watchdog.busy("export"):
@@ -534,15 +560,57 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
             dist.barrier()
         return 0
     except FleetRefused as err:
-        # Every stage of the replica may be refused at once: one line for the job.
+        # Every stage of the replica may be refused at once: one line for the job, on a line of its
+        # own. A progress bar leaves its line open: this rank's is ended first; one of another rank
+        # (or, under --elastic, of another replica's job) may be open on the same terminal.
+        shown = loop.end_progress()
         if fleet.claim_refusal(rundir.state_dir(out, "heartbeat", job)):
-            print(f"hetloco-ds train: error: {_first_line(err)}", file=sys.stderr, flush=True)
+            print(("" if shown else "\n") + f"hetloco-ds train: error: {_first_line(err)}", file=sys.stderr, flush=True)
         else:
             time.sleep(QUIET_EXIT_DELAY_S)
         return EXIT_REFUSED
+    except Preempted as stop:
+        if loop.progress is not None:
+            loop.progress.close()  # the bar's last line ends before the job's
+        return _stopped(stop, plan.ckpt_dir, rank == 0 and stopper.claim(STOPPED))
     finally:
         watchdog.stop()
-        loop.close()
+        for part in (loop, stopper):
+            if part is not None:
+                part.close()
+
+
+STORE_TIMEOUT_S = 30.0
+"""How long one request to the job's store may take before the agreement thread tries again."""
+
+
+def _preemption(plan: RunPlan, job: str, rank: int, world: int, watchdog: Watchdog) -> Preemption:
+    """This rank's side of the stop and interval-save agreement (`preempt.py`), signals caught from
+    now on, through its own client of the store the job's ranks met at (MASTER_ADDR:MASTER_PORT)."""
+    from torch.distributed import HashStore, TCPStore
+
+    cfg, sl = plan.run.hetloco.train, plan.run.hetloco.sparseloco
+    if world == 1:
+        store = HashStore()
+    else:
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+    return Preemption(store, f"hetloco/preempt/{job}/", rank, world, grace_s=cfg.preempt_grace_s,
+                      every_s=cfg.checkpoint_every_s, boundary=sl.inner_steps if sl.enabled else 1,
+                      steps=plan.args.steps, claim_dir=rundir.state_dir(plan.args.out, "heartbeat", job),
+                      busy=watchdog.busy).install()
+
+
+def _stopped(stop: Preempted, ckpt_dir: str, report: bool) -> int:
+    """The job's line (`report`: rank 0, unless a rank ending at the deadline said it) and exit code
+    once every rank stopped on a signal; before a fresh run's first step there is nothing to save, and
+    it ends as a process stopped by the signal would."""
+    if stop.tag is None:
+        return 128 + stop.signum
+    if report:
+        print(f"hetloco-ds train: stopped by {stop} at step {stop.step}; checkpoint {stop.tag} is committed in "
+              f"{ckpt_dir}: --resume continues from it", file=sys.stderr, flush=True)
+    return EXIT_PREEMPTED
 
 
 def _replica_options(plan: RunPlan, watchdog: Watchdog) -> dict:
@@ -560,8 +628,8 @@ class _Loop:
     validation, checkpoints). Static or elastic, the same path: the engine's transport holds the
     difference (`ReplicaTransport`: the start gate, the wait for the fleet, its state, its close)."""
 
-    def __init__(self, plan: RunPlan, watchdog: Watchdog):
-        self.plan, self.watchdog = plan, watchdog
+    def __init__(self, plan: RunPlan, watchdog: Watchdog, stopper: Preemption):
+        self.plan, self.watchdog, self.stopper = plan, watchdog, stopper
         self.cfg = plan.run.hetloco.train
         self.engine = self.writer = self.progress = None
 
@@ -600,6 +668,7 @@ class _Loop:
         self.validated_at = (self.resumed_at if self.resumed_at is not None
                              and self.resumed_at in validated_steps(metrics_path) else None)
         self.last_good = tag
+        self.saved_at = self.resumed_at
         self.bad_steps: list[int] = []
 
     def validate(self, step: int) -> None:
@@ -624,7 +693,21 @@ class _Loop:
         with self.watchdog.busy(f"checkpoint at step {step}"):
             self.last_good = checkpoint.save(self.engine, self.plan.ckpt_dir, step, self.batches.position,
                                              keep=self.cfg.keep_checkpoints, wait=wait)
+        self.saved_at = step
+        self.stopper.saved()
         self.log_commits()
+
+    def act(self, due) -> None:
+        """What the ranks agreed on for this step (`Preemption.between_steps`): a save (none over a
+        step already saved, nor inside a non-finite streak: the last good checkpoint stays); on a
+        stop, every save committed, then `Preempted`."""
+        step = self.engine.local_steps
+        if due.save and step not in (self.saved_at, 0) and not self.bad_steps:
+            self.save(step, wait=due.stop is not None)
+        if due.stop is not None:
+            self.settle(block=True)
+            self.stopper.committed()
+            raise Preempted(due.stop, step, self.last_good)
 
     def settle(self, block: bool = False) -> None:
         if block:
@@ -646,7 +729,12 @@ class _Loop:
 
     def run(self) -> None:
         engine, steps, every = self.engine, self.plan.args.steps, self.cfg.eval_interval
+        self.stopper.begin(engine.local_steps)
         while engine.local_steps < steps:
+            due = self.stopper.between_steps(engine.local_steps)
+            if due is not None:
+                self.act(due)
+                continue  # asked again at this step: a stop may have been agreed meanwhile
             # The last step always ends with an outer sync, so the export and the final
             # validation see the synced model even when steps is not a multiple of H.
             last = engine.local_steps + 1 == steps
@@ -678,8 +766,18 @@ class _Loop:
         if engine.local_steps != self.resumed_at:  # a resume with nothing left to train already has it
             self.save(engine.local_steps, wait=True)
         self.settle(block=True)
+        signum = _most_of_all_ranks(engine, self.stopper.stop_signal)
+        self.stopper.committed()  # a stop from here on (the export) has nothing left to save
+        if signum:  # a stop that came after the last step started: its checkpoint is the run's last one
+            raise Preempted(signum, engine.local_steps, self.last_good)
         self.progress.close()
         self.writer.close()
+
+    def end_progress(self) -> bool:
+        """End the progress bar now (before a line that must start one of its own); whether this
+        rank showed it."""
+        progress, self.progress = self.progress, None
+        return progress is not None and progress.close()
 
     def close(self) -> None:
         if self.engine is not None:
@@ -719,7 +817,7 @@ def main_rank(args: TrainArgs) -> int:
         else:
             time.sleep(QUIET_EXIT_DELAY_S)
         return EXIT_NONFINITE
-    except checkpoint.CheckpointError as err:
+    except (checkpoint.CheckpointError, NoAgreement) as err:
         if err.report:
             print(f"hetloco-ds train: error: {err}", file=sys.stderr, flush=True)
         else:
@@ -746,4 +844,4 @@ def main_rank(args: TrainArgs) -> int:
 
 
 __all__ = ["TrainArgs", "RunPlan", "plan_run", "own_run", "run_rank", "main_rank",
-           "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_STALLED", "EXIT_REFUSED"]
+           "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_NONFINITE", "EXIT_STALLED", "EXIT_REFUSED", "EXIT_PREEMPTED"]

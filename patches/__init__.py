@@ -13,8 +13,12 @@ skipping our override (a subclass method whose base method was renamed is never 
                 gradient reduction, the optimizer step, the loss, the training schedule) that
                 hetloco_ds.engine implements; a subclass's own instructions join the map
     module.py   PipelineModuleAdapter: the layer build and the stage partition as hooks; the
-                stage's layers; DeepSpeed's per-layer seeding and checkpoint file names
+                stage's layers and their load from a checkpoint through the caller's reader (not
+                DeepSpeed's checkpoint engine, which unpickles with weights_only=False);
+                DeepSpeed's per-layer seeding and checkpoint file names
     comm.py     the CPU shared-memory op DeepSpeed would JIT-build at process-group creation
+    logs.py     DeepSpeed's log lines a user cannot act on, each dropped exactly and explained
+                (the filter goes on DeepSpeed's logger when this package is imported)
 """
 from __future__ import annotations
 
@@ -23,8 +27,12 @@ from .checks import CHECKED_AGAINST, INSTANCE_ATTRIBUTES, REQUIRED, DeepSpeedMis
 check()
 
 from . import comm  # noqa: E402  (after the check: the modules subclass what it verified)
+from . import logs  # noqa: E402
 from .engine import PipelineEngineAdapter  # noqa: E402
 from .module import PipelineModuleAdapter, layer_checkpoint_name, seed_layer  # noqa: E402
+
+# At import, not in apply_all: the simulator and the public API build DeepSpeed schedulers too.
+logs.quiet_scheduler_start()
 
 __all__ = ["CHECKED_AGAINST", "DeepSpeedMismatch", "INSTANCE_ATTRIBUTES", "REQUIRED", "PipelineEngineAdapter", "PipelineModuleAdapter",
            "apply_all", "check", "check_instance", "layer_checkpoint_name", "seed_layer"]

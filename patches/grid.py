@@ -15,9 +15,33 @@ rank, and keeps its own replica's.
 """
 from __future__ import annotations
 
-from deepspeed.runtime.pipe.topology import PipelineParallelGrid, ProcessTopology
+from collections import namedtuple
+
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipelineParallelGrid, ProcessTopology
 
 from .checks import check_instance
+
+ProcessCoord = namedtuple("ProcessCoord", ("pipe", "data"))
+"""As DeepSpeed's topologies print a rank's coordinate."""
+
+
+class WorldTopology(PipeDataParallelTopology):
+    """The valid one-stage grid over the world (pipe 1 x data W) that DeepSpeed's PipelineModule
+    builds its grid from before `_partition_layers` puts the replica's own grid in its place
+    (`module.PipelineModuleAdapter`). DeepSpeed's grid prints the topology it is given ("Using
+    topology: ...", on rank 0), which would show every rank as stage 0 of a replica of its own;
+    this one prints the world as `replica_ranks` lays it out, rank -> (pipe=stage, data=replica),
+    in DeepSpeed's format, so the line agrees with `hetloco.replica_stages`."""
+
+    def __init__(self, replica_ranks: list[list[int]]):
+        super().__init__(num_pp=1, num_dp=sum(len(ranks) for ranks in replica_ranks))
+        coords = {rank: ProcessCoord(pipe=s, data=m)
+                  for m, ranks in enumerate(replica_ranks) for s, rank in enumerate(ranks)}
+        self.layout = {coords[rank]: rank for rank in sorted(coords)}
+        """(stage, replica) -> global rank, in rank order: what `__str__` prints."""
+
+    def __str__(self):
+        return str(self.layout)
 
 
 class ReplicaTopology(ProcessTopology):

@@ -3,14 +3,15 @@ DeepSpeed conventions other code must follow: per-layer seeding and checkpoint f
 from __future__ import annotations
 
 import functools
+import os
 
+import torch
 from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from deepspeed.runtime import utils as ds_utils
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 from torch import nn
 
 from .checks import check_instance
-from .grid import replica_grid
+from .grid import WorldTopology, replica_grid
 
 
 def seed_layer(base_seed: int, layer_idx: int) -> None:
@@ -35,12 +36,10 @@ class PipelineModuleAdapter(PipelineModule):
     def __init__(self, *args, replica_ranks: list[list[int]] | None = None, **kwargs):
         self._replica_ranks = replica_ranks
         if replica_ranks is not None:
-            from deepspeed import comm as dist
-
             # DeepSpeed's __init__ builds a grid from `topology` before it partitions: a valid
             # one-stage grid over the world (its groups are made on every rank alike, then unused);
             # `_partition_layers`, called next, puts the replica's own grid in its place.
-            kwargs["topology"] = PipeDataParallelTopology(num_pp=1, num_dp=dist.get_world_size())
+            kwargs["topology"] = WorldTopology(replica_ranks)
         super().__init__(*args, **kwargs)
         check_instance(self, "PipelineModule")
         if replica_ranks is not None:
@@ -95,6 +94,15 @@ class PipelineModuleAdapter(PipelineModule):
         stage (a tied head is a function over another stage's module: no file of its own)."""
         return {self._local_start + i: f for i, f in enumerate(self.forward_funcs) if isinstance(f, nn.Module)}
 
+    def load_layer_files(self, directory: str, read) -> None:
+        """This stage's layers from their files in `directory`, each read by `read(path)`, then the
+        tied weights synchronised: what DeepSpeed's `load_state_dir` does, whose checkpoint engine
+        unpickles with weights_only=False (any function a file names is called) and reads every
+        file twice."""
+        for idx, layer in self.checkpoint_layers().items():
+            layer.load_state_dict(read(os.path.join(directory, layer_checkpoint_name(idx))), strict=True)
+        self._synchronize_tied_weights()
+
     def tied_copy_owned(self, param, global_rank: int) -> bool:
         """False for a tied copy held by a stage that is not its owner (counted once in norms)."""
         for d in self.tied_comms.values():
@@ -137,5 +145,11 @@ class PipelineModuleAdapter(PipelineModule):
         return comms
 
     def _synchronize_tied_weights(self):
-        PipelineModule._synchronize_tied_weights(self)
-        self.sync_local_copies()
+        # Without grad: DeepSpeed broadcasts the tied parameters themselves (not their `.data`), an
+        # in-place c10d::broadcast_ on tensors that require grad, which torch's autograd fallback
+        # records; every later backward through the tied weight then warned "c10d::broadcast_: an
+        # autograd kernel was not registered to the Autograd key(s)". Copying a weight from its
+        # owner stage is set-up, not something to differentiate.
+        with torch.no_grad():
+            PipelineModule._synchronize_tied_weights(self)
+            self.sync_local_copies()

@@ -152,6 +152,27 @@ CONFIG_CASES = {
         "adam_w_mode is on by default)"),
     "unknown_key_inside_deepspeed_section": (
         {"zero_optimization": {"stage": 0, "overlap_com": True}}, "{cfg}: unknown key 'zero_optimization.overlap_com'"),
+    # Strict types: each of these was once read as something else (5, True, 0.7, [1], 2, 0.001) without a word.
+    "inner_steps_as_a_string": (
+        {"hetloco.sparseloco.inner_steps": "5"},
+        "{cfg}: hetloco.sparseloco.inner_steps = '5': Input should be a valid integer (written without quotes)"),
+    "enabled_as_a_number": (
+        {"hetloco.sparseloco.enabled": 1}, "{cfg}: hetloco.sparseloco.enabled = 1: Input should be a valid boolean"),
+    "outer_lr_as_a_string": (
+        {"hetloco.sparseloco.outer_lr": "0.7"},
+        "{cfg}: hetloco.sparseloco.outer_lr = '0.7': Input should be a valid number (written without quotes)"),
+    "compressed_replicas_as_strings": (
+        {"pipeline.stages": 1, "hetloco.subspace.compressed_replicas": ["1"]},
+        "{cfg}: hetloco.subspace.compressed_replicas = ['1'] must be a list of replica ids (whole numbers), \"all\" "
+        "or \"none\""),
+    "replica_ratio_as_a_string": (
+        {"pipeline.stages": 1, "hetloco.subspace.compressed_replicas": [1], "hetloco.subspace.replica_ratios": {"1": "2"}},
+        "{cfg}: hetloco.subspace.replica_ratios[1] = '2': Input should be a valid integer (written without quotes)"),
+    "replica_ratios_key_not_a_replica_id": (
+        {"pipeline.stages": 1, "hetloco.subspace.compressed_replicas": [1], "hetloco.subspace.replica_ratios": {"one": 2}},
+        "{cfg}: hetloco.subspace.replica_ratios = {{'one': 2}}: key 'one' is not a replica id (a whole number >= 0)"),
+    "optimizer_lr_as_a_string": (
+        {"optimizer.params.lr": "1e-3"}, "{cfg}: optimizer.params.lr = '1e-3' must be a number, written without quotes"),
 }
 
 
@@ -166,6 +187,35 @@ def test_bad_config_fails_before_any_rank_with_one_line(case, inputs, tmp_path, 
     out = tmp_path / "out"
     fails_with(capsys, _train(inputs, cfg, out, "--nproc", 2), line.format(cfg=cfg), out)
     assert not out.exists()
+
+
+def test_strict_types_still_read_what_users_write():
+    """Strict types refuse a value of the wrong type, not the forms a config legitimately takes:
+    an int where a float goes (outer_lr 1, watchdog_timeout 60, the optimizer's lr), replica ids as
+    a JSON object's string keys (replica_ratios {"1": 4}), "auto" where it is a value
+    (gemm_sm_carveout, the micro batch), "all" / "none", a preset beside its own fields, and every
+    config shipped with the package or used by the benchmarks. Breaks if strictness refuses any."""
+    import glob
+
+    from hetloco_ds.config import load_config, parse_config
+
+    run = parse_config({
+        "train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {"lr": 1, "betas": [0.9, 1 / 2]}},
+        "hetloco": {"sparseloco": {"preset": "templar", "topk": 16, "outer_lr": 1, "quant_bits": 4},
+                    "subspace": {"ratio": 2, "compressed_replicas": [1], "replica_ratios": {"1": 4}},
+                    "train": {"watchdog_timeout": 60}, "elastic": {"timeout": 5},
+                    "pipeline": {"gemm_sm_carveout": "auto"}}})
+    h = run.hetloco
+    assert h.sparseloco.outer_lr == 1.0 and isinstance(h.sparseloco.outer_lr, float)
+    assert h.subspace.replica_ratios == {1: 4} and h.subspace.ratio_for(1, 2) == 4
+    assert (h.pipeline.gemm_sm_carveout, h.train.watchdog_timeout, run.optimizer.lr) == ("auto", 60.0, 1.0)
+    assert parse_config({"hetloco": {"subspace": {"compressed_replicas": "all"}}}).hetloco.subspace.compressed(3, 4)
+    repo = Path(__file__).resolve().parents[1]
+    shipped = [p for pattern in ("configs/*.json", "hetloco_ds/configs/*.json", "examples/**/*.json")
+               for p in glob.glob(str(repo / pattern), recursive=True) if "hetloco" in json.loads(Path(p).read_text())]
+    assert len(shipped) >= 4, shipped
+    for path in shipped:
+        load_config(path)
 
 
 def test_seq_len_beyond_the_models_positions_fails_before_any_rank(inputs, tmp_path, capsys):

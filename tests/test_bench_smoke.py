@@ -482,3 +482,41 @@ def test_scale_summary_replays_the_committed_1b_and_178m_comparison():
     ours, stock = new["systems"]["speed/ours_1b_default"], new["systems"]["speed/stock_1b_s2"]
     assert ours["median"] == sorted(ours["global_tokens_per_s"])[1] and ours["vs_stock_median"] > 1
     assert (ours["peak_allocated_gib_fullest_gpu"], stock["peak_allocated_gib_fullest_gpu"]) == (16.599, 13.440485954284668)
+
+
+def test_penalty_rows_train_on_the_cpu_under_issue_57s_method(tmp_path):
+    """size_sweep.py run --set penalty --cpu-smoke: 20M's penalty rows (issue 57, item 2) by name, at
+    SparseLoCo's tuned lr of the micro-batch-8 regime, train end to end on the CPU (random tokens,
+    paper_tables' tiny schedule, the model's own width, so k = 4 at 1/96), each under the method as
+    it stands (no per-step projection, weight decay on the whole table). Breaks if the recipe's rows
+    stop parsing, fitting the width or running, or run the old method by default."""
+    _run([sys.executable, "bench/size_sweep.py", "run", "--set", "penalty", "--one-pass", "--micro", "8",
+          "--model", "20M", "--seeds", "0", "--cpu-smoke", "--out", str(tmp_path)], timeout=900)
+    (run,) = [json.loads(p.read_text()) for p in (tmp_path / "one_pass" / "micro8" / "20M").glob("paper_tables_*.json")]
+    assert run["model_config"]["hidden_size"] == 384
+    got = {r["variant"]["name"]: r for r in run["rows"]}
+    assert sorted(got) == sorted(f"{r}:lr=0.001@seed0" for r in ("pp:8", "het:8", "pp:96", "het:96"))
+    for r in got.values():
+        assert r["variant"]["project_embedding_every_step"] is False and r["variant"]["embedding_weight_decay"] == "table"
+        assert math.isfinite(r["val_loss"]) and r["val_curve"][-1]["loss"] == r["val_loss"]
+    assert got["pp:96:lr=0.001@seed0"]["variant"]["ratio"] == 96 and got["het:8:lr=0.001@seed0"]["variant"]["compressed"] == 1
+
+
+def test_paper_regime_row_saves_its_curve_at_the_budget_and_resumes_on_the_cpu(tmp_path):
+    """paper_regime.py run --cpu-smoke: a row of the 178M recipe's chain on the CPU (tiny model):
+    the first call, its budget inside the saving margin, saves the row at its first boundary and its
+    JSON carries the validation curve reached so far (the state itself never leaves the machine);
+    --resume-only finishes it with the whole curve; on a machine with nothing saved it ends at once."""
+    common = [sys.executable, "bench/paper_regime.py", "run", "--row", "het:8", "--cpu-smoke",
+              "--out", str(tmp_path), "--state-dir", str(tmp_path / "state")]
+    _run(common + ["--budget-s", "30", "--tag", "c1"], timeout=600)
+    first = json.loads((tmp_path / "178M" / "paper_tables_c1_g0p0.json").read_text())
+    (u,) = first["unfinished"]
+    assert first["rows"] == [] and (u["status"], u["step"]) == ("saved", 1) and [p["step"] for p in u["val_curve"]] == [1]
+    assert first["warmup_steps"] == 1 and first["val_every"] == 1
+    _run(common + ["--resume-only", "--tag", "c2"], timeout=600)
+    (row,) = json.loads((tmp_path / "178M" / "paper_tables_c2_g0p0.json").read_text())["rows"]
+    assert row["variant"]["name"] == "het:8:lr=0.001@seed0" and [p["step"] for p in row["val_curve"]] == [1, 2, 3]
+    assert row["val_curve"][0] == u["val_curve"][0]
+    done = _run(common + ["--resume-only", "--tag", "c3"], timeout=120)
+    assert "nothing to resume" in done.stdout and not (tmp_path / "178M" / "paper_tables_c3_g0p0.json").exists()

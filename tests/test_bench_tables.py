@@ -224,6 +224,47 @@ def test_size_sweep_summary_of_the_committed_runs(tmp_path):
     assert gap["seeds"] == [0, 1] and abs(gap["gap_nats"] - sum(diffs) / 2) < 1e-12
 
 
+def test_committed_size_sweep_summaries_rebuild_byte_for_byte_from_their_runs(tmp_path):
+    """Each regime's committed summary.json is what `summarize` makes of the committed run JSONs
+    today: a change to the summary code that is not followed by regenerating the summaries (or a
+    summary edited by hand) fails here."""
+    import shutil
+
+    ss = bench_module("size_sweep")
+    for one_pass, micro in ((False, ss.MICRO), (True, ss.MICRO), (True, 8)):
+        folder = Path(ss.results_folder(one_pass, micro))
+        copy = tmp_path / f"{int(one_pass)}_{micro}"
+        for sub in (*ss.SIZES, "repeats"):
+            if (folder / sub).is_dir():
+                shutil.copytree(folder / sub, copy / sub)
+        argv = ["summarize", "--results", str(copy)] + (["--one-pass"] if one_pass else []) + \
+            ([] if micro == ss.MICRO else ["--micro", str(micro)])
+        assert ss.main(argv) == 0
+        assert (copy / "summary.json").read_bytes() == (folder / "summary.json").read_bytes(), folder
+
+
+def test_only_a_modes_best_lr_inside_its_closed_bracket_is_tuned_never_a_compressed_or_diloco_row(tmp_path,
+                                                                                                   monkeypatch):
+    """`tuned` in the summary rows: SparseLoCo's and AdamW's best lr of a closed bracket on seed 0,
+    nothing else. A compressed row run at SparseLoCo's tuned lr (5e-4 at 105M, micro-batch 8) and
+    DiLoCo at its one lr are not tuned: they have no bracket of their own (the committed summaries
+    marked both tuned until issue 57)."""
+    ss = bench_module("size_sweep")
+    copy = results_without(ss, tmp_path, monkeypatch, {})
+    home = copy / "one_pass" / "micro8" / "105M"
+    add_row(home, "pp:8:lr=0.002@seed0", "pp:8:lr=0.0005@seed0", -0.2)
+    summary, meta = ss.load_size("105M", str(copy / "one_pass" / "micro8"))
+    rows = ss.summary_rows("105M", summary, meta)
+    assert sorted((r["mode"], r["lr"]) for r in rows if r["tuned"]) == [("adamw", 0.001), ("sparseloco", 0.0005)]
+    assert {r["mode"] for r in rows if not r["tuned"]} >= {"pp:8", "het:8", "pp:96", "het:96", "diloco"}
+    # an open bracket tunes nothing, not even its best lr so far
+    opened = results_without(ss, tmp_path / "open", monkeypatch, {"one_pass/micro8/105M": ["sparseloco:lr=0.00025@seed0"]})
+    summary, meta = ss.load_size("105M", str(opened / "one_pass" / "micro8"))
+    rows = ss.summary_rows("105M", summary, meta)
+    assert [(r["mode"], r["lr"]) for r in rows if r["tuned"]] == [("adamw", 0.001)]
+    assert any(r["mode"] == "sparseloco" and r["lr"] == 0.0005 and r["best_lr_so_far"] for r in rows)
+
+
 def test_size_sweep_gap_against_outer_syncs_from_the_committed_runs():
     """gaps_by_outer_steps: in each regime, SparseLoCo's gap to the best AdamW lr of seed 0 at each
     size, recomputed by hand from the committed run JSONs, with the syncs (steps / H) and passes over
@@ -1040,3 +1081,208 @@ def test_size_sweep_ingest_puts_a_calls_rows_where_plan_reads_them_and_nothing_t
     tgz(broken / "fill.tgz", {"size_sweep_fill/one_pass/micro8/60M/paper_tables_b_g0p0.json": b"{\"rows\": [{}]}"})
     refused(broken, r"broken/fill.tgz:size_sweep_fill/one_pass/micro8/60M/paper_tables_b_g0p0.json: not a paper_tables "
             "run JSON")
+
+
+def test_penalty_set_runs_each_sizes_compressed_rows_at_sparselocos_tuned_lr_on_both_seeds(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Issue 57, item 2, by name: `--set penalty` at 20M and 105M in the micro-batch-8 one-pass regime
+    is PP-Compress and Het at 1/8 and 1/96 (and PP-Compress at 1/16 at 105M: k = 48, 20M's k at 1/8)
+    at SparseLoCo's tuned lr there (1e-3, 5e-4), seeds 0 and 1, seed 0 first; run hands exactly
+    these to paper_tables with the regime's own flags; plan prices them at the committed rows'
+    H200 pace; another regime, another size or an open bracket is refused before anything runs.
+    Breaks if a penalty row could run at an untuned lr or outside its regime."""
+    import sys
+
+    import pytest
+
+    ss = bench_module("size_sweep")
+    from hetloco_ds.presets import model_config_for
+
+    d = {m: model_config_for(m, 8192).hidden_size for m in ss.PENALTY_ROWS}
+    assert [d["20M"] // int(r.split(":")[1]) for r in ss.PENALTY_ROWS["20M"]] == [48, 48, 4, 4]
+    assert [d["105M"] // int(r.split(":")[1]) for r in ss.PENALTY_ROWS["105M"]] == [96, 96, 8, 8, 48]
+    micro8 = ss.results_folder(True, 8)
+    tuned = {"20M": "0.001", "105M": "0.0005"}
+    for model in ss.PENALTY_ROWS:
+        left = ss.rows_of_set("penalty", model, ss.load_size(model, micro8)[0])
+        want = [f"{r}:lr={tuned[model]}" for r in ss.PENALTY_ROWS[model]]
+        assert left == [(r, 0) for r in want] + [(r, 1) for r in want]
+    assert ss.main(["plan", "--set", "penalty", "--one-pass", "--micro", "8"]) == 0
+    out = capsys.readouterr().out
+    pace = ss.measured_pace(ss.load_size("105M", micro8), "NVIDIA H200", 1)
+    assert f"105M: 3950 steps at {pace:.4f} s a step" in out and "10 row-seeds left" in out
+    assert "20M: 3950 steps" in out and "8 row-seeds left" in out
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "paper_tables", type(sys)("paper_tables"))
+    sys.modules["paper_tables"].main = lambda argv: calls.append(argv) or 0
+    data = tmp_path / "c.pt"
+    data.write_bytes(b"")
+    base = ["run", "--set", "penalty", "--data", str(data), "--out", str(tmp_path / "o"), "--whole-rows"]
+    assert ss.main(base + ["--model", "20M,105M", "--one-pass", "--micro", "8"]) == 0
+    for model, argv in zip(("20M", "105M"), calls):
+        flag = flags(argv)
+        assert flag["--rows"] == ",".join(f"{r}:lr={tuned[model]}" for r in ss.PENALTY_ROWS[model])
+        assert flag["--seeds"] == "0,1" and flag["--micro"] == "8" and flag["--passes"] == "1"
+        assert flag["--out"] == str(tmp_path / "o" / "one_pass" / "micro8" / model)
+    calls.clear()
+    with pytest.raises(SystemExit, match="--set penalty runs in one_pass/micro8"):
+        ss.main(base + ["--model", "20M", "--one-pass"])
+    with pytest.raises(SystemExit, match="--set penalty has rows at 20M, 105M, not 60M"):
+        ss.main(base + ["--model", "60M", "--one-pass", "--micro", "8"])
+    results_without(ss, tmp_path, monkeypatch, {"one_pass/micro8/105M": ["sparseloco:lr=0.00025@seed0"]})
+    with pytest.raises(SystemExit, match="105M's SparseLoCo lr bracket is open"):
+        ss.main(base + ["--model", "105M", "--one-pass", "--micro", "8"])
+    with pytest.raises(SystemExit, match="--set penalty runs in one_pass/micro8"):
+        ss.main(["fill", "--set", "penalty", "--regimes", "one_pass", "--data", str(data)])
+    assert calls == []
+    # fill, one GPU, time enough: every row-seed once, seed 0 of both sizes first, --model's order within
+    monkeypatch.undo()
+    pt = bench_module("paper_tables")
+    monkeypatch.setattr(pt, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setitem(sys.modules, "paper_tables", pt)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert ss.main(["fill", "--set", "penalty", "--model", "105M,20M", "--regimes", "one_pass/micro8",
+                    "--data", str(data), "--out", str(tmp_path / "f"), "--budget-s", "100000"]) == 0
+    picked = [(flags(a)["--model"], flags(a)["--rows"], flags(a)["--seeds"]) for a in calls]
+    assert picked == [(m, f"{r}:lr={tuned[m]}", str(s)) for s in (0, 1) for m in ("105M", "20M")
+                      for r in ss.PENALTY_ROWS[m]]
+    assert all(flags(a)["--micro"] == "8" and flags(a)["--gpu-ids"] == "0" for a in calls)
+
+
+def _penalty_row(folder: Path, like: str, name: str, ratio: int, compressed: int, loss: float) -> None:
+    """A made-up compressed row run under issue 57's method (its variant's two switches at their
+    defaults), from the committed row `like`."""
+    import json
+
+    add_row(folder, like, name, 0.0)
+    made = sorted(folder.glob("paper_tables_made_*"), key=lambda p: int(p.name.split("_")[3]))[-1]
+    doc = json.loads(made.read_text())
+    doc["rows"][0]["variant"].update(ratio=ratio, compressed=compressed, project_embedding_every_step=False,
+                                     embedding_weight_decay="table")
+    doc["rows"][0]["val_loss"] = loss
+    made.write_text(json.dumps(doc))
+
+
+def test_penalty_reads_each_compressed_row_against_sparseloco_at_its_seed_and_lr_and_plots_k_and_k_over_d(tmp_path):
+    """size_sweep penalty: every compressed row of a regime against the SparseLoCo row of the same
+    seed and lr, in % and nats per seed and their mean, with k = d / ratio, whether its lr is
+    SparseLoCo's tuned one, and the method its JSON records (the committed rows: before issue 57);
+    the plot of it against k/d and k is written. Made-up rows at 20M and 105M, recomputed by hand."""
+    import json
+    import shutil
+
+    ss = bench_module("size_sweep")
+    copy = tmp_path / "micro8"
+    shutil.copytree(ss.results_folder(True, 8), copy)
+    sl = {}  # (model, seed) -> SparseLoCo's committed loss at the tuned lr
+    for model, lr in (("20M", "0.001"), ("105M", "0.0005")):
+        for f in (copy / model).glob("paper_tables_*.json"):
+            for r in json.loads(f.read_text())["rows"]:
+                if r["variant"]["name"].startswith(f"sparseloco:lr={lr}@"):
+                    sl[(model, r["variant"]["seed"])] = r["val_loss"]
+    made = {("20M", "pp:8:lr=0.001", 0): 2.40, ("20M", "pp:8:lr=0.001", 1): 2.45,
+            ("105M", "pp:16:lr=0.0005", 0): 2.20}
+    for (model, name, seed), loss in made.items():
+        ratio = int(name.split(":")[1])
+        _penalty_row(copy / model, f"sparseloco:lr={name.split('lr=')[1]}@seed{seed}", f"{name}@seed{seed}",
+                     ratio, 8, loss)
+    assert ss.main(["penalty", "--one-pass", "--micro", "8", "--results", str(copy)]) == 0
+    doc = json.loads((copy / "penalty.json").read_text())
+    rows = {(r["model"], r["row"]): r for r in doc["rows"]}
+    pp8 = rows[("20M", "pp:8:lr=0.001")]
+    want = [100 * (made[("20M", "pp:8:lr=0.001", s)] - sl[("20M", s)]) / sl[("20M", s)] for s in (0, 1)]
+    assert pp8["seeds"] == [0, 1] and pp8["penalty_pct_per_seed"] == want and pp8["penalty_pct"] == sum(want) / 2
+    assert (pp8["k"], pp8["d"], pp8["method"], pp8["at_tuned_sparseloco_lr"]) == (48, 384, "issue 57", True)
+    pp16 = rows[("105M", "pp:16:lr=0.0005")]
+    assert (pp16["k"], pp16["k_over_d"], pp16["seeds"]) == (48, 1 / 16, [0])
+    assert pp16["penalty_nats_per_seed"] == [made[("105M", "pp:16:lr=0.0005", 0)] - sl[("105M", 0)]]
+    old = rows[("105M", "pp:8:lr=0.002")]
+    assert (old["method"], old["at_tuned_sparseloco_lr"], old["k"]) == ("before issue 57", False, 96)
+    assert abs(old["penalty_pct"] - 27.845691597904015) < 1e-9  # the committed summary's degradation_pct
+    paper = {(p["model"], p["kind"], p["ratio"]): p for p in doc["paper"]}
+    assert paper[("512M", "pp", 96)]["penalty_pct"] == 8.4 and paper[("512M", "het", 8)]["k"] == 192
+    assert abs(paper[("178M", "pp", 8)]["penalty_pct"] - 100 * 0.07 / 3.07) < 1e-9
+    assert (copy / "penalty.png").stat().st_size > 10_000
+
+
+def test_paper_regime_row_is_the_papers_178m_regime_and_cannot_finish_on_one_h200_in_a_session():
+    """paper_regime.py's row: Table 9's 178M shape at seq 2048, 32 sequences a replica step, M = 8 x
+    S = 4, H = 50, 1000 steps, warm-up 500, validation every 100 steps, SparseLoCo and its
+    compressed rows at 1e-3, AdamW at 3e-4, saved in a state folder. The estimate: FLOPs at the
+    MFU the committed 105M eight-replica run measured on one H200, recomputed by hand; at it a
+    row's calls within one session do not reach step 1000 on one GPU (bench/README's plan rests on
+    this), and a row's state is far over what a call brings back."""
+    import argparse
+    import json
+
+    pr = bench_module("paper_regime")
+    args = argparse.Namespace(cpu_smoke=False, model="178M", micro=8, budget_s=570.0, resume_only=False, gpus_per_row=1,
+                              tag="a")
+    for row, lr in (("sparseloco", "0.001"), ("pp:8", "0.001"), ("het:8", "0.001"), ("adamw", "0.0003"),
+                    ("diloco", "0.001")):
+        flag = flags(pr.row_argv(args, row, "c.pt", "o", "s"))
+        assert flag["--rows"].startswith(row.split(":")[0]) and flag["--rows"].endswith(f":lr={lr}")
+        assert (flag["--model"], flag["--steps"], flag["--warmup-steps"], flag["--val-every"]) == ("178M", "1000", "500", "100")
+        assert (flag["--replicas"], flag["--stages"], flag["--inner-steps"]) == ("8", "4", "50")
+        assert int(flag["--micro"]) * int(flag["--gas"]) == 32 and flag["--state-dir"] == "s"
+        assert int(flag["--eval-batches"]) * int(flag["--micro"]) == 128
+    with open(BENCH / "results" / "sim_throughput_105M_m8_h200" / "sim_throughput_105M_m8_sparseloco_h200.json") as f:
+        timed = json.load(f)["results"][0]
+    n = 128863232  # 178M's Table 9 shape at vocab 8192 (paper_tables.n_params)
+    flops = (6 * n + 12 * 9 * 1024 * 2048) * 8 * 32 * 2048
+    e = pr.estimate()
+    assert e["n_params"] == n and abs(e["s_per_step_1gpu"] - flops / (989e12 * timed["mfu"])) < 1e-9
+    assert pr.session_steps(pr.per_step(e, e["s_per_step_1gpu"]), e["compile_s"], 3) < pr.STEPS
+    assert min(e["state_bytes"].values()) > 64e6 * 100
+
+
+def test_fidelity_sets_our_penalties_and_gaps_beside_the_papers_at_matched_steps(tmp_path, monkeypatch, capsys):
+    """paper_regime fidelity: at 20M and 105M the penalty rows run under issue 57's method at the
+    tuned lr (rows of older methods or other lrs left out) and SparseLoCo's final gap to the tuned
+    AdamW; at 178M every row at the largest validation step all of them reached (a row the session
+    stopped reports its curve through its call's `unfinished` entry), penalties and gaps at that
+    step; then the paper's Table 1 (178M, 512M), Table 2 and Table 4 values. Made-up rows,
+    recomputed by hand; breaks if rows at different steps were compared."""
+    import json
+
+    ss = bench_module("size_sweep")
+    pr = bench_module("paper_regime")
+    copy = results_without(ss, tmp_path, monkeypatch, {})
+    monkeypatch.setattr(pr.size_sweep, "RESULTS", ss.RESULTS)
+    monkeypatch.setattr(pr.size_sweep, "ONE_PASS", ss.ONE_PASS)
+    micro8 = copy / "one_pass" / "micro8"
+    _penalty_row(micro8 / "20M", "sparseloco:lr=0.001@seed0", "het:8:lr=0.001@seed0", 8, 4, 2.30)
+    regime = tmp_path / "regime" / "178M"
+    regime.mkdir(parents=True)
+
+    def curve(losses):
+        return [{"step": 100 * (i + 1), "loss": x} for i, x in enumerate(losses)]
+
+    finished = {"sparseloco:lr=0.001@seed0": [5.0, 4.0, 3.6, 3.4, 3.3, 3.2, 3.1, 3.05, 3.0, 2.95],
+                "adamw:lr=0.0003@seed0": [4.5, 3.8, 3.4, 3.2, 3.1, 3.0, 2.9, 2.85, 2.8, 2.75]}
+    (regime / "paper_tables_a_g0p0.json").write_text(json.dumps({"rows": [
+        {"variant": {"name": n}, "steps": 1000, "val_curve": curve(x)} for n, x in finished.items()]}))
+    for tag, points in (("b", [5.2, 4.3, 3.9]), ("c", [5.2, 4.3, 3.9, 3.7, 3.6, 3.5, 3.45])):  # calls b, then c
+        (regime / f"paper_tables_{tag}_g0p0.json").write_text(json.dumps({"rows": [], "unfinished": [
+            {"row": "pp:8:lr=0.001@seed0", "status": "saved", "step": 100 * len(points), "steps": 1000,
+             "val_curve": curve(points)}]}))
+    assert pr.main(["fidelity", "--results", str(tmp_path / "regime")]) == 0
+    doc = json.loads((tmp_path / "regime" / "fidelity.json").read_text())
+    at = {p["size"]: p for p in doc["points"]}
+    # 178M: pp:8 reached step 700 (call c), so every row is read there
+    assert at["178M"]["step"] == 700 and at["178M"]["rows"]["pp:8"] == {"finished": False, "last_step": 700}
+    assert at["178M"]["penalty_pct"] == {"pp:8": 100 * (3.45 - 3.1) / 3.1}
+    assert at["178M"]["sparseloco_minus_adamw_pct"] == 100 * (3.1 - 2.9) / 2.9
+    # 20M: only the made-up issue-57 row at the tuned lr; 105M's committed rows are the old method's
+    sl = [json.loads(f.read_text()) for f in (micro8 / "20M").glob("paper_tables_*.json")]
+    base = next(r["val_loss"] for d in sl for r in d["rows"] if r["variant"]["name"] == "sparseloco:lr=0.001@seed0")
+    assert at["20M"]["penalty_pct"] == {"het:8": 100 * (2.30 - base) / base} and at["105M"]["penalty_pct"] == {}
+    summary = json.loads((micro8 / "summary.json").read_text())
+    gap = {g["model"]: g["gap_pct"] for g in summary["gaps"] if g["mode"] == "sparseloco"}
+    assert at["20M"]["sparseloco_minus_adamw_pct"] == gap["20M"] and at["105M"]["sparseloco_minus_adamw_pct"] == gap["105M"]
+    assert abs(at["paper 178M"]["penalty_pct"]["pp:8"] - 100 * (3.14 - 3.07) / 3.07) < 1e-9
+    assert at["paper 512M"]["penalty_pct"]["het:96"] == 7.7
+    assert abs(at["paper 512M"]["sparseloco_minus_adamw_pct"] - 100 * (2.73 - 2.75) / 2.75) < 1e-9
+    table = capsys.readouterr().out
+    assert "| 178M (1024) | paper regime (seq 2048, 512K tokens a step), step 700 of 1000, seed 0 | +11.3% |" in table

@@ -187,3 +187,77 @@ def test_the_private_torch_stager_is_checked_before_a_run_naming_what_changed(mo
     monkeypatch.setattr(checkpoint, "STAGER", ("fake_stager", "Renamed"))
     with pytest.raises(checkpoint.TorchMismatch, match=r"fake_stager\.Renamed\.stage lacks non_blocking"):
         checkpoint.check_torch()
+
+
+def _client_state_body(rank, hf_dir, cfg_path, ckpt_dir, marker):
+    import os
+
+    import numpy as np
+    import torch
+    from deepspeed import comm as dist
+
+    from distributed import build_from_hf
+    from test_crafted_files import craft
+
+    from hetloco_ds import checkpoint
+    from hetloco_ds.data import ReplicaBatches
+
+    engine, _, _ = build_from_hf(hf_dir, json.loads(open(cfg_path).read()), seq_len=16)
+    blocks = torch.randint(96, (64, 16), generator=torch.Generator().manual_seed(0))
+    engine.set_dataloader(ReplicaBatches(blocks, engine.replica, engine.num_replicas, engine.micro_batch_size))
+    for _ in range(2):
+        engine.train_batch()
+    plain = {"best": 1.5, "seen": [1, (2, "b")], "name": b"x", "ids": torch.arange(3), "none": None}
+    engine.save_checkpoint(ckpt_dir, tag="plain", client_state=plain)
+    out = {}
+    try:
+        engine.save_checkpoint(ckpt_dir, tag="numpy", client_state={"best": np.float64(1.5), "n": 1})
+    except checkpoint.CheckpointError as err:
+        out["refused"] = (str(err), err.report)
+    dist.barrier()
+    out["tags"] = sorted(os.listdir(ckpt_dir))
+    _, client = engine.load_checkpoint(ckpt_dir, tag="plain")
+    out["client"] = client
+    dist.barrier()
+    if rank == 0:  # both replicas read replica 0's layer files
+        craft(os.path.join(ckpt_dir, "plain", "layer_01-model_states.pt"), marker)
+    dist.barrier()
+    try:
+        engine.load_checkpoint(ckpt_dir, tag="plain")
+    except checkpoint.CheckpointError as err:
+        out["crafted"] = str(err)
+    return out
+
+
+def test_client_state_is_plain_data_a_numpy_scalar_is_refused_and_a_crafted_layer_file_runs_nothing(tmp_path):
+    """The API's checkpoints hold tensors and plain data, read back without running code:
+    client_state of dicts, lists, tuples, numbers, strings, bytes, tensors and None comes back as
+    saved; one holding a numpy scalar is refused on every rank in one line naming where it is, and
+    nothing is committed (a file written with it could not be read back); a layer file crafted to
+    run code, read by load_checkpoint (the layer files go through our reader, not DeepSpeed's
+    checkpoint engine), is refused naming it, and its code never runs. Breaks if the save commits a
+    file that a resume refuses, or if a layer file is unpickled with weights_only=False again."""
+    import torch
+
+    from test_cli import save_tiny_hf_with_tokenizer, write_config
+
+    hf = save_tiny_hf_with_tokenizer(tmp_path / "hf")
+    cfg = write_config(tmp_path / "cfg.json", {"pipeline.stages": 1, "hetloco.sparseloco.inner_steps": 2})
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "MARKER"
+    results = run_ranks(_client_state_body, 2, str(hf), str(cfg), str(ckpt), str(marker), timeout=240)
+    for rank, r in enumerate(results):
+        line, report = r["refused"]
+        assert line == ("rank 0: hetloco_rank00000.pt would not load back: its ['client_state']['best'] is a "
+                        "numpy.float64, and a checkpoint holds only tensors and plain data (dict, list, tuple, str, "
+                        "int, float, bool, None, bytes); pass client_state as plain data (e.g. float(x), "
+                        "x.tolist()); checkpoint numpy was not committed")
+        assert report == (rank == 0)  # one line for the job
+        assert r["tags"] == ["hf_meta", "latest", "plain"]
+        client = r["client"]
+        assert torch.equal(client.pop("ids"), torch.arange(3))
+        assert client == {"best": 1.5, "seen": [1, (2, "b")], "name": b"x", "none": None,
+                          "data_position": client["data_position"]}
+        layer = ckpt / "plain" / "layer_01-model_states.pt"
+        assert r["crafted"] == (f"checkpoint file {layer} is refused: loading it would call getattr; only tensors "
+                                "and plain data are read from a file, and nothing in this one was run")
+    assert not marker.exists()

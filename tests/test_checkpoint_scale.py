@@ -71,7 +71,7 @@ def test_a_checkpoint_at_an_outer_boundary_holds_no_tensor_twice(reference):
         seen: dict = {}
         layer_numel = 0
         for f in sorted((ckpt_dir / tag).glob("*.pt")):
-            state = torch.load(f, map_location="cpu", weights_only=False)
+            state = torch.load(f, map_location="cpu", weights_only=True)
             for t in _tensors(state, []):
                 if f.name.startswith("layer_") and t.numel() and not (f.name.startswith("layer_00") and t is state.get("perp")):
                     layer_numel += t.numel()

@@ -129,6 +129,23 @@ def test_cache_hit_does_not_retokenise_and_a_changed_file_does(byte_tok, mixed_f
     assert not [p for p in (cache / "corpus").iterdir() if p.name.startswith(".")]
 
 
+
+def test_a_crafted_token_cache_is_refused_in_one_line_and_runs_nothing(byte_tok, mixed_folder, tmp_path):
+    """The token cache is a torch file a run reads back; one rewritten to run code when unpickled
+    is refused naming it (delete it to rebuild), and its code never runs. Breaks if the cache is
+    read other than through safe_load (weights-only), or its error is torch's multi-line one."""
+    from test_crafted_files import _Touch
+
+    cache, marker = tmp_path / "c", tmp_path / "MARKER"
+    path = load_corpus(str(mixed_folder), byte_tok, seq_len=16, cache_dir=cache, val_fraction=0,
+                       progress=False).cache_path
+    torch.save({"train": _Touch(marker)}, path)
+    with pytest.raises(DataError) as err:
+        load_corpus(str(mixed_folder), byte_tok, seq_len=16, cache_dir=cache, val_fraction=0, progress=False)
+    assert str(err.value) == (f"token cache {path} is refused: loading it would call getattr; only tensors and "
+                              "plain data are read from a file, and nothing in this one was run; delete it to rebuild it")
+    assert not marker.exists()
+
 def _ids(batch) -> list[int]:
     """Block numbers of a batch drawn from blocks = arange(N * L).view(N, L)."""
     ids, labels = batch

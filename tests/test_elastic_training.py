@@ -15,6 +15,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import stat
@@ -152,11 +153,14 @@ class Fleet:
         return job_stderr(self.tmp / name, STAGES)
 
     def poll(self) -> None:
-        """A launcher's job: when a rank of a replica has exited, stop its other rank."""
+        """A launcher's job: when a rank of a replica has failed, stop its other rank (one that stopped
+        after saving, EXIT_PREEMPTED, has peers finishing the same save: they end by themselves)."""
+        from hetloco_ds.launch import EXIT_PREEMPTED
+
         for name, procs in self.replicas.items():
             if name in self.exits:
                 continue
-            if any(p.exitcode not in (None, 0) for p in procs):
+            if any(p.exitcode not in (None, 0, EXIT_PREEMPTED) for p in procs):
                 for p in procs:
                     if p.exitcode is None:
                         p.kill()
@@ -279,6 +283,51 @@ def test_killed_replica_costs_the_others_one_heartbeat_timeout_and_rejoins_when_
     assert rows[0][14]["params_checksum"] == rows[1][14]["params_checksum"] == rows[2][14]["params_checksum"]
 
 
+def test_a_replica_told_to_stop_saves_its_own_state_leaves_and_rejoins_from_it(fleet, tmp_path):
+    """2 replicas x 2 stages. Replica 1 is held inside its step 3 (between outer steps) and SIGTERM
+    reaches its rank 0 alone: both its ranks agree on step 3, commit their own mid-round state and
+    exit 75 (the elastic leave), while replica 0 finishes its outer step at 4 without it. Replica 1
+    restarted with --resume continues from its step-3 checkpoint and is healed at its next outer
+    boundary, from which its parameters are the fleet's. Breaks if a replica told to stop saves
+    nothing, waits for the fleet to save, takes the fleet down with it, or leaves a checkpoint
+    that cannot rejoin."""
+    from hetloco_ds import checkpoint
+    from hetloco_ds.launch import EXIT_PREEMPTED
+
+    cfg = write_config(tmp_path / "cfg.json", {**BASE, "hetloco.elastic.max_replicas": 2,
+                                               "hetloco.train.checkpoint_interval": 1})
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "hold").touch()
+    (tmp_path / "hold-3").touch()  # replica 0 waits at its third outer boundary (step 6) for replica 1's return
+    fleet.start("r0", 0, cfg, 8, fault=f"0:holdsync:3:{tmp_path}")
+    fleet.start("r1", 1, cfg, 8, fault=f"1:holdstep:3:{hold}")
+    fleet.open_gate(4)
+    fleet.wait(lambda: (hold / "held").exists(), 120, "replica 1 inside its step 3")
+    os.kill(fleet.replicas["r1"][0].pid, signal.SIGTERM)
+    fleet.wait(lambda: (hold / "agreed-stop").exists(), 60, "replica 1's ranks agreeing where to save")
+    assert (hold / "agreed-stop").read_text() == "3"
+    (hold / "hold").unlink()
+    fleet.done(["r1"], expect_exit={"r1"})
+    assert fleet.exits["r1"] == [EXIT_PREEMPTED] * STAGES, fleet.stderr("r1")[-3000:]
+    ckpt_dir = fleet.out / "replica-1" / "checkpoints"
+    assert checkpoint.latest_tag(str(ckpt_dir)) == "global_step3"
+    assert checkpoint.verify(str(ckpt_dir), "global_step3", STAGES) is None
+    fleet.wait(lambda: 4 in fleet.rows(0), 120, "replica 0's outer step at 4", expect_exit={"r1"})
+    assert fleet.rows(0)[4]["members"] == [0], fleet.rows(0)[4]
+
+    fleet.start("r1-again", 1, cfg, 8, resume=True)
+    fleet.wait(lambda: "(quorum)" in fleet.where(1), 120, "replica 1 back at an outer boundary", expect_exit={"r1"})
+    (tmp_path / "hold-3").unlink()
+    fleet.done(["r0", "r1-again"], expect_exit={"r1"})
+    assert fleet.exits["r0"] == fleet.exits["r1-again"] == [0, 0], fleet.exits
+    ref, back = fleet.rows(0), {s: r for s, r in fleet.rows(1).items() if s > 3}
+    joined = min(back)
+    assert back[joined]["healed"], back[joined]
+    for s in range(joined, 9, 2):
+        assert back[s]["params_checksum"] == ref[s]["params_checksum"], s
+
+
 def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_judged(fleet, job, tmp_path):
     """3 replicas x 2 stages in a fleet of 5 (replica 1 compressed, ratio 4). Rank 1 of replica 2 is SIGSTOPped inside its 5th step (a hang:
     its stage 0 still heartbeats). Replicas 0 and 1 wait for it at most the lighthouse's join timeout (longer
@@ -353,6 +402,26 @@ def test_hung_replica_costs_one_join_timeout_and_fresh_or_foreign_replicas_are_j
     assert min(first) == 1 and first[1]["loss"] != fleet.rows(0, "step")[1]["loss"]
     for m in (0, 1):
         _finite_losses(fleet, m, range(1, 13))
+
+
+def test_a_refused_replicas_line_starts_a_line_of_its_own_after_its_progress_bar(fleet, tmp_path):
+    """A replica with another fleet secret, launched as a user launches one (`--nproc 2`: its ranks
+    write to one stderr, rank 0 draws the progress bar), is refused at its first outer boundary:
+    exit 5 and exactly one error line, starting a line. Breaks if the line is printed while the
+    bar's line is open; it once read "train:   0%|          | 0/4 [00:00<?, ?it/s]hetloco-ds
+    train: error: refused by the fleet: ..." on the terminal."""
+    cfg = write_config(tmp_path / "cfg.json", {**BASE, "hetloco.elastic.max_replicas": 2})
+    fleet.start("r0", 0, cfg, 4)
+    fleet.start("stranger", 1, cfg, 4, out=tmp_path / "stranger", secret="not-the-fleet-secret-0123456789",
+                launcher=True)
+    fleet.open_gate(4)
+    fleet.done(["stranger"], expect_exit={"stranger"})
+    assert fleet.exits["stranger"] == [5, 5], fleet.exits
+    err = (tmp_path / "stranger.rank0.err").read_text()
+    assert re.search(r"train: +\d+%\|", err), err  # the bar was drawn: there was a line to be glued to
+    lines = [line for line in re.split(r"[\r\n]", err) if "error:" in line]
+    assert lines == ["hetloco-ds train: error: refused by the fleet: 1 of the 2 replicas in the quorum do not "
+                     "authenticate with this replica's fleet secret"], err
 
 
 # ---------------------------------------------------------------------- what a fleet must agree on (no processes)

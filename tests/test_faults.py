@@ -31,10 +31,11 @@ CKPT_EVENTS = {"pipe": {0: 1 + 3 + 5, 1: 1 + 4}, "replicas": {0: 1 + 7 + 5, 1: 1
 
 
 def _complete(ckpt_dir, tag) -> None:
-    """`tag` is a committed checkpoint whose every file loads: the manifest's word is not taken alone."""
+    """`tag` is a committed checkpoint whose every file loads, as a resume reads it (tensors and plain
+    data only): the manifest's word is not taken alone."""
     assert checkpoint.verify(str(ckpt_dir), tag, WORLD) is None, checkpoint.verify(str(ckpt_dir), tag, WORLD)
     for f in sorted((ckpt_dir / tag).glob("*.pt")):
-        torch.load(f, map_location="cpu", weights_only=False)
+        torch.load(f, map_location="cpu", weights_only=True)
 
 
 def _draw(rng: random.Random, layout: str, kind: str, start: int) -> str:

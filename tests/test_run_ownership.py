@@ -152,9 +152,14 @@ def test_a_signal_to_the_launcher_stops_every_process_of_its_ranks_first(tmp_pat
 
 
 def test_sigterm_to_a_training_launcher_leaves_a_complete_run_and_a_free_out(job, tmp_path):
-    """A training job told to stop: when its launcher has exited no rank is left, nothing writes to
-    --out any more, its lock is free and its newest checkpoint complete (a --resume can go on)."""
+    """A training job told to stop: its ranks save where they are (exit 75, one line naming the
+    checkpoint), and when its launcher has exited no rank is left, nothing writes to --out any more,
+    its lock is free and the checkpoint the line names is the newest complete one (a --resume can go
+    on from it)."""
+    import re
+
     from hetloco_ds import checkpoint, rundir
+    from hetloco_ds.launch import EXIT_PREEMPTED
 
     out = tmp_path / "run"
     proc = _launch(job, out, 10_000)
@@ -164,12 +169,18 @@ def test_sigterm_to_a_training_launcher_leaves_a_complete_run_and_a_free_out(job
         for beat in sorted((out / ".hetloco" / "heartbeat").rglob("rank*.json")):
             pids.append(json.loads(beat.read_text())["pid"])
         assert len(pids) == 2
-        _stop(proc, signal.SIGTERM, pids)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert [p for p in pids if running(p)] == [], "a process of a rank outlived the launcher"
+        assert proc.returncode == EXIT_PREEMPTED, err
+        lines = runs.error_lines(err, "hetloco-ds train:")
+        saved = re.fullmatch(r"hetloco-ds train: stopped by SIGTERM at step \d+; checkpoint (global_step\d+) is committed "
+                             rf"in {re.escape(str(out / 'checkpoints'))}: --resume continues from it", lines[-1])
+        assert len(lines) == 1 and saved, err
         size = (out / "metrics.jsonl").stat().st_size
         rundir.RunLock(str(out)).release()  # free: no process holds it
         time.sleep(1.0)
         assert (out / "metrics.jsonl").stat().st_size == size
         for line in (out / "metrics.jsonl").read_text().splitlines():
             json.loads(line)
-        tag = checkpoint.pick(str(out / "checkpoints"), 2).tag
-        assert tag.startswith("global_step")
+        assert checkpoint.pick(str(out / "checkpoints"), 2).tag == saved.group(1)

@@ -547,3 +547,19 @@ def test_a_rows_validation_curve_is_each_shorter_rows_final_validation(tmp_path)
     assert row(val_every=2, state_path=state)["val_curve"] == curve["val_curve"]
     with pytest.raises(ConfigError, match="val_every 3"):
         row(val_every=3)
+
+
+def test_a_variants_command_line_settings_are_read_as_the_config_would_read_them():
+    """`--variants sparseloco:outer_lr=0.5:topk=16:aggregation=mean` hands the row's sparseloco
+    settings over as command-line strings; they are read into the config's types (the config
+    file's section is strict, these are not), and a bad one is still one line naming the row.
+    Breaks if strict config types refused every row that sets a number."""
+    from hetloco_ds.config import ConfigError, HetlocoConfig
+    from hetloco_ds.sim.rows import parse_variants
+
+    row = parse_variants(["sparseloco:outer_lr=0.5:topk=16:aggregation=mean"], 2, [0])[0]
+    sl = row.hetloco(HetlocoConfig(), 2).sparseloco
+    assert (sl.outer_lr, sl.topk, sl.aggregation) == (0.5, 16, "mean")
+    bad = parse_variants(["sparseloco:topk=many"], 2, [0])[0]
+    with pytest.raises(ConfigError, match=r"^row sparseloco:topk=many@seed0: sparseloco \{'topk': 'many'\}: "):
+        bad.hetloco(HetlocoConfig(), 2)

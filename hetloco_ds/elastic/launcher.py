@@ -220,7 +220,10 @@ def _run(fleet: _Fleet, targs, argv: list[str], bind_cores: bool) -> int:
               f"{restart}", file=sys.stderr, flush=True)
 
     try:
-        codes = launcher.spawn_groups(groups, tick=tick, ended=ended, bind_cores=bind_cores)
+        # As `--nproc`'s: a replica told to stop saves within its grace; one whose rank failed stops at once.
+        grace = max(plan.run.hetloco.train.preempt_grace_s for plan in fleet.plans) + launcher.STOP_GRACE_S
+        codes = launcher.spawn_groups(groups, tick=tick, ended=ended, bind_cores=bind_cores, grace_s=grace,
+                                      failed_grace_s=0.0)
     finally:
         lighthouse.shutdown()
         shutil.rmtree(gate, ignore_errors=True)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .. import safe_load
 from ..config import ConfigError, HetlocoConfig, RunConfig, SparseLoCoConfig
 from ..data import ReplicaBatches, validation_batches
 from .batched import BatchedSimulation
@@ -60,7 +61,8 @@ class Variant:
             # stays unless the row overrides it (a field written next to a preset wins).
             merged = {**cfg.sparseloco.model_dump(exclude_unset=True), **self.sparseloco}
             try:
-                cfg.sparseloco = SparseLoCoConfig.model_validate(merged)
+                # Lax, unlike a config file's section: --variants values are command-line strings.
+                cfg.sparseloco = SparseLoCoConfig.model_validate(merged, strict=False)
             except ValueError as err:  # pydantic's ValidationError is a ValueError
                 raise ConfigError(f"row {self.name}: sparseloco {self.sparseloco}: "
                                   f"{str(err).splitlines()[-1].strip()}") from None
@@ -192,7 +194,10 @@ def _resume(sim, state_path: str | None, variant: Variant, steps: int,
                           "--gpus-per-row, or remove the row's saved state")
     if not saved[0]:
         return [], [], [], 0, 0.0, {}
-    state = torch.load(state_path, map_location=device, weights_only=False)
+    try:
+        state = safe_load.load(state_path, device, mmap=False, what="saved row state")
+    except safe_load.UnreadableFile as err:
+        raise ConfigError(str(err)) from None
     if state["variant"] != asdict(variant) or state["steps"] != steps:
         raise ConfigError(f"{state_path} holds row {state['variant']['name']} of {state['steps']} steps, "
                           f"not {variant.name} of {steps}")

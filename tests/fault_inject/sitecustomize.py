@@ -10,6 +10,10 @@ events  step  a torch AdamW step (inside a training step: after forward and back
               sync and so inside the watchdog's waiting phase); the action is a folder: from the n-th
               on, quorum number k waits while FOLDER/hold-k exists (an elastic test holds a fleet at
               chosen boundaries until late replicas are ready to join)
+        holdstep  a torch AdamW step; the action is a folder: the n-th creates FOLDER/held and waits
+              while FOLDER/hold exists, and every stop or save round this rank's preemption thread
+              sees agreed writes its step to FOLDER/agreed-<round> (a test signals a job at a known
+              step and lets it go on once its ranks agree where to save)
         sync  an outer step's payload exchange (hetloco_ds.transport.static.GroupTransport.exchange)
         own   the launcher taking --out (hetloco_ds.train.own_run, after every check passed); the action is
               a folder: it creates FOLDER/checked, then waits while FOLDER/hold exists (a test lets
@@ -117,6 +121,30 @@ def _install(fault):
             return own_run(plan)
 
         train.own_run = held_own_run
+
+    if fault.event == "holdstep":
+        from hetloco_ds import preempt
+
+        def adamw_step_held(self, *args, **kwargs):
+            fault.count += 1
+            if fault.count == fault.n:
+                open(os.path.join(fault.action, "held"), "w").close()
+                while os.path.exists(os.path.join(fault.action, "hold")):
+                    time.sleep(0.02)
+            return step(self, *args, **kwargs)
+
+        torch.optim.AdamW.step = adamw_step_held
+        resolve = preempt.Preemption._resolve
+
+        def resolve_noted(self, r):
+            resolve(self, r)
+            if r.step is not None:
+                path = os.path.join(fault.action, f"agreed-{r.key}")
+                with open(path + ".tmp", "w") as f:
+                    f.write(str(r.step))
+                os.replace(path + ".tmp", path)
+
+        preempt.Preemption._resolve = resolve_noted
 
     if fault.event == "holdsync":  # torchft only where it is asked for
         from hetloco_ds.transport import elastic

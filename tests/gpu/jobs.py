@@ -16,9 +16,11 @@ import concurrent.futures
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -60,10 +62,10 @@ class Inputs:
 
         load_corpus(self.data, AutoTokenizer.from_pretrained(self.hf), SEQ_LEN, cache_dir=self.cache, progress=False)
 
-    def env(self, **extra) -> dict:
+    def env(self, fault: str | None = None, **extra) -> dict:
         import runs
 
-        return {**runs.env(self.cache), "OMP_NUM_THREADS": "2", **extra}
+        return {**runs.env(self.cache, fault), "OMP_NUM_THREADS": "2", **extra}
 
 
 def write_config(path: Path, edits: dict) -> str:
@@ -149,6 +151,52 @@ def train_and_resume(ctx: Inputs, name: str, edits: dict, *, tied: bool = False,
     return out
 
 
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = PROCESS_TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def preempted(ctx: Inputs, name: str) -> dict:
+    """The "defaults" job's run, SIGTERMed through its `--nproc` launcher while its rank is held inside
+    step 3 (tests/fault_inject's `holdstep`: between outer steps, H = 2), then resumed through
+    `deepspeed`: the save at the agreed step, exit 75, and a resume to compare with that job's run."""
+    from hetloco_ds import checkpoint
+
+    work = ctx.root / name
+    work.mkdir()
+    cfg = write_config(work / "config.json", {})
+    out, hold = work / "run", work / "hold"
+    hold.mkdir()
+    (hold / "hold").touch()
+    cmd = command("nproc", 1, ["train", "--steps", STEPS, "--model", ctx.hf, "--data", ctx.data, "--config", cfg,
+                               "--out", out])
+    result: dict = {"config": cfg, "out": str(out)}
+    log = work / "held.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=ctx.env(fault=f"0:holdstep:3:{hold}"), cwd=REPO, stdout=f,
+                                stderr=subprocess.STDOUT)
+        try:
+            result["held_at_3"] = _wait_for(hold / "held", proc)
+            proc.send_signal(signal.SIGTERM)
+            result["agreed"] = _wait_for(hold / "agreed-stop", proc, 120) and int((hold / "agreed-stop").read_text())
+            (hold / "hold").unlink()
+            rc = proc.wait(timeout=PROCESS_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+    result["held"] = {"rc": rc, "log": str(log), "tail": log.read_text(errors="replace")[-3000:], "cmd": " ".join(cmd)}
+    ckpts = out / "checkpoints"
+    result["latest"] = checkpoint.latest_tag(str(ckpts))
+    result["verified"] = checkpoint.verify(str(ckpts), result["latest"]) if result["latest"] else "none"
+    result["res"] = run(command("deepspeed", 1, ["train", "--resume", "--steps", STEPS, "--out", out]), ctx.env(),
+                        work / "res.log")
+    return result
+
+
 def api_loop(ctx: Inputs, name: str) -> dict:
     """A user's loop (api_loop.py) in two processes: train, save between outer steps and at one,
     save_pretrained, the engine's logits; then a fresh process loads the mid-round checkpoint and
@@ -222,6 +270,7 @@ JOBS = {
     "outer_on_gpu": lambda c, n: train_and_resume(c, n, {"hetloco.sparseloco.outer_state_device": "gpu"},
                                                   launchers=("torchrun", "deepspeed")),
     "fp32_tied": lambda c, n: train_and_resume(c, n, {"bf16.enabled": False}, tied=True),
+    "preempted": preempted,
     "api": api_loop,
     "memory": memory,
     "simulators": simulators,

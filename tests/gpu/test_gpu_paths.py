@@ -128,6 +128,28 @@ def test_cli_trains_saves_resumes_bitwise_and_exports_on_one_gpu(name, job_resul
     check_train_and_resume(job_result, gpu_jobs.inputs)
 
 
+@pytest.mark.job("preempted")
+def test_sigterm_mid_round_saves_and_the_resume_is_the_uninterrupted_run(job_result, gpu_jobs):
+    """The "defaults" run, its `--nproc` launcher SIGTERMed while the rank is inside step 3 (between
+    outer steps: theta_prev on the host and the weights on the GPU differ): it saves at the agreed step 3
+    and exits 75; `--resume` through `deepspeed` ends with every loss and the exported weights bitwise
+    the uninterrupted run's. Breaks if a mid-round save on a GPU loses the replica's own weights or
+    theta at the last sync, or meets host-held state with device tensors."""
+    from hetloco_ds.launch import EXIT_PREEMPTED
+
+    r = job_result
+    assert r["held_at_3"] and r["agreed"] == 3, _explain(r["held"])
+    assert r["held"]["rc"] == EXIT_PREEMPTED, _explain(r["held"])
+    assert r["latest"] == "global_step3" and r["verified"] is None, r
+    assert r["res"]["rc"] == 0, _explain(r["res"])
+    ref = gpu_jobs.result("defaults")["ref_out"]
+    want = {(x["step"], x["replica"]): x["loss"] for x in _rows(ref, "step")}
+    got = {(x["step"], x["replica"]): x["loss"] for x in _rows(r["out"], "step")}
+    assert got == want, [(k, want.get(k), got.get(k)) for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+    a, b = _hf_tensors(Path(ref) / "hf"), _hf_tensors(Path(r["out"]) / "hf")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_fp16_is_refused_in_one_line_before_any_rank_starts(tmp_path):
     """fp16 is not a training precision here (bf16 autocast over fp32 master weights per replica): the
     CLI refuses it with one line naming the key, exit 2, and writes nothing."""
