@@ -1,5 +1,6 @@
 """The outer step's rules as registries (sparseloco/aggregate.py): a rule registered in this file is a
-config choice, runs the outer step, sizes the payload and enters the fingerprint."""
+config choice, runs the outer step, sizes the payload and enters the fingerprint; and the "agreement"
+screen, which leaves out a replica whose payload disagrees with the others'."""
 from __future__ import annotations
 
 import pytest
@@ -99,3 +100,194 @@ def test_a_topk_rule_registered_here_sizes_the_payload_the_codec_fills():
     aggregate.topk_rule("test_zero")(lambda chunk_len, topk, chunk_size: 0)
     with pytest.raises(ValueError, match="topk_rule 'test_zero' gave k = 0"):
         sizes.topk_per_chunk(64, rule="test_zero")
+
+
+# ------------------------------------------------------------------ the agreement screen
+from hetloco_ds.sparseloco.attacks import ATTACKS, corrupt_  # noqa: E402
+
+SCREEN_SHAPES = [(64, 64), (256,), (8, 32)]
+SCREENED = dict(chunk_size=64, topk=8, error_decay=0.0, screen="agreement")
+
+
+def _honest_payloads(cfg, m: int, seed: int = 0):
+    """m replicas from one theta, each moved by a shared direction plus its own noise (replicas that
+    agree, as SparseLoCo's do); (params, states, payloads)."""
+    g = torch.Generator().manual_seed(seed)
+    theta = [torch.randn(s, generator=g) for s in SCREEN_SHAPES]
+    common = [torch.randn(s, generator=g) for s in SCREEN_SHAPES]
+    params = [[t.clone() for t in theta] for _ in range(m)]
+    states = [SparseLoCoState(p, cfg) for p in params]
+    for replica in params:
+        for p, c in zip(replica, common):
+            p.sub_(0.1 * (c + 0.7 * torch.randn(p.shape, generator=g)))
+    return params, states, [s.prepare(p) for s, p in zip(states, params)]
+
+
+def _finish_all(params, states, payloads):
+    return [s.finish(p, payloads) for s, p in zip(states, params)]
+
+
+@pytest.mark.parametrize("aggregation", ["selected_count", "mean", "dense"])
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_agreement_screen_drops_each_attack_and_the_honest_synced_theta_is_theirs_alone(attack, aggregation):
+    """Four replicas, the last one's payload corrupted (sign flip, x100, uniform noise of its norm, a
+    constant of its norm): the screen drops it on every replica, reports it excluded and screened, and
+    every replica (the attacker too) leaves with bitwise the theta an outer step over the three honest
+    payloads alone gives. Its scores say why: x100 has norm ratio ~100, the others agreement below half
+    the median (which is far above the noise floor). Breaks if an attack is averaged in, if replicas decide differently, or if the drop
+    changed anything but the set of contributors."""
+    cfg = paper(**SCREENED, aggregation=aggregation)
+    params, states, payloads = _honest_payloads(cfg, 4)
+    corrupt_(states[3], payloads[3], attack, torch.Generator().manual_seed(1))
+    ref_params, ref_states, _ = _honest_payloads(cfg, 3)
+    _finish_all(ref_params, ref_states, payloads[:3])
+    reports = _finish_all(params, states, payloads)
+    for r in reports:
+        assert (r.screened, r.excluded, r.contributors) == ((3,), (3,), (0, 1, 2))
+        assert r.scores == reports[0].scores
+    for replica in params:
+        assert all(torch.equal(a, b) for a, b in zip(replica, ref_params[0]))
+    ratio, agreement = reports[0].scores["norm_ratio"], reports[0].scores["agreement"]
+    if attack == "scale":
+        assert ratio[3] > 90 and max(ratio[:3]) < 1.2
+    else:
+        assert max(abs(x - 1) for x in ratio) < 0.2  # norm-preserving attacks: only the direction gives them away
+        assert agreement[3] < 0.5 * sorted(agreement)[1] and min(agreement[:3]) > 8
+
+
+def test_agreement_screen_keeps_every_honest_replica_and_changes_no_bit_of_the_step():
+    """Honest replicas only (4, and 3): nothing is screened, and theta is bitwise the step without a
+    screen. Breaks if the screen dropped an honest replica (a false positive) or touched the values."""
+    for m in (4, 3):
+        screened = _honest_payloads(paper(**SCREENED), m)
+        plain = _honest_payloads(paper(**{**SCREENED, "screen": "none"}), m)
+        reports = _finish_all(*screened)
+        _finish_all(*plain)
+        assert reports[0].screened == () and reports[0].contributors == tuple(range(m))
+        assert all(torch.equal(a, b) for a, b in zip(screened[0][0], plain[0][0]))
+
+
+def test_agreement_scores_are_the_sign_normalised_inner_products_and_norms_of_the_decoded_payloads():
+    """The scores against a float64 reference computed from the dense pseudo-gradients (aggregation
+    "dense", beta = 0: the payload is the pseudo-gradient): norm / lower median norm, and each replica's
+    (n - 1 - f)-th largest z_rj = <d_r, d_j> / sqrt(sum_i (d_ri d_ji)^2) over its peers, f = (n - 1) // 2
+    (the 2nd of 3 at n = 4, the 2nd of 4 at n = 5). Breaks if the sums over units, the normalisation or
+    the order statistic moved."""
+    for m in (4, 5):
+        params, states, payloads = _honest_payloads(paper(**{**SCREENED, "aggregation": "dense"}), m, seed=3)
+        deltas = [torch.cat([(t - p).double().flatten() for t, p in zip(states[0].theta_prev, replica)])
+                  for replica in params]
+        report = _finish_all(params, states, payloads)[0]
+        norms = torch.stack([d.norm() for d in deltas])
+        z = [[(a @ b / (a * b).square().sum().sqrt()).item() for b in deltas] for a in deltas]
+        q = m - 1 - (m - 1) // 2
+        want = [sorted((z[r][j] for j in range(m) if j != r), reverse=True)[q - 1] for r in range(m)]
+        assert report.scores["agreement"] == pytest.approx(want, rel=1e-9)
+        assert report.scores["norm_ratio"] == pytest.approx((norms / norms.sort().values[(m - 1) // 2]).tolist(), rel=1e-9)
+
+
+def test_agreement_screen_keeps_a_majority_and_needs_three_replicas():
+    """At most (n - 1) // 2 are dropped, so the kept ones are a majority: two x100 replicas of four are
+    both far past the norm threshold, one is dropped; two flipped of five, both. Two flipped of four
+    agree with each other as the honest two do: a tie, nobody is dropped. Two replicas, one flipped:
+    nobody (two payloads cannot say which is wrong). Breaks if a minority could decide the step."""
+    cases = [(4, [2, 3], "scale", 1), (5, [3, 4], "flip", 2), (4, [2, 3], "flip", 0), (2, [1], "flip", 0)]
+    for m, bad, attack, dropped in cases:
+        params, states, payloads = _honest_payloads(paper(**SCREENED), m, seed=5)
+        for r in bad:
+            corrupt_(states[r], payloads[r], attack, torch.Generator())
+        report = _finish_all(params, states, payloads)[0]
+        assert len(report.screened) == dropped and set(report.screened) <= set(bad), (m, attack, report.screened)
+
+
+def test_a_nonfinite_replica_is_excluded_before_the_screen_looks():
+    """A non-finite replica (flag cleared, zero body) among four honest ones and a flipped one: the
+    screen decides among the five finite payloads, drops the flipped one, reports both excluded and
+    only the flipped one screened; the scores name no score for the non-finite one."""
+    params, states, payloads = _honest_payloads(paper(**SCREENED), 6, seed=7)
+    corrupt_(states[4], payloads[4], "flip", torch.Generator())
+    params[5][0][0, 0] = float("nan")
+    states[5]._pending = False
+    payloads[5] = states[5].prepare(params[5])
+    reports = _finish_all(params, states, payloads)
+    assert (reports[0].screened, reports[0].excluded) == ((4,), (4, 5))
+    assert reports[0].scores["agreement"][5] is None
+
+
+def test_engine_run_drops_the_replica_whose_payloads_are_scaled_and_its_rows_name_it(tiny_jobs, tmp_path):
+    """A real 3-rank `hetloco-ds train` (1 stage x 3 replicas, gloo) under sparseloco.screen "agreement",
+    rank 2's payloads scaled x100 by tests/fault_inject (what a peer sending bad bytes does). The first
+    outer step's pseudo-gradients are all zero (the warmup's lr is 0 for both inner steps): nobody is
+    screened, nothing can be judged. From the second on, every outer row of every replica names replica
+    2 screened and excluded, with 0 and 1 contributing, its norm ratio ~100; rank 0 prints a warning
+    naming it at each; and the three replicas' validation losses after the last sync are bitwise equal
+    (one synced model, the attacker's included). Breaks if the engine's ranks decided differently, a
+    zero payload were judged, or the drop were not reported where a user looks."""
+    import runs
+    from distributed import fork_job, job_stderr
+    from test_cli import write_config
+
+    inputs = tiny_jobs.inputs("replicas")
+    config = write_config(tmp_path / "screen.json", {**runs.LAYOUTS["replicas"], "hetloco.sparseloco.screen": "agreement",
+                                                     "hetloco.train.checkpoint_interval": 0})
+    out, log = tmp_path / "out", tmp_path / "job"
+    procs = fork_job(log, 3, runs.train_args({**inputs, "config": str(config)}, out), runs.env(inputs["cache"]),
+                     fault="2:poison:1:scale")
+    for p in procs:
+        p.join(300)
+    codes = [p.exitcode for p in procs]
+    assert codes == [0, 0, 0], f"exit codes {codes}\n{job_stderr(log, 3)[-4000:]}"
+    outer = [r for r in runs.rows(out) if r["kind"] == "outer"]
+    assert sorted((r["outer_step"], r["replica"]) for r in outer) == [(k, m) for k in range(1, 5) for m in range(3)]
+    for r in outer:
+        ratio = r["screen_scores"]["norm_ratio"]
+        if r["outer_step"] == 1:
+            assert (r["screened"], r["contributors"]) == ([], [0, 1, 2]) and set(ratio.values()) == {0.0}, r
+            continue
+        assert (r["screened"], r["excluded"], r["contributors"]) == ([2], [2], [0, 1]), r
+        assert ratio["2"] > 90 and max(ratio["0"], ratio["1"]) < 1.5, r
+    warnings = [line for line in (tmp_path / "job.rank0.out").read_text().splitlines() if "sparseloco.screen" in line]
+    assert len(warnings) == 3 and all("replicas [2]" in line for line in warnings), warnings
+    last = [r["replica_losses"] for r in runs.rows(out) if r["kind"] == "validation" and r["step"] == runs.STEPS]
+    assert len(last) == 1 and len(last[0]) == 3 and len(set(last[0])) == 1, last
+
+
+def _sums(z: list[list[float]], norms: list[float]):
+    """measure()'s sums for pairwise agreements `z` (off the diagonal) and payload `norms`: each pair's
+    spread is 1, so <d_r, d_j> is z_rj itself."""
+    gram = torch.tensor(z, dtype=torch.float64)
+    gram.diagonal().copy_(torch.tensor(norms, dtype=torch.float64).square())
+    return torch.stack([gram, torch.ones_like(gram)])
+
+
+@pytest.mark.parametrize("attacker_z, dropped", [(3.0, [3]), (6.0, []), (-20.0, [3])])
+def test_agreement_screen_fails_a_payload_that_agrees_less_than_half_as_well_as_the_median(attacker_z, dropped):
+    """Four payloads of equal norm, the honest three agreeing at z = 10 (above min_median_agreement 8):
+    the fourth is dropped when its agreement is below half the median (3, -20), kept at 6."""
+    a = attacker_z
+    z = [[0, 10, 10, a], [10, 0, 10, a], [10, 10, 0, a], [a, a, a, 0]]
+    drop, scores = aggregate.AgreementScreen().decide(_sums(z, [1.0] * 4))
+    assert drop == dropped and scores["agreement"] == [10.0, 10.0, 10.0, a]
+
+
+@pytest.mark.parametrize("attacker_z, dropped", [(0.0, []), (-3.0, []), (-5.0, [3])])
+def test_below_the_agreement_floor_only_a_payload_opposing_its_peers_is_dropped(attacker_z, dropped):
+    """The honest three agree at z = 5 only (below min_median_agreement 8: their agreement is not beyond
+    doubt), so a payload that merely fails to agree (0, -3) is kept, as noise could look like that; one
+    pointing against its peers beyond max_opposition (-5 < -4) is dropped. Breaks if the screen judged
+    agreement where it cannot tell it from noise, or let a clear opposition through."""
+    a = attacker_z
+    z = [[0, 5, 5, a], [5, 0, 5, a], [5, 5, 0, a], [a, a, a, 0]]
+    drop, _ = aggregate.AgreementScreen().decide(_sums(z, [1.0] * 4))
+    assert drop == dropped
+
+
+def test_two_against_two_drops_nobody_and_a_long_payload_is_dropped_whatever_the_agreement():
+    """Two pairs, each agreeing within and opposing the other: the median agreement is negative, nobody
+    is dropped (no majority to side with). A payload 3.5x the median norm is dropped even though its
+    direction agrees. Breaks if a tie were broken arbitrarily, or the norm test depended on direction."""
+    z = [[0, 9, -9, -9], [9, 0, -9, -9], [-9, -9, 0, 9], [-9, -9, 9, 0]]
+    assert aggregate.AgreementScreen().decide(_sums(z, [1.0] * 4))[0] == []
+    z = [[0, 10, 10, 10], [10, 0, 10, 10], [10, 10, 0, 10], [10, 10, 10, 0]]
+    drop, scores = aggregate.AgreementScreen().decide(_sums(z, [1.0, 1.0, 1.0, 3.5]))
+    assert drop == [3] and scores["norm_ratio"] == [1.0, 1.0, 1.0, 3.5]
