@@ -291,3 +291,34 @@ def test_two_against_two_drops_nobody_and_a_long_payload_is_dropped_whatever_the
     z = [[0, 10, 10, 10], [10, 0, 10, 10], [10, 10, 0, 10], [10, 10, 10, 0]]
     drop, scores = aggregate.AgreementScreen().decide(_sums(z, [1.0, 1.0, 1.0, 3.5]))
     assert drop == [3] and scores["norm_ratio"] == [1.0, 1.0, 1.0, 3.5]
+
+
+def test_both_simulators_inject_the_rows_attack_and_screen_it_alike(tmp_path):
+    """Row "sparseloco:screen=agreement:attack=scale" (M = 4 x S = 2, H = 2, random tokens) in the
+    per-replica and the batched simulator: the last replica's payloads of every block are scaled x100
+    after the gather (sim/core.py, the one place): in both, every outer row names it screened, each
+    stage's decision does (its norm ratio ~100), and the replicas validate one synced model. Breaks if
+    the hook were missing from one simulator, hit another replica, or the rows lost the decisions.
+    (The two simulators' losses part in the last bits after the first sync at this size, where a
+    rounding difference moves a top-k pick, with or without an attack: not compared here.)"""
+    from hetloco_ds.config import parse_config
+    from hetloco_ds.data import Corpus
+    from hetloco_ds.presets import model_config_for
+    from hetloco_ds.sim.rows import parse_variants, simulate_variant
+
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                        "hetloco": {"sparseloco": {"inner_steps": 2}, "train": {"seq_len": 16, "eval_batches": 2}}})
+    g = torch.Generator().manual_seed(0)
+    corpus = Corpus(torch.randint(0, 96, (64, 16), generator=g, dtype=torch.int32),
+                    torch.randint(0, 96, (8, 16), generator=g, dtype=torch.int32), "random", tmp_path)
+    variant = parse_variants(["sparseloco:screen=agreement:attack=scale"], 4, [0])[0]
+    assert (variant.attack, variant.attacker, variant.sparseloco) == ("scale", -1, {"screen": "agreement"})
+    results = {batched: simulate_variant(cfg, variant, model_config_for("tiny", 96), corpus, 4, 2, 6,
+                                         torch.device("cpu"), progress=False, batched=batched)
+               for batched in (False, True)}
+    for r in results.values():
+        assert [o["screened"] for o in r["outer"]] == [[3]] * 3
+        assert all(d["screened"] == [3] and d["norm_ratio"]["3"] > 50 for o in r["outer"] for d in o["screen"].values())
+        assert sorted(r["outer"][0]["screen"]) == ["stage0", "stage1"]
+        assert len(set(r["val_losses"])) == 1
