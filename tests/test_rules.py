@@ -322,3 +322,20 @@ def test_both_simulators_inject_the_rows_attack_and_screen_it_alike(tmp_path):
         assert all(d["screened"] == [3] and d["norm_ratio"]["3"] > 50 for o in r["outer"] for d in o["screen"].values())
         assert sorted(r["outer"][0]["screen"]) == ["stage0", "stage1"]
         assert len(set(r["val_losses"])) == 1
+
+
+@pytest.mark.parametrize("quant_bits", [None, 2])
+def test_a_payload_flagged_finite_with_a_nan_value_is_excluded_without_any_screen(quant_bits):
+    """A sender that sets the finite flag over a NaN value (or a NaN in its lookup table) is left out as
+    a non-finite replica is, with the screen off: the others' step is bitwise theirs alone and every
+    replica stays finite. Breaks if the header's word were trusted: one NaN summed in reaches every
+    replica's parameters."""
+    cfg = paper(chunk_size=64, topk=8, error_decay=0.0, quant_bits=quant_bits)
+    params, states, payloads = _honest_payloads(cfg, 4, seed=9)
+    states[3].value_sections(payloads[3])[1][0, 0] = float("nan")
+    ref_params, ref_states, _ = _honest_payloads(cfg, 3, seed=9)
+    _finish_all(ref_params, ref_states, payloads[:3])
+    reports = _finish_all(params, states, payloads)
+    assert (reports[0].excluded, reports[0].contributors, reports[0].screened) == ((3,), (0, 1, 2), ())
+    for replica in params:
+        assert all(torch.equal(a, b) for a, b in zip(replica, ref_params[0]))

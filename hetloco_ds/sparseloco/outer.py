@@ -79,7 +79,8 @@ The layout depends only on the configuration and the parameter shapes, so every 
 stage group produces a buffer of the same length (`payload_nbytes`) and the all-gather cannot
 mismatch. A replica whose pseudo-gradient holds a NaN/Inf sends the same length with the finite
 flag cleared and a zero body; its error buffer is left as it was, and `finish` averages over the
-others only and restores every replica, the faulty one included, to the same synced theta.
+others only and restores every replica, the faulty one included, to the same synced theta. A
+payload flagged finite whose values are not (a faulty or hostile sender) is left out the same way.
 
 Determinism: every replica decodes the same bytes and sums them in fp32 in replica order, one
 scatter-add per replica; positions inside one payload are distinct, so each address receives
@@ -100,7 +101,10 @@ knows the replica is finite (+4 B/parameter of the stage, transient, on the devi
 allocates a transient fp32 sum the size of one unit at a time.
 Under "dense" the payload is the whole stage (numel x value_dtype) and finish adds M whole
 tensors; norm_clip adds one O(selected) pass; outer_momentum one fp32 buffer per parameter
-(in state_dict as "momentum") and two dense passes.
+(in state_dict as "momentum") and two dense passes. Every finish checks the values of the payloads
+flagged finite (one O(selected) pass, one host sync); a screen decodes every payload once more
+before aggregating ("agreement": M scatters and M^2 gathers of O(selected), a unit-sized fp32
+transient, one host sync).
 
 Where the state lives between outer steps (`on_host`, config `sparseloco.outer_state_device`):
 on the parameters' device, or in host memory (pinned when the device is a GPU), 8 B/parameter
@@ -547,7 +551,7 @@ class SparseLoCoState:
             raise RuntimeError("finish() called without prepare()")
         flags = self._flags(payloads)
         payloads = [p.to(self.device) for p in payloads]
-        finite = tuple(m for m, f in enumerate(flags) if f)
+        finite = self._finite_values(payloads, tuple(m for m, f in enumerate(flags) if f))
         screened, scores = self._screened(payloads, finite)
         contributors = tuple(m for m in finite if m not in screened)
         excluded = tuple(m for m in range(len(flags)) if m not in contributors)
@@ -579,6 +583,15 @@ class SparseLoCoState:
         self._pending = False
         selected, distinct = (counts[0], int(counts[1])) if counts is not None else (None, None)
         return OuterReport(self.nbytes, contributors, excluded, averages, selected, distinct, screened, scores)
+
+    def _finite_values(self, payloads: list[Tensor], flagged: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of `flagged` (finite by their header) whose sent values (or lookup tables) are all
+        finite: the flag is the sender's word, and one NaN summed in would reach every replica's theta."""
+        if not flagged:
+            return flagged
+        ok = torch.stack([torch.stack([torch.isfinite(g.codec.value_section(g.rows(payloads[m]))).all()
+                                       for g in self._groups]).all() for m in flagged]).tolist()
+        return tuple(m for m, good in zip(flagged, ok) if good)
 
     def _screened(self, payloads: list[Tensor], finite: tuple[int, ...]) -> tuple[tuple[int, ...], dict]:
         """(replica indices the screen drops, its scores by name, each a list over the payloads, None for
