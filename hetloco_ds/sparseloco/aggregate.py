@@ -28,8 +28,9 @@ decoded entries each; positions are flat in the unit's [G * numel] state, distin
     aggregation(pos [n, G*per] int64 | None when dense, values [n, G*per] fp32, numel = G * numel)
                 -> (acc [numel] fp32, scale): the update direction is scale * acc
     clip(values [n, G, per] fp32) -> values of the same shape
-    screen.measure(pos, values, numel) -> [n, K] float64 per-row statistics, summed over every unit
-                of the payload; screen.decide(totals [n, K]) -> (rows to drop, their scores by name)
+    screen.measure(pos, values, numel) -> a tensor of statistics, summed over every unit of the
+                payload; screen.decide(sums) -> (rows to drop, their scores by name, a list over
+                the rows each)
     topk rule(chunk_len, topk, chunk_size) -> k in [1, chunk_len]
 
 Every replica calls a rule on the same bytes in the same order, so a rule made of deterministic
@@ -270,7 +271,10 @@ class AgreementScreen:
         norm = gram.diagonal().clamp(min=0).sqrt()
         z = torch.where(spread > 0, gram / spread.clamp(min=1e-300), torch.zeros_like(gram))
         z = z.masked_fill(torch.eye(n, dtype=torch.bool, device=gram.device), -float("inf"))
-        agreement = z.sort(dim=1, descending=True).values[:, max(0, n - 2 - (n - 1) // 2)]
+        if n > 1:
+            agreement = z.sort(dim=1, descending=True).values[:, n - 2 - (n - 1) // 2]
+        else:  # nobody to agree with
+            agreement = torch.zeros(1, dtype=gram.dtype, device=gram.device)
         median = norm.sort().values[(n - 1) // 2]
         return {"norm_ratio": (norm / median.clamp(min=1e-300)).tolist(), "agreement": agreement.tolist()}
 
