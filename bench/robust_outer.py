@@ -41,6 +41,9 @@ Per row:
                                   decisions with a positive median
     honest_max_norm_ratio         the largest honest norm ratio seen (dropped above max_norm_ratio)
     attacker_max_agreement_ratio, attacker_min_norm_ratio   the attacker's closest approach
+    screen_trace                  every decision: [outer step, stage, median agreement, screened,
+                                  agreement by replica, norm ratio by replica]
+With --resume, rows already in --out that this run would train alike are kept, not trained again.
 The verdict: each attack contained (|delta_pct_vs_honest_alone| <= 1 with the screen), and
 clean_screen's false positives and delta_pct_vs_clean.
 With --outer-timing, "outer_step_seconds": one replica's `prepare` and `finish` of one stage of --shape
@@ -64,6 +67,10 @@ if REPO not in sys.path:
 
 ATTACKS = ("flip", "scale", "noise", "constant")
 LIMIT_PCT = 1.0
+ROW_SETTINGS = ("shape", "replicas", "stages", "steps", "inner_steps", "micro", "seq", "vocab", "data", "lr",
+                "eval_batches", "seed", "sparseloco", "device", "compile")
+"""What a row's training depends on: --resume keeps a row of --out only where these are the same
+(and, for a screened row, the screen's thresholds)."""
 
 
 def card(device: str) -> str:
@@ -173,6 +180,31 @@ def _synced(device) -> float:
     return time.perf_counter()
 
 
+def reusable(path: str, settings: dict) -> dict:
+    """The rows of an earlier run at `path` that this run would train alike (`ROW_SETTINGS`)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        old = json.load(f)
+    if any(old["settings"].get(k) != settings[k] for k in ROW_SETTINGS):
+        return {}
+    same_screen = old["settings"].get("screen_thresholds") == settings["screen_thresholds"]
+    return {name: row for name, row in old["rows"].items() if row["screen"] == "none" or same_screen}
+
+
+def screen_trace(outer_rows: list[dict]) -> list[list]:
+    """Every screen decision: [outer step, stage, median agreement, screened, agreement by replica,
+    norm ratio by replica], rounded."""
+    trace = []
+    for row in outer_rows:
+        for stage, d in sorted(row.get("screen", {}).items()):
+            agreement = [round(d["agreement"][m], 3) for m in sorted(d["agreement"], key=int)]
+            trace.append([row["outer_step"], int(stage.removeprefix("stage")),
+                          round(sorted(agreement)[(len(agreement) - 1) // 2], 3), d["screened"], agreement,
+                          [round(d["norm_ratio"][m], 4) for m in sorted(d["norm_ratio"], key=int)]])
+    return trace
+
+
 def screen_facts(outer_rows: list[dict], attacker: int | None) -> dict:
     """What the row's outer steps say of the screen's decisions (the module docstring's fields)."""
     from hetloco_ds.sparseloco.aggregate import SCREENS
@@ -248,6 +280,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--compile", action="store_true", help="torch.compile the batched simulator's forward")
     p.add_argument("--out", required=True, help="the JSON to write")
+    p.add_argument("--resume", action="store_true", help="keep the rows --out already holds for these settings")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="preset tiny, vocab 512, M 4 x S 2, H 2, 6 steps, micro 2 x seq 32, rows honest_alone, "
                         "clean_screen, scale_screen, scale, the outer-step timing, CPU, 1 thread")
@@ -278,10 +311,15 @@ def main(argv=None) -> int:
                            "screen_thresholds": repr(SCREENS["agreement"]), "corpus": corpus.description},
               "rows": {}, "verdict": {}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    kept = reusable(args.out, report["settings"]) if args.resume else {}
     if args.outer_timing:
         report["outer_step_seconds"] = outer_timing(args, run, llama)
         print(f"[robust_outer] outer step {json.dumps(report['outer_step_seconds'])}", flush=True)
     for v, replicas in variants(args):
+        if v.name in kept:
+            report["rows"][v.name] = kept[v.name]
+            print(f"[robust_outer] {v.name}: kept from {args.out}", flush=True)
+            continue
         t0 = time.perf_counter()
         r = simulate_variant(run, v, llama, corpus, replicas, args.stages, args.steps, device, progress=False,
                              compile=args.compile)
@@ -290,7 +328,7 @@ def main(argv=None) -> int:
                "val_loss": r["val_loss"], "final_train_loss": r["final_train_loss"], "outer_steps": r["outer_steps"],
                "diverged_at_step": r.get("diverged_at_step"), "seconds": round(time.perf_counter() - t0, 1),
                "outer_seconds": r["seconds_by_phase"]["outer"],
-               **screen_facts(r["outer"], attacker)}
+               **screen_facts(r["outer"], attacker), "screen_trace": screen_trace(r["outer"])}
         report["rows"][v.name] = row
         report["verdict"] = verdict(report["rows"])
         print(f"[robust_outer] {v.name}: val {row['val_loss']:.4f}, "
@@ -300,7 +338,7 @@ def main(argv=None) -> int:
         with open(args.out + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
         os.replace(args.out + ".tmp", args.out)
-    report["status"] = "done"
+    report["status"], report["verdict"] = "done", verdict(report["rows"])
     with open(args.out + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
     os.replace(args.out + ".tmp", args.out)

@@ -254,6 +254,9 @@ def test_robust_outer_counts_the_screens_decisions_from_the_rows_outer_steps(tmp
     assert (rows["scale_screen"]["stage_decisions"], rows["scale_screen"]["attacker_screened"],
             rows["scale_screen"]["false_positives"]) == (6, 4, 0)
     assert rows["scale_screen"]["honest_max_norm_ratio"] < 3
+    trace = rows["scale_screen"]["screen_trace"]  # [outer step, stage, median, screened, agreement, norm ratio]
+    assert [t[:2] for t in trace] == [[k, s] for k in (1, 2, 3) for s in (0, 1)]
+    assert [t[3] for t in trace] == [[], [], [3], [3], [3], [3]] and all(t[5][3] > 50 for t in trace[2:])
     assert rows["clean_screen"]["false_positives"] == 0 and "stage_decisions" not in rows["scale"]
     ref = rows["honest_alone"]["val_loss"]
     for r in rows.values():

@@ -227,10 +227,12 @@ class AgreementScreen:
     the agreement with the sum of the others: with three replicas and one flipped, an honest one's
     "others" are the other honest one minus the attacker, zero in expectation.
 
-    r is dropped when norm_ratio_r > `max_norm_ratio`; or when agreement_r < `min_agreement_ratio` x
-    median_j agreement_j while that median is at least `min_median_agreement` (the honest replicas
-    agree beyond doubt; below, e.g. at a warmup's first steps or in a tiny model, a payload that merely
-    fails to agree could be noise); or, while the median is positive at all, when agreement_r <
+    r is dropped when norm_ratio_r > `max_norm_ratio`; or, while median_j agreement_j is at least
+    `min_median_agreement` (the honest replicas agree beyond doubt), when agreement_r is below both
+    `min_agreement_ratio` x that median and `min_agreement` (a fraction of the honest level, so honest
+    replicas that agree less than others are kept, and never within noise's reach of zero, where a
+    random or constant payload sits); or, while the median is positive at all (below the floor, e.g.
+    at a warmup's first steps or in a tiny model, failing to agree could be noise), when agreement_r <
     -`max_opposition` (it points against its closest peers beyond what noise does). At most f are
     dropped, the furthest past a threshold first; with fewer than `min_contributors` nobody is, since
     two payloads cannot say which of them is wrong.
@@ -240,9 +242,10 @@ class AgreementScreen:
     transient of a unit's size; `decide` is one host sync."""
 
     max_norm_ratio: float = 3.0
-    min_agreement_ratio: float = 0.5
+    min_agreement_ratio: float = 0.25
+    min_agreement: float = 3.0
     min_median_agreement: float = 8.0
-    max_opposition: float = 4.0
+    max_opposition: float = 3.0
     min_contributors: int = 3
 
     def measure(self, pos, values, numel: int):
@@ -286,7 +289,7 @@ class AgreementScreen:
             return [], scores
         median = sorted(agreement)[(n - 1) // 2]
         if median >= self.min_median_agreement:
-            floor = self.min_agreement_ratio * median
+            floor = max(self.min_agreement, self.min_agreement_ratio * median)
         else:
             floor = -self.max_opposition if median > 0 else -float("inf")
         # How far past a threshold each one is (> 0: past it), norm and direction on one scale.
