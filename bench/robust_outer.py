@@ -9,7 +9,11 @@ what does the screen cost when nobody attacks?
 Rows, each trained by the batched simulator (`sim.rows.simulate_variant`: the outer step is the
 engine's StageAlgorithm) for the same steps, corpus, seed and settings:
 
-    honest_alone     the M - 1 honest replicas by themselves (M - 1 replicas): the reference
+    honest_alone     M replicas, the last one absent from every outer step (sparseloco/attacks.py
+                     "absent": its payload marked non-finite): the M - 1 honest replicas alone, on
+                     exactly the data shards they train on beside an attacker. The reference
+    honest_alone_separate  a run of M - 1 replicas (their data shards cut M - 1 ways): how far a
+                     run of the same size moves with other data alone
     clean            M honest replicas, no screen
     clean_screen     M honest replicas, screen on: does it drop an honest one, does it change the loss
     <attack>_screen  replica M - 1 corrupts every payload it sends (sparseloco/attacks.py: flip, scale,
@@ -28,7 +32,7 @@ Written to --out, after every row ("status" "partial" until the last): "card" (t
 "cpu" with the CPU's), "command", "settings" (and the screen's thresholds), "rows", "verdict".
 Per row:
     val_loss                      held-out loss after the last sync, mean over the replicas
-    delta_pct_vs_honest_alone     100 (val_loss - honest_alone's) / honest_alone's
+    delta_pct_vs_honest_alone     100 (val_loss - honest_alone's) / honest_alone's (and _separate's)
     final_train_loss, outer_steps, seconds, outer_seconds (the row's time in outer steps)
     stage_decisions               outer steps x stages: the screen decides per stage payload
     judged_by_agreement           decisions whose median agreement reached the screen's
@@ -121,10 +125,11 @@ def variants(args) -> list[tuple[object, int]]:
 
     M, rows = args.replicas, []
     screen = {"screen": "agreement"}
-    rows.append((Variant("honest_alone", seed=args.seed), M - 1))
+    rows.append((Variant("honest_alone", seed=args.seed, attack="absent"), M))
+    rows.append((Variant("honest_alone_separate", seed=args.seed), M - 1))
     rows.append((Variant("clean", seed=args.seed), M))
     rows.append((Variant("clean_screen", seed=args.seed, sparseloco=screen), M))
-    for attack in args.attacks:
+    for attack in (a for a in args.attacks if a != "absent"):
         rows.append((Variant(f"{attack}_screen", seed=args.seed, sparseloco=screen, attack=attack), M))
         if args.unscreened:
             rows.append((Variant(attack, seed=args.seed, attack=attack), M))
@@ -180,8 +185,13 @@ def _synced(device) -> float:
     return time.perf_counter()
 
 
+def row_key(replicas: int, attack, screen: str, compressed: int) -> tuple:
+    """What tells rows apart within one run's settings (a kept row is found by it, not by its name)."""
+    return replicas, attack, screen, compressed
+
+
 def reusable(path: str, settings: dict) -> dict:
-    """The rows of an earlier run at `path` that this run would train alike (`ROW_SETTINGS`)."""
+    """The rows of an earlier run at `path` that this run would train alike (`ROW_SETTINGS`), by `row_key`."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
@@ -189,7 +199,8 @@ def reusable(path: str, settings: dict) -> dict:
     if any(old["settings"].get(k) != settings[k] for k in ROW_SETTINGS):
         return {}
     same_screen = old["settings"].get("screen_thresholds") == settings["screen_thresholds"]
-    return {name: row for name, row in old["rows"].items() if row["screen"] == "none" or same_screen}
+    return {row_key(r["replicas"], r["attack"], r["screen"], r.get("compressed", 0)): r
+            for r in old["rows"].values() if r["screen"] == "none" or same_screen}
 
 
 def screen_trace(outer_rows: list[dict]) -> list[list]:
@@ -242,8 +253,10 @@ def verdict(rows: dict) -> dict:
     ref = rows.get("honest_alone", {}).get("val_loss")
     out = {}
     for name, r in rows.items():
-        if ref is not None:
-            r["delta_pct_vs_honest_alone"] = 100.0 * (r["val_loss"] - ref) / ref
+        for base in ("honest_alone", "honest_alone_separate"):
+            b = rows.get(base, {}).get("val_loss")
+            if b is not None:
+                r[f"delta_pct_vs_{base}"] = 100.0 * (r["val_loss"] - b) / b
     for attack in ATTACKS:
         r = rows.get(f"{attack}_screen")
         if r is not None and ref is not None:
@@ -316,8 +329,9 @@ def main(argv=None) -> int:
         report["outer_step_seconds"] = outer_timing(args, run, llama)
         print(f"[robust_outer] outer step {json.dumps(report['outer_step_seconds'])}", flush=True)
     for v, replicas in variants(args):
-        if v.name in kept:
-            report["rows"][v.name] = kept[v.name]
+        key = row_key(replicas, v.attack, v.sparseloco.get("screen", "none"), v.compressed)
+        if key in kept:
+            report["rows"][v.name] = kept[key]
             print(f"[robust_outer] {v.name}: kept from {args.out}", flush=True)
             continue
         t0 = time.perf_counter()
@@ -325,6 +339,7 @@ def main(argv=None) -> int:
                              compile=args.compile)
         attacker = replicas - 1 if v.attack else None
         row = {"replicas": replicas, "attack": v.attack, "attacker": attacker, "screen": v.sparseloco.get("screen", "none"),
+               "compressed": v.compressed, "ratio": v.ratio,
                "val_loss": r["val_loss"], "final_train_loss": r["final_train_loss"], "outer_steps": r["outer_steps"],
                "diverged_at_step": r.get("diverged_at_step"), "seconds": round(time.perf_counter() - t0, 1),
                "outer_seconds": r["seconds_by_phase"]["outer"],

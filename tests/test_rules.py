@@ -9,7 +9,7 @@ import torch
 from hetloco_ds import sizes
 from hetloco_ds.config import ConfigError, SparseLoCoConfig, parse_config
 from hetloco_ds.sparseloco import aggregate
-from hetloco_ds.sparseloco.outer import SparseLoCoState, payload_nbytes
+from hetloco_ds.sparseloco.outer import HEADER, SparseLoCoState, payload_nbytes
 
 
 def paper(**fields) -> SparseLoCoConfig:
@@ -128,7 +128,7 @@ def _finish_all(params, states, payloads):
 
 
 @pytest.mark.parametrize("aggregation", ["selected_count", "mean", "dense"])
-@pytest.mark.parametrize("attack", ATTACKS)
+@pytest.mark.parametrize("attack", [a for a in ATTACKS if a != "absent"])
 def test_agreement_screen_drops_each_attack_and_the_honest_synced_theta_is_theirs_alone(attack, aggregation):
     """Four replicas, the last one's payload corrupted (sign flip, x100, uniform noise of its norm, a
     constant of its norm): the screen drops it on every replica, reports it excluded and screened, and
@@ -338,5 +338,21 @@ def test_a_payload_flagged_finite_with_a_nan_value_is_excluded_without_any_scree
     _finish_all(ref_params, ref_states, payloads[:3])
     reports = _finish_all(params, states, payloads)
     assert (reports[0].excluded, reports[0].contributors, reports[0].screened) == ((3,), (0, 1, 2), ())
+    for replica in params:
+        assert all(torch.equal(a, b) for a, b in zip(replica, ref_params[0]))
+
+
+def test_an_absent_replica_is_excluded_as_non_finite_and_the_others_step_alone():
+    """attacks' "absent" (the simulator's reference of the honest replicas alone): the payload is marked
+    non-finite with a zero body, so it is excluded, not screened, and the others' step is bitwise theirs
+    alone. Breaks if the reference row let the absent replica's bytes in."""
+    cfg = paper(**SCREENED)
+    params, states, payloads = _honest_payloads(cfg, 4)
+    corrupt_(states[3], payloads[3], "absent", torch.Generator())
+    assert not payloads[3][HEADER.size:].any()
+    ref_params, ref_states, _ = _honest_payloads(cfg, 3)
+    _finish_all(ref_params, ref_states, payloads[:3])
+    reports = _finish_all(params, states, payloads)
+    assert (reports[0].excluded, reports[0].screened, reports[0].contributors) == ((3,), (), (0, 1, 2))
     for replica in params:
         assert all(torch.equal(a, b) for a, b in zip(replica, ref_params[0]))

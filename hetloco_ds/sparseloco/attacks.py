@@ -12,7 +12,10 @@ secret, or a buggy one, sends such bytes):
     noise     u * ||v|| / ||u||, u ~ U(-1, 1)          uniform noise of the tensor's norm
     constant  ||v|| / sqrt(n) in every entry           a constant of the tensor's norm
 
-A payload flagged non-finite (a zero body) is left as it is.
+and one that is no attack: `absent` marks the payload non-finite (a zero body), so the replica takes
+no part in any outer step while it trains on its own data shard: the M - 1 others are "the honest
+replicas alone", on exactly the data they have beside an attacker. A payload flagged non-finite (a
+zero body) is left as it is.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from .outer import FLAG_FINITE, HEADER, SparseLoCoState
 
-ATTACKS = ("flip", "scale", "noise", "constant")
+ATTACKS = ("flip", "scale", "noise", "constant", "absent")
 SCALE = 100.0
 
 
@@ -38,8 +41,13 @@ def corrupt_(state: SparseLoCoState, payload: Tensor, kind: str, generator: torc
     """`payload` (laid out by `state`) corrupted in place the named way; `generator` (a CPU one) draws
     the noise, so every process that corrupts the same payload with the same seed writes the same bytes."""
     check_attack(kind)
-    _, _, flags, _, _, _ = HEADER.unpack(bytes(payload[: HEADER.size].tolist()))
+    magic, version, flags, zero, fp, length = HEADER.unpack(bytes(payload[: HEADER.size].tolist()))
     if not flags & FLAG_FINITE:
+        return payload
+    if kind == "absent":
+        payload[HEADER.size:] = 0
+        header = HEADER.pack(magic, version, flags & ~FLAG_FINITE, zero, fp, length)
+        payload[: HEADER.size] = torch.tensor(list(header), dtype=torch.uint8)
         return payload
     for section in state.value_sections(payload):
         v = section.float()
