@@ -50,7 +50,7 @@ the baseline's cost, not SparseLoCo's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -71,11 +71,16 @@ class OuterResult:
     contributors: tuple[str, ...]
     """Replica ids whose pseudo-gradients were averaged."""
     excluded: tuple[str, ...]
-    """Replica ids that sent a non-finite pseudo-gradient (left out, reset to the synced theta)."""
+    """Replica ids left out (reset to the synced theta like every replica): a non-finite pseudo-gradient,
+    or dropped by the screen (`screened`)."""
     selected: int | None = None
     """With `count_selected`: entries the contributors sent (`OuterReport.selected`)."""
     distinct: int | None = None
     """With `count_selected`: coordinates at least one contributor sent (`OuterReport.distinct`)."""
+    screened: tuple[str, ...] = ()
+    """Replica ids the screen (`sparseloco.screen`) dropped from a finite payload; also in `excluded`."""
+    scores: dict = field(default_factory=dict)
+    """The screen's scores by name, each {replica id: score} over the finite payloads (`OuterReport.scores`)."""
 
 
 class StageAlgorithm:
@@ -212,6 +217,9 @@ class StageAlgorithm:
             excluded=tuple(members[i] for i in report.excluded),
             selected=report.selected,
             distinct=report.distinct,
+            screened=tuple(members[i] for i in report.screened),
+            scores={name: {members[i]: v for i, v in enumerate(values) if v is not None}
+                    for name, values in report.scores.items()},
         )
 
     def outer_step(self, transports: Sequence[ReplicaTransport], link: StageLink) -> OuterResult:

@@ -81,6 +81,10 @@ class SparseLoCoConfig(_Section):
     """median (default, templar): scale each replica's decoded tensor down to the replicas' median norm before
     aggregating (a no-op among honest replicas; bounds what one outlier moves); none: no clip; or a rule
     registered in sparseloco/aggregate.py."""
+    screen: str = "none"
+    """Leave a replica's whole payload out of the outer step when it disagrees with the others (reported as
+    excluded, with its replica id). none: every finite payload counts; agreement: its norm against the median
+    norm and its cosine with the others' sum (sparseloco/aggregate.py; README, "Robust outer sync")."""
     value_dtype: Literal[tuple(VALUE_BYTES)] = "float32"
     """Wire type of the values an unquantised payload sends: float32, or bfloat16 (half the value bytes)."""
     outer_momentum: float = Field(0.0, ge=0, lt=1)
@@ -102,7 +106,7 @@ class SparseLoCoConfig(_Section):
             return {**OUTER_PRESETS[data["preset"]], **data}
         return data
 
-    @field_validator("aggregation", "norm_clip", "topk_rule")
+    @field_validator("aggregation", "norm_clip", "screen", "topk_rule")
     @classmethod
     def _registered(cls, v: str, info) -> str:
         # The registries hold the choices, so a rule registered at run time is a name the config accepts.

@@ -416,16 +416,27 @@ class HetlocoEngine(PipelineEngineAdapter):
         start = time.perf_counter()
         self.transport.begin()  # elastic: this boundary's quorum, which may replace the stage's synced state
         result = self.algorithm.outer_step(self.transports, self.stage_link)
-        if result.excluded and self.global_rank == 0:
-            print(f"[hetloco] WARNING outer step {result.outer_step}: replicas {list(result.excluded)} had a "
+        nonfinite = [m for m in result.excluded if m not in result.screened]
+        if nonfinite and self.global_rank == 0:
+            print(f"[hetloco] WARNING outer step {result.outer_step}: replicas {nonfinite} had a "
                   "non-finite pseudo-gradient and were excluded; they were reset to the synced parameters",
                   flush=True)
+        # Rank 0 sees the first stage's decision, the metrics row the last stage's: both say theirs.
+        if result.screened and (self.global_rank == 0 or (self.is_last_stage() and self.replica == 0)):
+            why = {i: {k: round(v[m], 4) for k, v in result.scores.items()}
+                   for i, m in zip(member_ids(result.screened), result.screened)}
+            print(f"[hetloco] WARNING outer step {result.outer_step}, stage {self.stage_id}: replicas "
+                  f"{member_ids(result.screened)} sent a pseudo-gradient that sparseloco.screen "
+                  f"{self.hetloco.sparseloco.screen!r} rejected {why}; they were excluded and reset to the synced "
+                  "parameters", flush=True)
+        screen = {"screened": member_ids(result.screened), "screen_scores": result.scores}
         return {
             "outer_step": result.outer_step,
             "seconds": time.perf_counter() - start,
             "payload_bytes": result.payload_bytes,
             "excluded": member_ids(result.excluded),
             "contributors": member_ids(result.contributors),
+            **(screen if result.scores else {}),
             **self.transport.outer_fields(),
         }
 

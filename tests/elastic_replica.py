@@ -29,6 +29,7 @@ from hetloco_ds.transport.elastic import ElasticConfig, ElasticTransport, replic
 SHAPES = {0: [(8, 8), (16,), (5, 8)], 1: [(8, 8), (12,)]}
 CFG = SparseLoCoConfig(preset="paper", chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7)
 CLIPPED = SparseLoCoConfig(preset="paper", chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7, norm_clip="median")
+SCREENED = SparseLoCoConfig(preset="paper", chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7, screen="agreement")
 INNER = 4
 SCALE = 1000.0
 
@@ -114,14 +115,15 @@ def _store_and_port(stage: int, port_file: str, timeout: float):
 def run_replica(lighthouse: str, name: str, port_file: str, steps: int, log: str, stage: int = 0,
                 stages: int = 1, sleep: float = 0.05, go: str | None = None, timeout: float = 5.0,
                 secret_file: str | None = None, secret_env: str | None = None, die_in_exchange: int = -1,
-                diverge_at: int = -1, scale_at: int = -1, clip: bool = False) -> None:
+                diverge_at: int = -1, scale_at: int = -1, clip: bool = False, screen: bool = False) -> None:
     """Body of one stage process (a forkserver child, so torch and torchft are already imported).
 
     Runs until `steps` outer steps are committed; writes one JSONL line per step to `log`, stdout and
     stderr to `log`.out / `log`.err; exits 0, 2 (bad secret setting) or 3 (refused by the fleet).
     `die_in_exchange`: SIGKILL itself in that outer step, after the hello round, before its payload.
     `diverge_at`: before that outer step, replace its history (chain) as a split brain would have.
-    `scale_at`: in that outer step, its pseudo-gradient is SCALE times as large. `clip`: CLIPPED config.
+    `scale_at`: in that outer step, its pseudo-gradient is SCALE times as large. `clip`: CLIPPED config;
+    `screen`: SCREENED config (each log line then names the replicas screened out of that step).
     `port_file`: where stage 0 publishes the port of the replica's store, of the kernel's choosing.
     """
     out = os.open(log + ".out", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -129,11 +131,11 @@ def run_replica(lighthouse: str, name: str, port_file: str, steps: int, log: str
     os.dup2(out, 1)
     os.dup2(err, 2)
     sys.exit(_run(lighthouse, name, port_file, steps, log, stage, stages, sleep, go, timeout, secret_file,
-                  secret_env, die_in_exchange, diverge_at, scale_at, clip))
+                  secret_env, die_in_exchange, diverge_at, scale_at, clip, screen))
 
 
 def _run(lighthouse, name, port_file, steps, log, stage, stages, sleep, go, timeout, secret_file, secret_env,
-         die_in_exchange, diverge_at, scale_at, clip) -> int:
+         die_in_exchange, diverge_at, scale_at, clip, screen) -> int:
     torch.set_num_threads(1)
     if secret_env is not None:
         os.environ[SECRET_ENV] = secret_env
@@ -147,7 +149,7 @@ def _run(lighthouse, name, port_file, steps, log, stage, stages, sleep, go, time
     # Stage 0 hosts this replica's store, as rank 0 of a launched job does (here on localhost only).
     store, store_port = _store_and_port(stage, port_file, timeout)
     params = initial_params(stage)
-    state = SparseLoCoState(params, CLIPPED if clip else CFG)
+    state = SparseLoCoState(params, SCREENED if screen else CLIPPED if clip else CFG)
     counter = {"outer": 0}
 
     def state_dict():
@@ -197,12 +199,13 @@ def _run(lighthouse, name, port_file, steps, log, stage, stages, sleep, go, time
                 payload = state.prepare(params)
                 gathered = transport.exchange(payload)
                 k = counter["outer"]  # after exchange: a heal inside it replaces the counter with the fleet's
-                state.finish(params, gathered.payloads)
+                report = state.finish(params, gathered.payloads)
                 counter["outer"] = k + 1
                 r = transport.last_report
                 f.write(json.dumps({"outer": k, "members": list(gathered.members), "participants": list(r.participants),
                                     "left": list(r.left), "joined": list(r.joined), "attempts": r.attempts,
-                                    "healed": r.healed, "t_begin": t0, "t_end": time.time(), "digest": digest(params)})
+                                    "healed": r.healed, "t_begin": t0, "t_end": time.time(), "digest": digest(params),
+                                    "screened": [gathered.members[i] for i in report.screened]})
                         + "\n")
                 f.flush()
         except FleetRefused as err:

@@ -236,6 +236,36 @@ def test_corpus_then_paper_tables_then_summary(tmp_path, capfd):
     assert summary["het:8"]["delta_pct_mean"] == pytest.approx(100 * (het - sl) / sl)
 
 
+def test_robust_outer_counts_the_screens_decisions_from_the_rows_outer_steps(tmp_path):
+    """bench/robust_outer.py --cpu-smoke (tiny, M = 4 x S = 2, 3 outer steps): the reference row's last
+    replica is absent from every outer step; the x100 attacker is screened at the 2 x 2 stage decisions of outer steps 2 and 3
+    (at the first, the warmup's lr 0 left every pseudo-gradient zero, x100 too: nothing to judge) with
+    no honest replica dropped, and not at all without the screen; each delta is 100 (val - reference) /
+    reference of the rows' own losses; the outer-step timing has both finishes. Breaks if the bench
+    miscounted decisions, mixed up the attacker, or a row ran other settings than it says."""
+    out = tmp_path / "robust.json"
+    _run([sys.executable, "bench/robust_outer.py", "--cpu-smoke", "--out", str(out)], timeout=900,
+         HETLOCO_CACHE=str(tmp_path / "cache"))
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert report["status"] == "done" and list(rows) == ["honest_alone", "clean_screen", "scale_screen", "scale"]
+    assert all(r["replicas"] == 4 for r in rows.values()) and rows["honest_alone"]["attack"] == "absent"
+    assert rows["scale_screen"]["attacker"] == rows["scale"]["attacker"] == 3
+    assert (rows["scale_screen"]["stage_decisions"], rows["scale_screen"]["attacker_screened"],
+            rows["scale_screen"]["false_positives"]) == (6, 4, 0)
+    assert rows["scale_screen"]["honest_max_norm_ratio"] < 3
+    trace = rows["scale_screen"]["screen_trace"]  # [outer step, stage, median, screened, agreement, norm ratio]
+    assert [t[:2] for t in trace] == [[k, s] for k in (1, 2, 3) for s in (0, 1)]
+    assert [t[3] for t in trace] == [[], [], [3], [3], [3], [3]] and all(t[5][3] > 50 for t in trace[2:])
+    assert rows["clean_screen"]["false_positives"] == 0 and "stage_decisions" not in rows["scale"]
+    ref = rows["honest_alone"]["val_loss"]
+    for r in rows.values():
+        assert r["delta_pct_vs_honest_alone"] == pytest.approx(100 * (r["val_loss"] - ref) / ref)
+    assert report["verdict"]["scale_contained"] == (abs(rows["scale_screen"]["delta_pct_vs_honest_alone"]) <= 1)
+    timing = report["outer_step_seconds"]
+    assert timing["finish_screen_none"] > 0 and timing["finish_screen_agreement"] > 0 and timing["prepare"] > 0
+
+
 def test_plan_figures_reproduces_its_committed_results(tmp_path):
     """Breaks if the cost model or plan_figures.py drift from bench/results/plan_figures.json."""
     pf = bench_module("plan_figures")

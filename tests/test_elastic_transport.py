@@ -366,6 +366,27 @@ def test_replica_with_a_1000x_pseudo_gradient_moves_the_model_no_further_than_th
         assert float((before[i] - after[i]).norm()) > 100 * er.CFG.outer_lr * median, i
 
 
+def test_replica_with_a_1000x_pseudo_gradient_is_screened_out_by_every_replica_alike(patient_fleet):
+    """Elastic mode under sparseloco.screen "agreement": r2's pseudo-gradient of outer step 1 is scaled
+    by 1000. Every replica's log names r2 screened at step 1 (and each step alike: its error feedback
+    still holds the outlier's unsent part), and every replica's synced parameters after each step are
+    bitwise the one-process replay's, which are not the unscreened run's. Breaks if the fleet's
+    replicas decided differently on the same gathered bytes, or the screen did not act in elastic mode."""
+    names = ["r0", "r1", "r2"]
+    patient_fleet.start_together(names, steps=3, options={n: dict(screen=True, scale_at=1 if n == "r2" else -1)
+                                                           for n in names})
+    patient_fleet.join(names)
+    sched = _schedule(patient_fleet, names, 3)
+    assert sched == [tuple(names)] * 3
+    ref = er.simulate(sched, names, 0, cfg=er.SCREENED, scaled=("r2", 1))
+    screened = {n: [r["screened"] for r in patient_fleet.rows(n)] for n in names}
+    for n in names:
+        assert [r["digest"] for r in patient_fleet.rows(n)] == ref, n
+        assert screened[n] == screened["r0"], screened
+    assert screened["r0"][:2] == [[], ["r2"]], screened
+    assert er.simulate(sched, names, 0, cfg=er.CFG, scaled=("r2", 1)) != ref  # the screen did something
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="reads listening sockets from Linux /proc")
 def test_replica_listens_only_on_the_bind_address(fleet):
     """Every socket a replica listens on (torchft's ManagerServer, the state-transfer server, the gloo

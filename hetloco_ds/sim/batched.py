@@ -94,6 +94,8 @@ class BatchedSimulation:
         self.step = 0
         self.outer_steps = 0
         self.members = tuple(str(m) for m in range(replicas))
+        self.attack = None
+        """A `sparseloco.attacks.Attack` injected at every outer step (`simulate_variant` sets the row's)."""
         self.shards = shards or Shards(replicas)
         M = self.shards.local  # replicas stacked in this process
         template = [m.to(device) for m in build_layers(llama_config, hetloco.train.seed,
@@ -249,7 +251,7 @@ class BatchedSimulation:
 
     def outer_step(self) -> dict:
         self.outer_steps += 1
-        return {"outer_step": self.outer_steps, **outer_step_all(self.replicas, self.members, self.shards)}
+        return {"outer_step": self.outer_steps, **outer_step_all(self.replicas, self.members, self.shards, self.attack)}
 
     def state_dict(self) -> dict:
         """Everything a row needs to continue (at an outer-step boundary): the stacked parameters,

@@ -125,7 +125,7 @@ def _block_view(r, b: int):
 
 
 @torch.no_grad()
-def outer_step_all(replicas, members: tuple[str, ...], shards=None) -> dict:
+def outer_step_all(replicas, members: tuple[str, ...], shards=None, attack=None) -> dict:
     """One outer step of every block of every replica (`replicas[m].algorithms[s]`, `.links[s]`,
     `.block_ids[s]`), exactly as the engine's ranks take it: every stage prepares a payload per
     block it holds, each block's payloads are 'all-gathered' (a list, replica order), every stage
@@ -133,14 +133,18 @@ def outer_step_all(replicas, members: tuple[str, ...], shards=None) -> dict:
     (StageAlgorithm.sync_embeddings), after every owner of a shared aggregate (the first stage's
     T_S, a tied head's on the last stage) has offered it in its finish.
 
+    With `attack` (a `sparseloco.attacks.Attack`) its replica's payload of every block is corrupted
+    after the gather, where a peer's bad bytes would arrive, before any stage finishes.
+
     With `shards` (a `sharded.Shards`) `replicas` are this process's block of the row's `members`:
     the payloads, the replicas' parameters for the dense mean and their error norms are gathered
     from every block, in replica order, and the rest runs as on one process (the replicas leave
     an outer step with the same theta, so the applied update is any replica's).
 
-    Returns the replicas excluded and the per-sync diagnostics, computed from what the outer step
-    has anyway (theta at the last sync, the replicas' parameters, the payloads, the error buffers),
-    never inside inner steps:
+    Returns the replicas excluded (and, under `sparseloco.screen`, those screened and each stage's
+    decision: "screen": {"stage<s>": {"screened", and the screen's scores by replica id}}) and the
+    per-sync diagnostics, computed from what the outer step has anyway (theta at the last sync, the
+    replicas' parameters, the payloads, the error buffers), never inside inner steps:
       replicas_per_selected  entries sent / coordinates sent by anyone: 1 = no overlap, M = all agree
       update_cosine          cosine of the applied update theta_prev - theta_new (T_perp's part of
                              the embedding included) with the dense mean of the pseudo-gradients
@@ -150,6 +154,8 @@ def outer_step_all(replicas, members: tuple[str, ...], shards=None) -> dict:
     gather = shards.gather if shards is not None else (lambda t: t)
     gather_list = shards.gather_list if shards is not None else list
     excluded: set[str] = set()
+    screened: set[str] = set()
+    scores: dict = {}
     selected = distinct = 0
     dev = replicas[0].algorithms[0].device
     dot, applied_sq, dense_sq = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(3))
@@ -172,10 +178,16 @@ def outer_step_all(replicas, members: tuple[str, ...], shards=None) -> dict:
         found = [(r.block_ids[s].index(b), s) for r in replicas for s in range(len(r.block_ids)) if b in r.block_ids[s]]
         # Every process of a sharded row reaches this gather once per block, in block order.
         gathered.append(Gathered(gather_list([payloads[m][s][k] for m, (k, s) in enumerate(found)]), members))
+        if attack is not None:
+            a, k, _ = _block_view(replicas[0], b)
+            attack.apply(a.outer.states[k], gathered[-1].payloads, a.outer_steps, b)
     for m, r in enumerate(replicas):
-        for a, link, ids in zip(r.algorithms, r.links, r.block_ids):
+        for s, (a, link, ids) in enumerate(zip(r.algorithms, r.links, r.block_ids)):
             result = a.finish([gathered[b] for b in ids], link, count_selected=m == 0)
             excluded.update(result.excluded)
+            screened.update(result.screened)
+            if m == 0 and result.scores:  # every replica decides alike: replica 0's view is every one's
+                scores[f"stage{s}"] = {"screened": sorted(int(i) for i in result.screened), **result.scores}
             if m == 0:
                 selected, distinct = selected + result.selected, distinct + result.distinct
             error_sq[m] += torch.stack(torch._foreach_norm(a.outer.error)).double().pow(2).sum()
@@ -194,6 +206,7 @@ def outer_step_all(replicas, members: tuple[str, ...], shards=None) -> dict:
     dot, applied_sq, dense_sq, error = dot.item(), applied_sq.item(), dense_sq.item(), gather(error_sq).sqrt().mean().item()
     return {
         "excluded": sorted(int(m) for m in excluded),
+        **({"screened": sorted(int(m) for m in screened), "screen": scores} if scores else {}),
         "replicas_per_selected": selected / distinct if distinct else None,
         "update_cosine": dot / (applied_sq * dense_sq) ** 0.5 if applied_sq and dense_sq else None,
         "update_norm": applied_sq ** 0.5,

@@ -93,6 +93,8 @@ class Simulation:
         self.members = tuple(str(m) for m in range(replicas))
         self.step = 0
         self.outer_steps = 0
+        self.attack = None
+        """A `sparseloco.attacks.Attack` injected at every outer step (`simulate_variant` sets the row's)."""
 
     def train_step(self, batches_per_replica) -> torch.Tensor:
         """One optimizer step of every replica; `batches_per_replica[m]` is its micro-batches.
@@ -111,7 +113,7 @@ class Simulation:
 
     def outer_step(self) -> dict:
         self.outer_steps += 1
-        return {"outer_step": self.outer_steps, **outer_step_all(self.replicas, self.members)}
+        return {"outer_step": self.outer_steps, **outer_step_all(self.replicas, self.members, attack=self.attack)}
 
     @torch.no_grad()
     def validation_losses(self, batches) -> list[float]:

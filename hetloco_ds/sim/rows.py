@@ -22,6 +22,7 @@ import torch
 from .. import safe_load
 from ..config import ConfigError, HetlocoConfig, RunConfig, SparseLoCoConfig
 from ..data import ReplicaBatches, validation_batches
+from ..sparseloco.attacks import ATTACKS, Attack
 from .batched import BatchedSimulation
 from .replica import Simulation
 from .sharded import Shards
@@ -44,6 +45,18 @@ class Variant:
     """Inner AdamW lr of this row (None: the run's)."""
     sparseloco: dict = field(default_factory=dict)
     """`hetloco.sparseloco` fields this row sets (e.g. aggregation, outer_lr), validated by the config."""
+    attack: str | None = None
+    """One replica's payloads corrupted at every outer step (`sparseloco.attacks.ATTACKS`), or None."""
+    attacker: int = -1
+    """The attacking replica (negative: from the end, -1 the last)."""
+
+    def attack_of(self, replicas: int) -> Attack | None:
+        """The row's attack on a row of `replicas`, or None."""
+        if self.attack is None:
+            return None
+        if not -replicas <= self.attacker < replicas:
+            raise ConfigError(f"row {self.name}: attacker {self.attacker} is not one of the {replicas} replicas")
+        return Attack(self.attack, self.attacker % replicas, self.seed)
 
     def hetloco(self, base: HetlocoConfig, replicas: int) -> HetlocoConfig:
         cfg = base.model_copy(deep=True)
@@ -78,7 +91,7 @@ class Variant:
     def base_key(self) -> tuple:
         """What a row shares with the uncompressed row it is measured against: mode, seed, inner lr,
         outer-step settings (so 'het:8' is against 'sparseloco', 'adamw-het:8' against 'adamw')."""
-        return self.mode, self.seed, self.lr, tuple(sorted(self.sparseloco.items()))
+        return self.mode, self.seed, self.lr, tuple(sorted(self.sparseloco.items())), self.attack, self.attacker
 
 
 def replica_losses(losses: torch.Tensor) -> list[list[float]]:
@@ -198,7 +211,7 @@ def _resume(sim, state_path: str | None, variant: Variant, steps: int,
         state = safe_load.load(state_path, device, mmap=False, what="saved row state")
     except safe_load.UnreadableFile as err:
         raise ConfigError(str(err)) from None
-    if state["variant"] != asdict(variant) or state["steps"] != steps:
+    if Variant(**state["variant"]) != variant or state["steps"] != steps:  # fields added since default
         raise ConfigError(f"{state_path} holds row {state['variant']['name']} of {state['steps']} steps, "
                           f"not {variant.name} of {steps}")
     sim.load_state_dict(state["sim"])
@@ -329,6 +342,7 @@ def simulate_variant(run: RunConfig, variant: Variant, llama_config, corpus, rep
     torch.manual_seed(hetloco.train.seed)
     sim, state_path = _build(run, hetloco, variant, llama_config, replicas, stages, device, batched, compile,
                              state_path, shards)
+    sim.attack = variant.attack_of(replicas)
     if batched and not sim.shards.rank0:
         metrics_path, progress = None, False
     history, outer_rows, val_curve, done, spent, phase_spent = _resume(sim, state_path, variant, steps, device)
@@ -403,8 +417,9 @@ def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Var
     RATIO), het (the last half do), adamw, adamw-pp, adamw-het (plain data parallelism), diloco
     (SparseLoCo's loop with `aggregation: dense`, the dense-averaging control). FLAG: noadapt
     (Table 5a), wproj (Table 5b), stepproj (T_S projected after every inner step too), tsdecay
-    (weight decay on T_S alone), lr=X (this row's inner lr), or KEY=VALUE for any
-    `hetloco.sparseloco` field (e.g. aggregation=selected_count, outer_lr=2)."""
+    (weight decay on T_S alone), lr=X (this row's inner lr), attack=KIND (one replica's payloads
+    corrupted at every outer step, `sparseloco.attacks`) with attacker=M (default -1, the last), or
+    KEY=VALUE for any `hetloco.sparseloco` field (e.g. aggregation=selected_count, outer_lr=2)."""
     variants = []
     for item, seed in itertools.product(spec, seeds):
         parts = item.split(":")
@@ -424,14 +439,18 @@ def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Var
             settings.setdefault("aggregation", "dense")
         try:
             lr = float(settings.pop("lr")) if "lr" in settings else None
+            attacker = int(settings.pop("attacker", -1))
         except ValueError:
-            raise ConfigError(f"--variants: row {item!r}: lr must be a number") from None
+            raise ConfigError(f"--variants: row {item!r}: lr must be a number, attacker an integer") from None
+        attack = settings.pop("attack", None)
+        if attack is not None and attack not in ATTACKS:
+            raise ConfigError(f"--variants: row {item!r}: attack must be one of {ATTACKS}, got {attack!r}")
         variants.append(Variant(name=f"{item}@seed{seed}", mode="adamw" if head.startswith("adamw") else "sparseloco",
                                 ratio=ratio if compressed else 1, compressed=compressed,
                                 embedding_adaptation="noadapt" not in rest, project_residual_weights="wproj" in rest,
                                 project_embedding_every_step="stepproj" in rest,
                                 embedding_weight_decay="t_s" if "tsdecay" in rest else "table",
-                                seed=seed, lr=lr, sparseloco=settings))
+                                seed=seed, lr=lr, sparseloco=settings, attack=attack, attacker=attacker))
     return variants
 
 

@@ -5,4 +5,5 @@ config reads `presets` without torch):
     outer.py      SparseLoCoState: error feedback, the two-phase outer step, the payload header
     aggregate.py  the outer step's rules by name (aggregation, clip, screen, top-k): where a new one goes
     presets.py    the named rule sets of the config's `sparseloco.preset`
+    attacks.py    named corruptions of a payload, what the screen is measured and tested against
 """

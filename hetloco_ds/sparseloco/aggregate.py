@@ -4,6 +4,7 @@
                   ("mean", "selected_count", "dense")
     CLIPS         `sparseloco.norm_clip`: what each contributor's decoded tensor is scaled to first
                   ("none", "median")
+    SCREENS       `sparseloco.screen`: which contributors are left out before both ("none", "agreement")
     TOPK_RULES    `sparseloco.topk_rule`: k per chunk ("scaled", "fixed"); this registry is `sizes.TOPK_RULES`
                   itself, since k decides the payload's bytes and sizes.py is where every size rule lives
 
@@ -27,6 +28,9 @@ decoded entries each; positions are flat in the unit's [G * numel] state, distin
     aggregation(pos [n, G*per] int64 | None when dense, values [n, G*per] fp32, numel = G * numel)
                 -> (acc [numel] fp32, scale): the update direction is scale * acc
     clip(values [n, G, per] fp32) -> values of the same shape
+    screen.measure(pos, values, numel) -> a tensor of statistics, summed over every unit of the
+                payload; screen.decide(sums) -> (rows to drop, their scores by name, a list over
+                the rows each)
     topk rule(chunk_len, topk, chunk_size) -> k in [1, chunk_len]
 
 Every replica calls a rule on the same bytes in the same order, so a rule made of deterministic
@@ -201,5 +205,107 @@ def topk_rule(name: str):
     return register
 
 
-REGISTRIES = (AGGREGATIONS, CLIPS, TOPK_RULES)
+# --------------------------------------------------------------------------- screen
+@dataclass(frozen=True)
+class AgreementScreen:
+    """Leave out a contributor whose payload is far longer than the others' or points away from them.
+
+    Over the whole payload (every tensor of the stage or block), with d_r contributor r's decoded
+    pseudo-gradient, n contributors and f = (n - 1) // 2 (the most that can be left out while the
+    kept ones stay a majority):
+
+        norm_ratio_r = ||d_r|| / median_j ||d_j||                       (the lower median)
+        z_rj         = <d_r, d_j> / sqrt(sum_i (d_ri d_ji)^2)
+        agreement_r  = the (n - 1 - f)-th largest of z_rj, j != r
+
+    z_rj is the inner product in units of its own spread under random signs: were d_j's entries
+    given independent random signs (a payload of noise, or one that shares nothing with d_r), <d_r,
+    d_j> would have mean 0 and exactly that standard deviation. So it says how surely two payloads
+    point the same way, whatever their sparsity, density or overlap. agreement_r is r's with the least
+    similar of its n - 1 - f closest peers (Krum's count of neighbours): an honest replica has at least
+    that many honest peers, which point its way; a flipped, random or constant payload has none. Not
+    the agreement with the sum of the others: with three replicas and one flipped, an honest one's
+    "others" are the other honest one minus the attacker, zero in expectation.
+
+    r is dropped when norm_ratio_r > `max_norm_ratio`; or, while median_j agreement_j is at least
+    `min_median_agreement` (the honest replicas agree beyond doubt), when agreement_r is below both
+    `min_agreement_ratio` x that median and `min_agreement` (a fraction of the honest level, so honest
+    replicas that agree less than others are kept, and never within noise's reach of zero, where a
+    random or constant payload sits); or, while the median is positive at all (below the floor, e.g.
+    at a warmup's first steps or in a tiny model, failing to agree could be noise), when agreement_r <
+    -`max_opposition` (it points against its closest peers beyond what noise does). At most f are
+    dropped, the furthest past a threshold first; with fewer than `min_contributors` nobody is, since
+    two payloads cannot say which of them is wrong.
+
+    `measure` sums <d_r, d_j> and sum_i (d_ri d_ji)^2 over the units (so a stage is screened as one
+    payload whatever its slicing): n scatters and n^2 gathers of the selected entries, one fp32
+    transient of a unit's size; `decide` is one host sync."""
+
+    max_norm_ratio: float = 3.0
+    min_agreement_ratio: float = 0.25
+    min_agreement: float = 3.0
+    min_median_agreement: float = 8.0
+    max_opposition: float = 3.0
+    min_contributors: int = 3
+
+    def measure(self, pos, values, numel: int):
+        """[2, n, n] float64: <d_r, d_j> and sum_i (d_ri d_ji)^2 over this unit."""
+        import torch
+
+        v = values.double()
+        if pos is None:
+            return torch.stack([v @ v.T, v.square() @ v.square().T])
+        n = values.shape[0]
+        sums = v.new_zeros((2, n, n))
+        dense = values.new_zeros(numel)
+        for r in range(n):
+            dense[pos[r]] = values[r]  # positions inside one row are distinct: a plain write
+            prod = dense[pos].double() * v  # [n, per]: d_r at each row's positions, times that row
+            sums[0, r], sums[1, r] = prod.sum(1), prod.square().sum(1)
+            dense[pos[r]] = 0.0
+        return sums
+
+    def scores(self, sums) -> dict:
+        """norm_ratio and agreement (class docstring) of each contributor, from `measure`'s sums."""
+        import torch
+
+        gram, spread = sums[0], sums[1].sqrt()
+        n = gram.shape[0]
+        norm = gram.diagonal().clamp(min=0).sqrt()
+        z = torch.where(spread > 0, gram / spread.clamp(min=1e-300), torch.zeros_like(gram))
+        z = z.masked_fill(torch.eye(n, dtype=torch.bool, device=gram.device), -float("inf"))
+        if n > 1:
+            agreement = z.sort(dim=1, descending=True).values[:, n - 2 - (n - 1) // 2]
+        else:  # nobody to agree with
+            agreement = torch.zeros(1, dtype=gram.dtype, device=gram.device)
+        median = norm.sort().values[(n - 1) // 2]
+        return {"norm_ratio": (norm / median.clamp(min=1e-300)).tolist(), "agreement": agreement.tolist()}
+
+    def decide(self, sums) -> tuple[list[int], dict]:
+        scores = self.scores(sums)
+        ratio, agreement = scores["norm_ratio"], scores["agreement"]
+        n = len(ratio)
+        if n < self.min_contributors:
+            return [], scores
+        median = sorted(agreement)[(n - 1) // 2]
+        if median >= self.min_median_agreement:
+            floor = max(self.min_agreement, self.min_agreement_ratio * median)
+        else:
+            floor = -self.max_opposition if median > 0 else -float("inf")
+        # How far past a threshold each one is (> 0: past it), norm and direction on one scale.
+        past = [max(ratio[r] / self.max_norm_ratio - 1.0, (floor - agreement[r]) / max(abs(floor), 1.0))
+                for r in range(n)]
+        order = sorted((r for r in range(n) if past[r] > 0), key=lambda r: (-past[r], r))
+        return sorted(order[: (n - 1) // 2]), scores
+
+
+SCREENS = Registry("screen", {"none": None, "agreement": AgreementScreen()})
+
+
+def screen(name: str, rule: Any):
+    """Register `rule` (with `measure` and `decide`, module docstring) as screen `name`; returns it."""
+    return SCREENS.register(name, rule)
+
+
+REGISTRIES = (AGGREGATIONS, CLIPS, SCREENS, TOPK_RULES)
 """Every registry, by its `sparseloco` key; the payload fingerprint covers the rule each names."""

@@ -425,6 +425,11 @@ class TensorCodec:
             values = dequantise(codes, lut)
         return pos, values
 
+    def value_section(self, rows: Tensor) -> Tensor:
+        """A writable view of the payload rows' [B, nbytes] float section: the values (value_dtype)
+        unquantised, the per-tensor lookup table (float32) quantised; what a decoded value scales with."""
+        return rows[:, : self._head_nbytes].view(self.value_dtype if self.quant_bits is None else torch.float32)
+
     def decode_add_(self, payload: Tensor, out: Tensor) -> Tensor:
         """out += decode(payload), in place; `out` is [*shape] (payload [nbytes]) or [B, *shape].
 
@@ -462,6 +467,10 @@ class DenseCodec:
         wire = e.reshape(e.shape[0], self.numel).to(self.value_dtype)
         out[:, : wire.shape[1] * wire.element_size()] = wire.view(torch.uint8)
         return wire.float()
+
+    def value_section(self, rows: Tensor) -> Tensor:
+        """A writable view of the payload rows' [B, nbytes] values (value_dtype)."""
+        return rows[:, : self.numel * value_nbytes(self.value_dtype)].view(self.value_dtype)
 
     def unpack(self, payload: Tensor) -> Tensor:
         """Payload rows [B, nbytes] -> float32 values [B, numel]."""

@@ -7,6 +7,8 @@
 
 Rules (`config.SparseLoCoConfig`, the one schema and the one set of defaults; each key names a rule
 of a registry in aggregate.py, where a new one is registered; the "paper" preset is eq. (2) as written)
+    screen      "agreement"       before everything below, a finite payload that disagrees with the
+                                  others is left out as a non-finite one is (aggregate.py).
     aggregation "mean"            eq. (2): sum / contributing replicas (M when all are finite).
                 "selected_count"  per coordinate: sum / replicas that selected it (0 where none did).
                 "dense"           the uncompressed control: every replica sends its whole delta
@@ -77,7 +79,8 @@ The layout depends only on the configuration and the parameter shapes, so every 
 stage group produces a buffer of the same length (`payload_nbytes`) and the all-gather cannot
 mismatch. A replica whose pseudo-gradient holds a NaN/Inf sends the same length with the finite
 flag cleared and a zero body; its error buffer is left as it was, and `finish` averages over the
-others only and restores every replica, the faulty one included, to the same synced theta.
+others only and restores every replica, the faulty one included, to the same synced theta. A
+payload flagged finite whose values are not (a faulty or hostile sender) is left out the same way.
 
 Determinism: every replica decodes the same bytes and sums them in fp32 in replica order, one
 scatter-add per replica; positions inside one payload are distinct, so each address receives
@@ -98,7 +101,10 @@ knows the replica is finite (+4 B/parameter of the stage, transient, on the devi
 allocates a transient fp32 sum the size of one unit at a time.
 Under "dense" the payload is the whole stage (numel x value_dtype) and finish adds M whole
 tensors; norm_clip adds one O(selected) pass; outer_momentum one fp32 buffer per parameter
-(in state_dict as "momentum") and two dense passes.
+(in state_dict as "momentum") and two dense passes. Every finish checks the values of the payloads
+flagged finite (one O(selected) pass, one host sync); a screen decodes every payload once more
+before aggregating ("agreement": M scatters and M^2 gathers of O(selected), a unit-sized fp32
+transient, one host sync).
 
 Where the state lives between outer steps (`on_host`, config `sparseloco.outer_state_device`):
 on the parameters' device, or in host memory (pinned when the device is a GPU), 8 B/parameter
@@ -121,7 +127,7 @@ from torch import Tensor
 
 from .. import sizes
 from ..config import SparseLoCoConfig
-from .aggregate import AGGREGATIONS, CLIPS, REGISTRIES
+from .aggregate import AGGREGATIONS, CLIPS, REGISTRIES, SCREENS
 from .compress import DenseCodec, TensorCodec
 
 HEADER = struct.Struct("<4sBBHII")
@@ -187,7 +193,7 @@ class OuterReport:
     contributors: tuple[int, ...]
     """Replica indices (positions in the gathered list) whose pseudo-gradients were averaged."""
     excluded: tuple[int, ...]
-    """Replica indices excluded for a non-finite pseudo-gradient."""
+    """Replica indices left out: a non-finite pseudo-gradient, or dropped by the screen (`screened`)."""
     averages: dict[int, Tensor] = field(default_factory=dict)
     """Parameter index -> dense fp32 update direction `avg` with theta = theta_prev - outer_lr * avg (the
     aggregate; with outer momentum the Nesterov step), only for the indices asked via `keep_average`."""
@@ -196,6 +202,10 @@ class OuterReport:
     distinct: int | None = None
     """With `count_selected`: coordinates at least one contributor sent; selected / distinct is the
     mean number of replicas behind each coordinate of the aggregate (n when dense)."""
+    screened: tuple[int, ...] = ()
+    """Replica indices the screen (`sparseloco.screen`) dropped from a finite payload; also in `excluded`."""
+    scores: dict = field(default_factory=dict)
+    """The screen's scores by name, each a list over the payloads (None for a non-finite one; empty without a screen)."""
 
 
 @dataclass
@@ -318,6 +328,7 @@ class SparseLoCoState:
         # The rules are looked up once: the state keeps the ones its fingerprint names.
         self.dense = is_dense(self.cfg)
         self._aggregation, self._clip = AGGREGATIONS[self.cfg.aggregation], CLIPS[self.cfg.norm_clip]
+        self._screen = SCREENS[self.cfg.screen]
         self.device = params[0].device
         self.on_host = on_host
         self._copies = _HostCopies(self.device) if on_host else None
@@ -498,6 +509,11 @@ class SparseLoCoState:
         self._pending = True
         return payload
 
+    def value_sections(self, payload: Tensor) -> list[Tensor]:
+        """Writable views of a payload's float sections, one [members, n] per same-shape group
+        (`TensorCodec.value_section`): where a fault injection corrupts what a replica sends."""
+        return [g.codec.value_section(g.rows(payload)) for g in self._groups]
+
     # ------------------------------------------------------------------ phase 2
     def _flags(self, payloads: Sequence[Tensor]) -> list[bool]:
         if not payloads:
@@ -535,8 +551,10 @@ class SparseLoCoState:
             raise RuntimeError("finish() called without prepare()")
         flags = self._flags(payloads)
         payloads = [p.to(self.device) for p in payloads]
-        contributors = tuple(m for m, f in enumerate(flags) if f)
-        excluded = tuple(m for m, f in enumerate(flags) if not f)
+        finite = self._finite_values(payloads, tuple(m for m, f in enumerate(flags) if f))
+        screened, scores = self._screened(payloads, finite)
+        contributors = tuple(m for m in finite if m not in screened)
+        excluded = tuple(m for m in range(len(flags)) if m not in contributors)
         keep = set(range(len(params))) if keep_average is True else set(keep_average or ())
         lr, n, mu = self.cfg.outer_lr, len(contributors), self.cfg.outer_momentum
         averages: dict[int, Tensor] = {}
@@ -564,7 +582,36 @@ class SparseLoCoState:
             torch._foreach_copy_([params[i] for i in u.members], list(theta.unbind(0)))
         self._pending = False
         selected, distinct = (counts[0], int(counts[1])) if counts is not None else (None, None)
-        return OuterReport(self.nbytes, contributors, excluded, averages, selected, distinct)
+        return OuterReport(self.nbytes, contributors, excluded, averages, selected, distinct, screened, scores)
+
+    def _finite_values(self, payloads: list[Tensor], flagged: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of `flagged` (finite by their header) whose sent values (or lookup tables) are all
+        finite: the flag is the sender's word, and one NaN summed in would reach every replica's theta."""
+        if not flagged:
+            return flagged
+        ok = torch.stack([torch.stack([torch.isfinite(g.codec.value_section(g.rows(payloads[m]))).all()
+                                       for g in self._groups]).all() for m in flagged]).tolist()
+        return tuple(m for m, good in zip(flagged, ok) if good)
+
+    def _screened(self, payloads: list[Tensor], finite: tuple[int, ...]) -> tuple[tuple[int, ...], dict]:
+        """(replica indices the screen drops, its scores by name, each a list over the payloads, None for
+        a non-finite one): one pass
+        over every unit's decoded rows to sum the screen's statistics, then its decision, made from
+        the same bytes in the same order on every replica."""
+        if self._screen is None or not finite:
+            return (), {}
+        totals = None
+        for u in self._units:
+            g = u.group
+            pos, values = self._decode(g, [u.of(g.rows(payloads[m])) for m in finite])
+            stats = self._screen.measure(pos, values.reshape(len(finite), -1), len(u.members) * g.numel)
+            totals = stats if totals is None else totals + stats
+        drop, scores = self._screen.decide(totals)
+        full = {name: [None] * len(payloads) for name in scores}
+        for name, values in scores.items():
+            for r, v in zip(finite, values):
+                full[name][r] = v
+        return tuple(sorted(finite[r] for r in drop)), full
 
     def _decode(self, g: _Group, rows: list[Tensor]) -> tuple[Tensor | None, Tensor]:
         """The contributors' rows (each [size, nbytes], size members of group g) decoded at once:
@@ -688,8 +735,9 @@ class BlockStates:
     def finish(self, params: Sequence[Tensor], payloads: Sequence[Sequence[Tensor]],
                keep_average: Iterable[int] = (), count_selected: bool = False) -> OuterReport:
         """`payloads[k]`: block k's gathered payloads. One report for the stage: bytes summed over
-        the blocks, a replica excluded if any of its block payloads was (the others average it
-        out of that block only), `averages` by stage parameter index."""
+        the blocks, a replica excluded (or screened) if any of its block payloads was (the others
+        average it out of that block only), `averages` by stage parameter index, the screen's
+        scores of block k under "block<k>.<name>" when there are several."""
         keep = set(keep_average)
         reports = [s.finish([params[i] for i in b], p, keep_average=[j for j, i in enumerate(b) if i in keep],
                             count_selected=count_selected)
@@ -697,11 +745,14 @@ class BlockStates:
         excluded = tuple(sorted({m for r in reports for m in r.excluded}))
         averages = {b[j]: avg for r, b in zip(reports, self.blocks) for j, avg in r.averages.items()}
         counted = [r for r in reports if r.selected is not None]
+        scores = reports[0].scores if len(reports) == 1 else {
+            f"block{k}.{name}": v for k, r in enumerate(reports) for name, v in r.scores.items()}
         return OuterReport(sum(r.bytes_per_replica for r in reports),
                            tuple(m for m in range(len(payloads[0])) if m not in excluded),
                            excluded, averages,
                            sum(r.selected for r in counted) if counted else None,
-                           sum(r.distinct for r in counted) if counted else None)
+                           sum(r.distinct for r in counted) if counted else None,
+                           tuple(sorted({m for r in reports for m in r.screened})), scores)
 
     def state_dict(self) -> dict:
         """One block: SparseLoCoState's own state dict; several: {"blocks": theirs}."""

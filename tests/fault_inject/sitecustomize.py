@@ -15,6 +15,9 @@ events  step  a torch AdamW step (inside a training step: after forward and back
               sees agreed writes its step to FOLDER/agreed-<round> (a test signals a job at a known
               step and lets it go on once its ranks agree where to save)
         sync  an outer step's payload exchange (hetloco_ds.transport.static.GroupTransport.exchange)
+        poison  an outer step's payloads as StageAlgorithm.prepare returns them; the action is an attack
+              of hetloco_ds.sparseloco.attacks (flip, scale, noise, constant): from the n-th outer
+              step on, this rank's payloads go out corrupted that way (a peer sending bad bytes)
         own   the launcher taking --out (hetloco_ds.train.own_run, after every check passed); the action is
               a folder: it creates FOLDER/checked, then waits while FOLDER/hold exists (a test lets
               another run take the directory meanwhile)
@@ -145,6 +148,24 @@ def _install(fault):
                 os.replace(path + ".tmp", path)
 
         preempt.Preemption._resolve = resolve_noted
+
+    if fault.event == "poison":
+        from hetloco_ds.algorithm import StageAlgorithm
+        from hetloco_ds.sparseloco.attacks import corrupt_
+
+        prepare = StageAlgorithm.prepare
+
+        def poisoned_prepare(self):
+            payloads = prepare(self)
+            fault.count += 1
+            if fault.count >= fault.n:
+                sys.stderr.write(f"[fault_inject] rank {os.environ.get('RANK')}: {fault.action} payloads of outer "
+                                 f"step {fault.count}\n")
+                for state, payload in zip(self.outer.states, payloads):
+                    corrupt_(state, payload, fault.action, torch.Generator().manual_seed(fault.count))
+            return payloads
+
+        StageAlgorithm.prepare = poisoned_prepare
 
     if fault.event == "holdsync":  # torchft only where it is asked for
         from hetloco_ds.transport import elastic
