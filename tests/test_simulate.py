@@ -502,26 +502,30 @@ def test_an_unsaved_row_is_abandoned_by_its_steady_pace_not_its_first_interval(t
     takes 2 s) runs to the end when its later pace fits the deadline, though the mean pace at the
     first boundary projects past it; a row whose steps slow to 1.5 s after the first boundary is
     abandoned at the second one (step 4 of 6), as even that pace cannot end it in time. Breaks if
-    the first interval's pace decides, or if the projection ignores the pace after it."""
-    import time
+    the first interval's pace decides, or if the projection ignores the pace after it. Both clocks
+    the row reads move only by the steps' delays, so a loaded machine's real step times (which once
+    pushed the first case past its deadline) do not enter."""
+    import types
 
     from hetloco_ds.sim import rows
 
     row, plain = _het4_row(tmp_path), rows.step_batches
     seconds, calls = {}, []
+    clock = types.SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(rows, "time", types.SimpleNamespace(perf_counter=lambda: clock.now, time=lambda: clock.now))
 
     def slow(*a, **kw):
         calls.append(1)
-        time.sleep(seconds.get(len(calls), seconds.get(0, 0.0)))
+        clock.now += seconds.get(len(calls), seconds.get(0, 0.0))
         return plain(*a, **kw)
 
     monkeypatch.setattr(rows, "step_batches", slow)
-    seconds.update({1: 2.0})
-    assert row(deadline=time.time() + 4.5)["status"] == "done"
+    seconds.update({1: 2.0, 0: 0.1})
+    assert row(deadline=clock.now + 4.5)["status"] == "done"
     calls.clear()
     seconds.clear()
     seconds.update({1: 0.0, 2: 0.0, 0: 1.5})
-    late = row(deadline=time.time() + 4.0)
+    late = row(deadline=clock.now + 4.0)
     assert (late["status"], late["step"]) == ("abandoned", 4)
 
 
