@@ -59,7 +59,7 @@ def _default_nproc(targs) -> int:
     """2 x stages for a new run (one replica of a fleet: its stages); the run's own world size for --resume."""
     from . import rundir
     from .config import default_config_path, parse_config
-    from .train import config_path, read_config_file
+    from .runplan import config_path, read_config_file
 
     if targs.resume:
         record = rundir.read_record(targs.out)
@@ -83,7 +83,8 @@ def _train(args) -> int:
     from .rundir import state_dir
     from .launch import STOP_GRACE_S, core_shares, spawn, under_launcher
     from .elastic.replica import FleetArgs, replica_dir
-    from .train import ENV_JOB, ENV_OWNED, ENV_TAG, EXIT_BAD_INPUT, TrainArgs, default_out, main_rank, own_run, plan_run
+    from .runplan import TrainArgs, default_out, own_run, plan_run
+    from .train import ENV_JOB, ENV_OWNED, ENV_TAG, EXIT_BAD_INPUT, main_rank
 
     def fail(message: str) -> int:
         print(f"hetloco-ds train: error: {message}", file=sys.stderr, flush=True)

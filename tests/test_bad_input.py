@@ -540,18 +540,18 @@ def test_a_run_that_needs_more_host_memory_than_the_host_has_is_refused_naming_b
     dropped or counts another model's parameters."""
     import transformers
 
-    from hetloco_ds import sizes, train
+    from hetloco_ds import runplan, sizes, train
     from hetloco_ds.config import ConfigError
 
     cfg = write_config(tmp_path / "run.json", {"pipeline.stages": 1})
     args = train.TrainArgs(config=str(cfg), model=str(inputs["hf"]), data=str(inputs["data"]), out=str(tmp_path / "r"))
     params = transformers.LlamaForCausalLM.from_pretrained(str(inputs["hf"])).num_parameters()
     need = sizes.host_state_bytes(2 * params, on_gpu=False, outer_on_host=True, bf16=False)
-    monkeypatch.setattr(train, "mem_available", lambda: need - 1)
+    monkeypatch.setattr(runplan, "mem_available", lambda: need - 1)
     with pytest.raises(ConfigError) as err:
         train.plan_run(args, 2)
     assert str(err.value) == (f"{cfg}: the 2 rank(s) on this host need about {need / 1e9:.1f} GB of host memory "
                               f"({params / 1e9:.2f}B parameters, 2 replica(s): checkpoint copies, the training "
                               f"state) and {(need - 1) / 1e9:.1f} GB is available")
-    monkeypatch.setattr(train, "mem_available", lambda: need)
+    monkeypatch.setattr(runplan, "mem_available", lambda: need)
     assert train.plan_run(args, 2).replicas == 2

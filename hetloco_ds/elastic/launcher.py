@@ -20,7 +20,8 @@ from .. import launch as launcher
 from .. import rundir
 from ..checkpoint import CheckpointError, pick, replace_text
 from ..config import ConfigError, default_config_path, elastic_replica, parse_config
-from ..train import ENV_JOB, ENV_NO_BAR, ENV_OWNED, ENV_TAG, config_path, own_run, plan_run, read_config_file
+from ..runplan import config_path, own_run, plan_run, read_config_file
+from ..train import ENV_JOB, ENV_NO_BAR, ENV_OWNED, ENV_TAG
 from ..transport.auth import SECRET_ENV
 from .replica import GATE_ENV, FleetArgs, replica_dir
 

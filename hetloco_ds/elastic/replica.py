@@ -64,6 +64,19 @@ def check_replica(fleet: FleetArgs, run: RunConfig) -> None:
 LIGHTHOUSE_CONNECT_S = 5.0
 
 
+def check_resumed(fleet: FleetArgs | None, record: dict, out: str) -> None:
+    """--resume continues a replica as the same replica, and a static run as a static run: `record` is
+    the run directory's (`rundir.read_record`), `fleet` this launch's (None: a static launch)."""
+    then = record.get("fleet")
+    if then is None and fleet is not None:
+        raise ConfigError(f"--resume: {out} holds a static run; resume it without --lighthouse")
+    if then is not None and fleet is None:
+        raise ConfigError(f"--resume: {out} holds replica {then['replica']} of an elastic fleet; resume it with "
+                          f"--lighthouse ADDR --replica-id {then['replica']}")
+    if then is not None and then["replica"] != fleet.replica:
+        raise ConfigError(f"--resume: {out} holds replica {then['replica']}, not --replica-id {fleet.replica}")
+
+
 def check_lighthouse(fleet: FleetArgs) -> None:
     """Something listens at --lighthouse, asked once with a bounded TCP connect: torchft's own
     client, started inside every rank, reports an address with nothing there only after tens of

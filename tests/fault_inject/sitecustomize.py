@@ -18,7 +18,7 @@ events  step  a torch AdamW step (inside a training step: after forward and back
         poison  an outer step's payloads as StageAlgorithm.prepare returns them; the action is an attack
               of hetloco_ds.sparseloco.attacks (flip, scale, noise, constant): from the n-th outer
               step on, this rank's payloads go out corrupted that way (a peer sending bad bytes)
-        own   the launcher taking --out (hetloco_ds.train.own_run, after every check passed); the action is
+        own   the launcher taking --out (hetloco_ds.runplan.own_run, after every check passed); the action is
               a folder: it creates FOLDER/checked, then waits while FOLDER/hold exists (a test lets
               another run take the directory meanwhile)
         ckpt  inside hetloco_ds.checkpoint: a file written (write_durably) or a directory
@@ -112,9 +112,9 @@ def _install(fault):
     checkpoint._fsync_dir = fsync_then_fault
 
     if fault.event == "own":
-        from hetloco_ds import train
+        from hetloco_ds import runplan, train
 
-        own_run = train.own_run
+        own_run = runplan.own_run
 
         def held_own_run(plan):
             if fault.hit("own"):
@@ -123,7 +123,8 @@ def _install(fault):
                     time.sleep(0.05)
             return own_run(plan)
 
-        train.own_run = held_own_run
+        # The launcher imports it from runplan when it runs; a rank holds train's name for it.
+        runplan.own_run = train.own_run = held_own_run
 
     if fault.event == "holdstep":
         from hetloco_ds import preempt
