@@ -210,7 +210,7 @@ def main(argv=None) -> int:
                             else os.path.join(REPO, "bench", "results", "outer_step.json"))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     from hetloco_ds.config import SparseLoCoConfig
-    from hetloco_ds.sparseloco.outer import SparseLoCoState, payload_nbytes
+    from hetloco_ds.sparseloco.outer import SparseLoCoState, payload_nbytes, tensor_codec
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     timer = Timer(dev)
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
 
     # Bandwidth floor.
     P4 = 4 * n_elems
-    n_sel = sum(cfg.codec(s).n_selected for _, s in shapes)
+    n_sel = sum(tensor_codec(cfg, s).n_selected for _, s in shapes)
     prep_bytes = 5 * P4 + payload_bytes
     bps = bw["bytes_per_s"]
 
