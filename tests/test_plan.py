@@ -473,12 +473,14 @@ def test_plan_boundary_bytes_equal_the_engine_message(vocab, wire):
     int32), the bytes `plan` counts for a compressed boundary equal the tensors the engine's
     BoundaryCodec puts on the wire, and the largest id survives the trip. Breaks if plan and
     the codec disagree on the id width (they once did: 2 bytes up to 65536 vs int32 above 32768)."""
-    from hetloco_ds.boundary import BoundaryCodec
+    from hetloco_ds.boundary import EmbeddingSplit, SubspaceCodec
     from hetloco_ds.subspace import make_basis
 
     b, L, d, ratio = 2, 3, 16, 4
-    codec = BoundaryCodec(d, vocab, make_basis(d, d // ratio, 0), wire)
-    codec.perp = torch.randn(vocab, d)
+    basis = make_basis(d, d // ratio, 0)
+    codec = SubspaceCodec(d, vocab, basis, wire)
+    codec.split = EmbeddingSplit(basis)
+    codec.split.perp = torch.randn(vocab, d)
     ids = torch.tensor([[0, vocab - 1, 5], [vocab - 1, 1, 2]])
     message = codec.encode((torch.randn(b, L, d), ids))
     sent = sum(t.numel() * t.element_size() for t in message)
