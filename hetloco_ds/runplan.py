@@ -61,11 +61,11 @@ class RunPlan:
     secret: bytes | None = dataclasses.field(default=None, repr=False)
     """Elastic mode: the fleet's secret."""
 
-    ckpt_dir: str = dataclasses.field(init=False)
-    """OUT/checkpoints, fixed with the plan: `args.out` is final once `plan_run` has made it."""
-
-    def __post_init__(self):
-        self.ckpt_dir = os.path.join(self.args.out, rundir.CHECKPOINTS)
+    @property
+    def ckpt_dir(self) -> str:
+        """OUT/checkpoints. Read when the run directory is used, not when the plan is made:
+        `prepare_inputs` plans a run that has no --out."""
+        return os.path.join(self.args.out, rundir.CHECKPOINTS)
 
 
 
