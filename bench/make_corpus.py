@@ -14,7 +14,7 @@ here (the default BPE-8192 of `hetloco_ds.data.default_tokenizer`):
 Files (`--suffixes`: .py, .pyi, .h, .hpp, .cuh, .c, .cc, .cpp, .cu, .md, .rst, .txt by default;
 UTF-8, 64 B .. 400 KB, test and example folders left out) are ordered by the SHA-256 of their path
 relative to their root; a file whose content hash was already taken is skipped (vendored copies).
-Validation documents are held out whole by `hetloco_ds.data`'s own hash rule (2%). Tokens go
+Validation documents are held out whole by `hetloco_ds.corpus`'s own hash rule (2%). Tokens go
 through the Rust tokenizer's parallel batch encoding, no `datasets` needed. Output: {"train",
 "val"} int16 [N, seq_len] blocks (vocab <= 32768; paper_tables widens them on load),
 "vocab_size", "description".
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hetloco_ds import data  # noqa: E402
+from hetloco_ds import corpus, documents  # noqa: E402
 
 SUFFIXES = {".py", ".pyi", ".h", ".hpp", ".cuh", ".c", ".cc", ".cpp", ".cu", ".md", ".rst", ".txt"}
 SKIP_DIRS = {"tests", "test", "testing", "__pycache__", "examples", "benchmarks", ".git"}
@@ -103,7 +103,7 @@ def pack(docs: list[np.ndarray], seq_len: int) -> torch.Tensor:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", required=True, help="directory of a saved PreTrainedTokenizerFast (vocab <= 32768)")
-    p.add_argument("--roots", nargs="+", default=[str(data.stdlib_root()),
+    p.add_argument("--roots", nargs="+", default=[str(documents.stdlib_root()),
                                                   next(x for x in sys.path if x.endswith("site-packages"))])
     p.add_argument("--suffixes", default=",".join(sorted(SUFFIXES)), help="comma-separated file suffixes to read")
     p.add_argument("--max-bytes", type=float, default=6e8, help="stop adding files past this much text")
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     keys, texts = read_unique(source_files(roots, suffixes, 64, 400_000), int(args.max_bytes))
     nbytes = sum(len(t) for t in texts)
     print(f"read {len(texts)} files ({nbytes / 1e6:.0f}M characters) in {time.time() - t0:.0f} s", flush=True)
-    held = set(data._holdout_order(keys)[: data._holdout_count(len(keys), data.DEFAULT_VAL_FRACTION)])
+    held = set(corpus._holdout_order(keys)[: corpus._holdout_count(len(keys), corpus.DEFAULT_VAL_FRACTION)])
     ids = encode(tok.backend_tokenizer, texts, tok.eos_token_id)
     del texts
     train = pack([ids[i] for i in range(len(ids)) if i not in held], args.seq_len)

@@ -29,7 +29,7 @@ def initialize(args=None, model: Any = None, optimizer=None, model_parameters=No
             unknown or bad key is one ConfigError naming it); or `config_params`, or
             `args.deepspeed_config`, as DeepSpeed reads them. `args` also reaches the engine.
     training_data: this rank's replica's micro-batches, as `hetloco-ds train` reads them
-            (`data.ReplicaBatches`: each replica its own shard of a seeded permutation, every
+            (`batches.ReplicaBatches`: each replica its own shard of a seeded permutation, every
             stage of a replica the same batches), set as the engine's data iterator (so
             `train_batch()` needs no argument) and returned as `training_dataloader`. It is a
             `--data` value (a path or a dataset name) or a `datasets.Dataset` with a text column
@@ -91,7 +91,7 @@ def initialize(args=None, model: Any = None, optimizer=None, model_parameters=No
     engine.hf_source = hf_dir
     loader = None
     if samples is not None:
-        from .data import ReplicaBatches
+        from .batches import ReplicaBatches
 
         loader = ReplicaBatches(samples, engine.replica, engine.num_replicas, engine.micro_batch_size,
                                 seed=run.hetloco.train.seed, collate_fn=collate_fn)
@@ -188,7 +188,7 @@ def _training_samples(training_data, tokenizer, hf_dir, llama_config, seq_len, t
     """What `ReplicaBatches` draws from for `training_data`: packed token blocks (a `--data` value,
     a text dataset) or the map-style dataset itself; checked as the CLI checks `--data`, and its
     first micro-batch against the engine's shape."""
-    from . import data
+    from . import batches, corpus
     from .config import ConfigError
 
     samples = training_data
@@ -197,8 +197,8 @@ def _training_samples(training_data, tokenizer, hf_dir, llama_config, seq_len, t
         if len(tok) > llama_config.vocab_size:
             raise ConfigError(f"initialize: the tokenizer has {len(tok)} tokens but the model's vocab_size is "
                               f"{llama_config.vocab_size}")
-        samples = data.load_corpus(training_data, tok, seq_len, text_field=text_field,
-                                   progress=int(os.environ.get("RANK", 0)) == 0).train
+        samples = corpus.load_corpus(training_data, tok, seq_len, text_field=text_field,
+                                     progress=int(os.environ.get("RANK", 0)) == 0).train
     elif _is_hf_dataset(training_data):
         samples = training_data.with_format("torch")
     elif not (hasattr(training_data, "__len__") and hasattr(training_data, "__getitem__")):
@@ -206,7 +206,7 @@ def _training_samples(training_data, tokenizer, hf_dir, llama_config, seq_len, t
                           f"dataset (len and [i]) to shard among replicas, got {type(training_data).__name__}")
     micro = run.micro_batch
     try:  # the replicas' streams, built as the ranks will build them (as plan_run checks --data)
-        inputs, labels = data.ReplicaBatches(samples, num_replicas - 1, num_replicas, micro, collate_fn=collate_fn).batch(0)
+        inputs, labels = batches.ReplicaBatches(samples, num_replicas - 1, num_replicas, micro, collate_fn=collate_fn).batch(0)
     except ValueError as err:
         raise ConfigError(f"initialize: training_data: {err}") from None
     for name, t in (("inputs", inputs), ("labels", labels)):
@@ -229,7 +229,7 @@ def _tokenizer(tokenizer, hf_dir, training_data):
     """`tokenizer` (an object, or a directory or Hub id), else the model directory's."""
     from . import convert
     from .config import ConfigError
-    from .data import load_tokenizer
+    from .corpus import load_tokenizer
 
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer

@@ -11,7 +11,7 @@ OUT/checkpoints holds:
                                      the save's timings; written last
     .global_step<N>.partial/     a checkpoint being written: never read, removed by the next save
     latest                       tag of the newest commit (what `hetloco-ds export` reads)
-    hf_meta/                     config and tokenizer (convert.save_hf_meta)
+    hf_meta/                     config and tokenizer (hf_export.save_hf_meta)
 
 What is stored once: at an outer boundary every replica holds the synced weights and theta_prev
 equals them, so the weights are replica 0's layer files and theta_prev is not stored; T_perp is

@@ -191,10 +191,10 @@ def _train_fleet(args, targs, fail) -> int:
 
 
 def _export(args) -> int:
-    from . import convert
+    from . import hf_export
 
     try:
-        convert.export(args.checkpoint_dir, args.out_dir, tag=args.tag, overwrite=args.overwrite, dtype=args.dtype)
+        hf_export.export(args.checkpoint_dir, args.out_dir, tag=args.tag, overwrite=args.overwrite, dtype=args.dtype)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"hetloco-ds export: error: {err}", file=sys.stderr)
         return 2

@@ -519,10 +519,10 @@ class HetlocoEngine(PipelineEngineAdapter):
         return committed
 
     def _write_hf_meta(self, ckpt_dir, tokenizer=None) -> None:
-        from . import convert
+        from . import hf_export
 
         source = getattr(self, "hf_source", None)
-        convert.save_hf_meta(ckpt_dir, self.module.llama_config, tokenizer, model_dir=source, tokenizer_dir=source)
+        hf_export.save_hf_meta(ckpt_dir, self.module.llama_config, tokenizer, model_dir=source, tokenizer_dir=source)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, **_):
@@ -557,14 +557,14 @@ class HetlocoEngine(PipelineEngineAdapter):
     def save_pretrained(self, save_dir, tokenizer=None) -> None:
         """The synced model as a Hugging Face directory that `transformers` loads as is (a
         collective: every rank calls it). Written through a temporary checkpoint and
-        `convert.export`, as `hetloco-ds export` writes it.
+        `hf_export.export`, as `hetloco-ds export` writes it.
 
         Only at an outer-step boundary: between outer steps each replica holds its own inner
         weights and none of them is the model, so it raises (on every rank, before writing
         anything) rather than export replica 0's. `outer_step()` on every rank syncs first."""
         import shutil
 
-        from . import checkpoint, convert
+        from . import checkpoint, hf_export
 
         if not self.replicas_synced():
             H = self.hetloco.sparseloco.inner_steps
@@ -581,7 +581,7 @@ class HetlocoEngine(PipelineEngineAdapter):
         if self.global_rank == 0:
             try:
                 self._write_hf_meta(tmp, tokenizer)
-                convert.export(tmp, save_dir, progress=False, overwrite=True)
+                hf_export.export(tmp, save_dir, progress=False, overwrite=True)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()

@@ -129,7 +129,7 @@ def _model_and_tokenizer(args: TrainArgs, run: RunConfig):
     """(LlamaConfig, tokenizer, args) of a new run. Hub ids in --model / --tokenizer become their
     local snapshot directories in the returned args (every later reader needs a directory). The
     model config's `dtype` is the export dtype: --dtype, else the source checkpoint's, else none."""
-    from . import convert, data
+    from . import convert, corpus, hf_export
 
     dtype = convert.parse_dtype(args.dtype)
     if args.tokenizer is not None:
@@ -146,14 +146,14 @@ def _model_and_tokenizer(args: TrainArgs, run: RunConfig):
         provenance = {"source_model": given}
         if not os.path.isdir(os.path.expanduser(given)):  # a Hub id: its snapshot folder is named by the commit
             provenance["source_revision"] = os.path.basename(args.model)
-        setattr(llama_config, convert.PROVENANCE_KEY, provenance)
+        setattr(llama_config, hf_export.PROVENANCE_KEY, provenance)
         llama_config.dtype = dtype or convert.weights_dtype(args.model) or llama_config.dtype
         if args.tokenizer is None:
             if not convert.tokenizer_files(args.model):
                 raise ConfigError(f"--model {given} has no tokenizer files ({', '.join(convert.TOKENIZER_FILES[:4])}, "
                                   "...); pass --tokenizer DIR_OR_HUB_ID")
             args = dataclasses.replace(args, tokenizer=args.model)
-        tokenizer = data.load_tokenizer(args.tokenizer)
+        tokenizer = corpus.load_tokenizer(args.tokenizer)
         if args.model_config is not None:
             wanted = model_config_for(args.model_config, llama_config.vocab_size)
             for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -165,9 +165,9 @@ def _model_and_tokenizer(args: TrainArgs, run: RunConfig):
                     )
     else:
         if args.tokenizer is not None:
-            tokenizer = data.load_tokenizer(args.tokenizer)
+            tokenizer = corpus.load_tokenizer(args.tokenizer)
         else:
-            tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
+            tokenizer = corpus.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
         llama_config = model_config_for(args.model_config or "tiny", len(tokenizer))
         llama_config.dtype = dtype
     return llama_config, tokenizer, args
@@ -180,7 +180,8 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     `owned`: our launcher already took the run directory, so it is not judged as someone else's.
     `config`: (raw config, its path) in place of reading --config (`--elastic` plans the fleet's
     config before writing it). `secret`: the fleet secret, when not read from --secret-file / env."""
-    from . import convert, data
+    from . import batches, hf_export
+    from .corpus import load_corpus
 
     if world < 1:
         raise ConfigError(f"--nproc {world} must be >= 1")
@@ -222,7 +223,7 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
     hf_dir = None
     if record is not None:
         # The run's own metadata rebuilds the model; the checkpoint brings the weights.
-        meta = convert.load_hf_meta(os.path.join(out, rundir.CHECKPOINTS))
+        meta = hf_export.load_hf_meta(os.path.join(out, rundir.CHECKPOINTS))
         llama_config, tokenizer = meta.config, meta.tokenizer
         if tokenizer is None:
             raise ConfigError(f"--resume: {meta.path} holds no tokenizer")
@@ -248,9 +249,9 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         fleet.check_lighthouse(args.fleet)
     if len(tokenizer) > llama_config.vocab_size:
         raise ConfigError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {llama_config.vocab_size}")
-    corpus = data.load_corpus(args.data, tokenizer, seq_len, text_field=args.text_field)
+    corpus = load_corpus(args.data, tokenizer, seq_len, text_field=args.text_field)
     try:  # the replicas' data streams, built as the ranks will build them
-        data.ReplicaBatches(corpus.train, M - 1, M, run.micro_batch)
+        batches.ReplicaBatches(corpus.train, M - 1, M, run.micro_batch)
     except ValueError as err:
         raise ConfigError(f"--data {args.data or '(default: the Python stdlib)'}: {err}") from None
 
@@ -311,7 +312,7 @@ def prepare_inputs(args: TrainArgs, world_size: int):
 def own_run(plan: RunPlan) -> rundir.RunLock:
     """Take the run directory (call once per job, after `plan_run`): the lock, then either the
     record of a new run or, on resume, the metrics rows past the checkpoint dropped."""
-    from . import convert
+    from . import hf_export
     from .metrics import keep_rows_up_to
 
     out = plan.args.out
@@ -326,8 +327,8 @@ def own_run(plan: RunPlan) -> rundir.RunLock:
             keep_rows_up_to(os.path.join(out, rundir.METRICS), plan.resume.step)
         else:
             a = plan.args
-            convert.save_hf_meta(plan.ckpt_dir, plan.llama_config, plan.tokenizer, model_dir=a.model,
-                                 tokenizer_dir=a.tokenizer)
+            hf_export.save_hf_meta(plan.ckpt_dir, plan.llama_config, plan.tokenizer, model_dir=a.model,
+                                   tokenizer_dir=a.tokenizer)
             rundir.write_record(out, {
                 "config": plan.raw_config, "config_file": plan.run.source,
                 "args": {"model": _norm_path(a.model), "tokenizer": _norm_path(a.tokenizer), "dtype": a.dtype,

@@ -114,7 +114,7 @@ def _plan_on_every_rank(args: TrainArgs, world: int, rank: int, local_rank: int,
     # plan_run's imports (transformers' LLaMA modules: seconds of CPU) on every rank at once, before the
     # barrier that makes the other ranks wait for local rank 0's plan; inside plan_run they ran one
     # rank after another.
-    for module in ("convert", "data"):
+    for module in ("convert", "hf_export", "corpus", "batches"):
         importlib.import_module(f"{__package__}.{module}")
 
     def attempt():
@@ -189,7 +189,7 @@ def run_rank(args: TrainArgs) -> int:
 def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> int:
     from deepspeed import comm as dist
 
-    from . import convert
+    from . import hf_export
     from .transport.auth import FleetRefused
 
     out = plan.args.out
@@ -204,7 +204,7 @@ def _train(plan: RunPlan, job: str, tag: str | None, rank: int, world: int) -> i
         with watchdog.busy("export"):
             dist.barrier()
             if rank == 0:
-                convert.export(plan.ckpt_dir, os.path.join(out, rundir.EXPORT), overwrite=True)
+                hf_export.export(plan.ckpt_dir, os.path.join(out, rundir.EXPORT), overwrite=True)
                 print(f"[hetloco] exported Hugging Face model to {os.path.join(out, rundir.EXPORT)}", flush=True)
             dist.barrier()
         return 0
@@ -285,7 +285,7 @@ class _Loop:
     def build(self, tag: str | None, rank: int) -> None:
         """The engine (from `tag`'s checkpoint when given), the replica's batches, the outputs; then
         the transport's start (`--elastic`: every replica of the fleet is up)."""
-        from . import data
+        from .batches import ReplicaBatches
         from .build import build_engine, build_module
         from .metrics import MetricsWriter, Progress, RunFacts, validated_steps
 
@@ -298,8 +298,8 @@ class _Loop:
             with watchdog.busy(f"loading {tag}"):
                 position = checkpoint.load(engine, plan.ckpt_dir, tag)
             self.resumed_at = engine.local_steps
-        self.batches = data.ReplicaBatches(plan.corpus.train, engine.replica, engine.num_replicas,
-                                           engine.micro_batch_size, seed=cfg.seed, position=position)
+        self.batches = ReplicaBatches(plan.corpus.train, engine.replica, engine.num_replicas,
+                                      engine.micro_batch_size, seed=cfg.seed, position=position)
         self.needs_data = engine.is_first_stage() or engine.is_last_stage()
         engine.transport.start()
 
@@ -321,7 +321,7 @@ class _Loop:
         self.bad_steps: list[int] = []
 
     def validate(self, step: int) -> None:
-        from . import data
+        from .batches import validation_batches
 
         engine = self.engine
         self.validated_at = step
@@ -330,7 +330,7 @@ class _Loop:
             # compressed boundaries) on the same held-out batches; the row has each loss and
             # their mean, as the paper averages validation over the data-parallel replicas. The
             # job's first replica writes it: an elastic replica (its own job) knows only its own.
-            val = data.validation_batches(self.plan.corpus.val, engine.micro_batch_size) if self.needs_data else None
+            val = validation_batches(self.plan.corpus.val, engine.micro_batch_size) if self.needs_data else None
             losses = engine.validation_losses(val, self.cfg.eval_batches)
             mean = sum(losses.values()) / len(losses)
             if engine.is_last_stage() and engine.module.replica_id == 0:

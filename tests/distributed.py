@@ -21,8 +21,8 @@ from hetloco_ds.launch import free_port
 TIMEOUT_S = 300
 
 PRELOAD = ["hetloco_ds.transport.elastic", "hetloco_ds.cli", "hetloco_ds.train", "hetloco_ds.elastic.replica", "hetloco_ds.engine",
-           "hetloco_ds.build", "hetloco_ds.convert", "hetloco_ds.data", "hetloco_ds.metrics", "deepspeed",
-           "transformers"]
+           "hetloco_ds.build", "hetloco_ds.convert", "hetloco_ds.hf_export", "hetloco_ds.corpus", "hetloco_ds.batches",
+           "hetloco_ds.metrics", "deepspeed", "transformers"]
 """What the fork server imports once. It is one server per test process, started by whichever test
 forks first, so every helper that forks from it asks for this same list."""
 

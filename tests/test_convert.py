@@ -15,21 +15,18 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hetloco_ds import convert
+from hetloco_ds import convert, hf_export
 from hetloco_ds.convert import (
     ConversionError,
-    export,
-    export_from_state,
     export_layers,
     hf_keys_for_layer,
     load_hf_into_layers,
-    load_hf_meta,
     materialize,
     num_pipe_layers,
     pipe_key_for_hf,
     read_hf_config,
-    save_hf_meta,
 )
+from hetloco_ds.hf_export import export, export_from_state, load_hf_meta, save_hf_meta
 from hetloco_ds.model import DecoderLayer, FinalNorm, LMHead, TokenEmbedding, tied_head_forward
 
 N_LAYERS = 2
@@ -392,7 +389,7 @@ def test_interrupted_export_leaves_nothing_that_looks_complete(hf_dirs, tmp_path
     """A crash midway must leave neither out_dir nor a staging dir, and must not touch an
     existing out_dir that overwrite=True was going to replace."""
     config, _, ckpt = ckpt_from_hf(hf_dirs, False, tmp_path, tokenizer)
-    real = convert._save_shard
+    real = hf_export._save_shard
     calls = []
 
     def failing_save_shard(tensors, path):
@@ -401,7 +398,7 @@ def test_interrupted_export_leaves_nothing_that_looks_complete(hf_dirs, tmp_path
             raise OSError("disk full")
         real(tensors, path)
 
-    monkeypatch.setattr(convert, "_save_shard", failing_save_shard)
+    monkeypatch.setattr(hf_export, "_save_shard", failing_save_shard)
     out = tmp_path / "out"
     with pytest.raises(OSError, match="disk full"):
         export(ckpt, out, progress=False, max_shard_size=SMALL_SHARD)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from hetloco_ds import data
+from hetloco_ds import data, documents
 from hetloco_ds.data import DataError, ReplicaBatches, default_tokenizer, load_corpus, stdlib_files
 
 EOS = 0
@@ -254,7 +255,7 @@ def test_cache_root_precedence(tmp_path, monkeypatch):
     assert data.cache_root() == tmp_path / "env"
     assert data.cache_root(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv("HETLOCO_CACHE")
-    assert data.cache_root() == data.Path.home() / ".cache" / "hetloco_ds"
+    assert data.cache_root() == Path.home() / ".cache" / "hetloco_ds"
 
 
 def test_stdlib_split_is_deterministic_and_disjoint():
@@ -286,7 +287,7 @@ def test_default_tokenizer_trains_caches_and_reloads(tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("retrained despite a cached tokenizer")
 
-    monkeypatch.setattr(data, "_train_bpe", no_training)
+    monkeypatch.setattr("hetloco_ds.corpus._train_bpe", no_training)
     again = default_tokenizer(vocab_size=300, cache_dir=tmp_path, max_train_bytes=100_000, progress=False)
     reloaded = AutoTokenizer.from_pretrained(str(path))
     sample = "def f(x):\n    return x  # é\n"
@@ -322,11 +323,12 @@ def test_plain_text_reads_as_the_datasets_text_builder_does_without_importing_it
     files[1].write_bytes(b"no final newline\r\n\r\nx")
     want = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document", split="train",
                                  cache_dir=str(tmp_path / "c"), keep_in_memory=True)["text"]
-    docs = data._read(data._resolve(str(root), "train"), "text", str(tmp_path / "tmp"))
+    docs = documents.read_documents(documents.resolve_source(str(root), "train"), "text", str(tmp_path / "tmp"))
     assert docs.texts([0, 1]) == want and docs.keys == ["a.txt", "b.txt"]
     # Reading a text corpus does not import `datasets` at all.
-    code = ("import sys; from hetloco_ds import data; "
-            f"d = data._read(data._resolve({str(root)!r}, 'train'), 'text', {str(tmp_path / 'tmp2')!r}); "
+    code = ("import sys; from hetloco_ds import data, documents; "
+            f"d = documents.read_documents(documents.resolve_source({str(root)!r}, 'train'), 'text', "
+            f"{str(tmp_path / 'tmp2')!r}); "
             "print(len(d.texts([0, 1])), 'datasets' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["2", "False"]

@@ -4,7 +4,7 @@ server), checked by their outputs: the exported Hugging Face model, metrics.json
 Why the CLI rather than a `run_ranks` body: what must hold is that the model `train.py`
 validates after its last (forced) outer step is the model its export writes, and the
 validation batches are a fixed, reconstructible set (the first `eval_batches` micro-batches
-of the held-out blocks, `data.validation_batches`). So the parent recomputes that loss with
+of the held-out blocks, `batches.validation_batches`). So the parent recomputes that loss with
 `transformers` on OUT/hf and compares it to metrics.jsonl's validation row.
 """
 from __future__ import annotations

@@ -22,8 +22,9 @@ from conftest import save_tiny_llama
 from test_cli import SENTENCES, tiny_tokenizer, write_config, write_text_folder
 from test_convert import build_layers, transformers_messages
 
-from hetloco_ds import cli, convert
-from hetloco_ds.convert import ConversionError, export, export_layers, materialize
+from hetloco_ds import cli, convert, hf_export
+from hetloco_ds.convert import ConversionError, export_layers, materialize
+from hetloco_ds.hf_export import export
 from hetloco_ds.train import TrainArgs, prepare_inputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ def bf16_run(tmp_path_factory):
         assert all(t.dtype == torch.float32 for t in layers[idx].state_dict().values())
         torch.save(layers[idx].state_dict(), ckpt / TAG / f"layer_{idx:02d}-model_states.pt")
     (ckpt / "latest").write_text(TAG)
-    convert.save_hf_meta(ckpt, config, tokenizer, model_dir=args.model, tokenizer_dir=args.tokenizer)
+    hf_export.save_hf_meta(ckpt, config, tokenizer, model_dir=args.model, tokenizer_dir=args.tokenizer)
     out = export(ckpt, root / "hf", progress=False)
     return source, tok_dir, ckpt, out, model, (cfg, data)
 
@@ -159,12 +160,12 @@ def test_export_from_state_copies_side_files_unless_given_objects(bf16_run, tmp_
     config = convert.read_hf_config(source)
     layers = materialize(build_layers(config), "cpu", source, config)
     states = {idx: layers[idx].state_dict() for idx in export_layers(config)}
-    out = convert.export_from_state(states, config, None, tmp_path / "copied", side_files_from=source)
+    out = hf_export.export_from_state(states, config, None, tmp_path / "copied", side_files_from=source)
     for name in ("generation_config.json", "README.md", "LICENSE"):
         assert (out / name).read_bytes() == (source / name).read_bytes(), name
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    out = convert.export_from_state(states, config, tokenizer, tmp_path / "given", side_files_from=tok_dir)
+    out = hf_export.export_from_state(states, config, tokenizer, tmp_path / "given", side_files_from=tok_dir)
     assert (out / "tokenizer_config.json").read_bytes() != (tok_dir / "tokenizer_config.json").read_bytes()
     assert AutoTokenizer.from_pretrained(out)("the lazy dog")["input_ids"] == tokenizer("the lazy dog")["input_ids"]
 

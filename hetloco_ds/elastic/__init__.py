@@ -11,7 +11,7 @@ Identity and data. A fleet has a fixed size N (`hetloco.elastic.max_replicas`); 
 its index m in 0..N-1, given as `--replica-id m`. A config that names every replica's depth
 (`hetloco.replica_stages`) makes replica m a job of replica_stages[m] ranks and N their number
 (`config.elastic_replica`); the replicas then meet by outer-sync block (transport/elastic.py). The id is everything that differs between
-replicas: replica m trains on data shard m of N (`data.ReplicaBatches(blocks, m, N)`, the static
+replicas: replica m trains on data shard m of N (`batches.ReplicaBatches(blocks, m, N)`, the static
 run's replica m when N = M), compresses its stage boundaries as the config says for replica m
 (`hetloco.subspace.compressed_replicas` / `replica_ratios`), and its payloads are summed in id
 order, as the static exchange sums in replica order: the transport sorts members by name, and a

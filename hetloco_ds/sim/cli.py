@@ -59,17 +59,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--replicas {args.replicas} and --steps {args.steps} must be >= 1")
         seeds = [int(s) for s in args.seeds.split(",")]
         variants = parse_variants(args.variants.split(","), args.replicas, seeds)
-        from .. import data
+        from ..corpus import default_tokenizer, load_corpus
         from ..presets import model_config_for
 
-        tokenizer = data.default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
+        tokenizer = default_tokenizer(vocab_size=run.hetloco.train.vocab_size)
         llama_config = model_config_for(args.model_config, len(tokenizer))
         sizes.stage_parts(llama_config.num_hidden_layers, stages)
         _check_depths(run, args, llama_config.num_hidden_layers)
         for v in variants:
             if v.ratio > 1:
                 sizes.subspace_dim(llama_config.hidden_size, v.ratio)
-        corpus = data.load_corpus(args.data, tokenizer, run.hetloco.train.seq_len)
+        corpus = load_corpus(args.data, tokenizer, run.hetloco.train.seq_len)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"hetloco-ds simulate: error: {err}", file=sys.stderr)
         return 2

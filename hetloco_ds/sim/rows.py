@@ -21,7 +21,7 @@ import torch
 
 from .. import safe_load
 from ..config import ConfigError, HetlocoConfig, RunConfig, SparseLoCoConfig
-from ..data import ReplicaBatches, validation_batches
+from ..batches import ReplicaBatches, validation_batches
 from ..sparseloco.attacks import ATTACKS, Attack
 from .batched import BatchedSimulation
 from .replica import Simulation
