@@ -82,7 +82,7 @@ def _train(args) -> int:
     from .config import ConfigError
     from .rundir import state_dir
     from .launch import STOP_GRACE_S, core_shares, spawn, under_launcher
-    from .elastic.replica import FleetArgs, replica_dir
+    from .elastic import replica as fleet
     from .runplan import TrainArgs, default_out, own_run, plan_run
     from .train import ENV_JOB, ENV_OWNED, ENV_TAG, EXIT_BAD_INPUT, main_rank
 
@@ -92,17 +92,11 @@ def _train(args) -> int:
 
     if args.steps < 0:
         return fail(f"--steps {args.steps} must be >= 0")
-    fleet_args = None
-    if args.elastic and (args.lighthouse is not None or args.replica_id is not None):
-        return fail("--elastic starts its own lighthouse and replicas; --lighthouse / --replica-id run one replica "
-                    "of a fleet: pass one or the other")
-    if (args.lighthouse is None) != (args.replica_id is None) and not args.elastic:
-        return fail("elastic mode needs both --lighthouse ADDR and --replica-id ID")
-    if args.lighthouse is not None or args.elastic:
-        fleet_args = FleetArgs(lighthouse=args.lighthouse or "", replica=args.replica_id or 0,
-                               secret_file=args.secret_file, bind=args.bind, advertise=args.advertise)
-    elif args.secret_file is not None or args.advertise is not None:
-        return fail("--secret-file / --advertise are for elastic mode (--lighthouse or --elastic)")
+    try:
+        fleet_args = fleet.from_flags(args.elastic, args.lighthouse, args.replica_id, args.secret_file, args.bind,
+                                      args.advertise)
+    except ConfigError as err:
+        return fail(str(err))
     targs = TrainArgs(config=args.config, model=args.model, model_config=args.model_config, data=args.data,
                       out=args.out, steps=args.steps, resume=args.resume, overwrite=args.overwrite,
                       text_field=args.text_field, tokenizer=args.tokenizer, dtype=args.dtype, fleet=fleet_args)
@@ -123,7 +117,7 @@ def _train(args) -> int:
         if args.elastic:
             return fail("--elastic starts its own jobs; under a launcher run one replica with --lighthouse")
         if fleet_args is not None and targs.out is not None:
-            targs.out = replica_dir(targs.out, fleet_args.replica)
+            targs.out = fleet.replica_dir(targs.out, fleet_args.replica)
         return main_rank(targs)
     if targs.out is None:
         targs.out = default_out()
@@ -131,7 +125,7 @@ def _train(args) -> int:
     if args.elastic:
         return _train_fleet(args, targs, fail)
     if fleet_args is not None:
-        targs.out = replica_dir(fleet_out, fleet_args.replica)
+        targs.out = fleet.replica_dir(fleet_out, fleet_args.replica)
     try:
         nproc = args.nproc if args.nproc is not None else _default_nproc(targs)
         # Every check, once, before any rank starts or anything is written.
@@ -151,9 +145,7 @@ def _train(args) -> int:
         argv[3:5] = []
     argv += [flag for flag, on in (("--resume", args.resume), ("--overwrite", args.overwrite)) if on]
     if fleet_args is not None:
-        argv += ["--lighthouse", args.lighthouse, "--replica-id", str(args.replica_id), "--bind", args.bind]
-        argv += [x for flag, v in (("--secret-file", args.secret_file), ("--advertise", args.advertise))
-                 if v is not None for x in (flag, v)]
+        argv += fleet.flags(fleet_args)
     env = dict(os.environ, **{ENV_OWNED: "1", ENV_JOB: uuid.uuid4().hex[:12]})
     if plan.resume is not None:
         env[ENV_TAG] = plan.resume.tag

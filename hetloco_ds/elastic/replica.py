@@ -38,6 +38,33 @@ class FleetArgs:
     """Address peers reach this replica at (default: bind; required when bind is a wildcard)."""
 
 
+def from_flags(elastic: bool, lighthouse: str | None, replica_id: int | None, secret_file: str | None,
+               bind: str, advertise: str | None) -> FleetArgs | None:
+    """The fleet flags of `hetloco-ds train` as FleetArgs (None: a static run), or ConfigError naming
+    the flags that do not go together. `elastic` (--elastic): the launcher starts the lighthouse and
+    names each replica, so its FleetArgs only carries the secret and addresses."""
+    if elastic and (lighthouse is not None or replica_id is not None):
+        raise ConfigError("--elastic starts its own lighthouse and replicas; --lighthouse / --replica-id run one "
+                          "replica of a fleet: pass one or the other")
+    if (lighthouse is None) != (replica_id is None) and not elastic:
+        raise ConfigError("elastic mode needs both --lighthouse ADDR and --replica-id ID")
+    if lighthouse is None and not elastic:
+        if secret_file is not None or advertise is not None:
+            raise ConfigError("--secret-file / --advertise are for elastic mode (--lighthouse or --elastic)")
+        return None
+    return FleetArgs(lighthouse=lighthouse or "", replica=replica_id or 0, secret_file=secret_file, bind=bind,
+                     advertise=advertise)
+
+
+def flags(fleet: FleetArgs) -> list[str]:
+    """`from_flags`'s inverse: the flags that make a rank of this job the same replica of the same fleet."""
+    argv = ["--lighthouse", fleet.lighthouse, "--replica-id", str(fleet.replica), "--bind", fleet.bind]
+    for flag, value in (("--secret-file", fleet.secret_file), ("--advertise", fleet.advertise)):
+        if value is not None:
+            argv += [flag, value]
+    return argv
+
+
 def replica_dir(out: str, replica: int) -> str:
     return os.path.join(out, f"replica-{replica}")
 
