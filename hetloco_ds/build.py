@@ -110,4 +110,5 @@ def build_module(run: RunConfig, llama_config, hf_dir: str | None = None, hf_sta
     check_topology(world, run.stages, run.source, llama_config.num_hidden_layers, run.hetloco.replica_stages)
     return HetlocoPipelineModule(llama_config, run.stages, world, seed=run.hetloco.train.seed, hf_dir=hf_dir,
                                  hf_state=hf_state, replica_stages=run.hetloco.replica_stages,
-                                 fleet_stages=run.fleet_stages)
+                                 fleet_stages=run.fleet_stages,
+                                 activation_checkpoint_interval=run.activation_checkpoint_interval)

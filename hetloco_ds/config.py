@@ -350,6 +350,10 @@ class RunConfig:
     stages: int
     """pipeline.stages; with hetloco.replica_stages, the deepest replica's (an elastic replica's own,
     `elastic_replica`)."""
+    activation_checkpoint_interval: int = 0
+    """pipeline.activation_checkpoint_interval, as DeepSpeed's PipelineModule takes it: each stage's
+    layers in runs of this many, a run of decoder layers alone keeping only its input for the
+    backward and running its forward again there; 0: off."""
     bf16: bool = False
     """bf16.enabled: autocast over fp32 master weights per replica; bf16 crosses stage links."""
     clip: float = 1.0
@@ -374,6 +378,10 @@ class RunConfig:
             ds.pop(key, None)
         ds["bf16"] = {"enabled": False}
         ds["gradient_clipping"] = 0.0
+        # The module applies pipeline.activation_checkpoint_interval itself (`build_module`); DeepSpeed's
+        # engine would otherwise set it again and, with use_reentrant false, its own checkpoint function.
+        ds["pipeline"] = {k: v for k, v in ds.get("pipeline", {}).items() if k != "use_reentrant"}
+        ds["pipeline"]["activation_checkpoint_interval"] = 0
         ds.setdefault("steps_per_print", 10**9)
         ds["train_micro_batch_size_per_gpu"] = self.micro_batch
         ds["gradient_accumulation_steps"] = self.grad_accum
@@ -404,6 +412,14 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     if hetloco.replica_stages is not None:
         stages = max(hetloco.replica_stages)  # the deepest replica's (each replica has its own)
     pipeline["stages"] = stages
+    interval = pipeline.get("activation_checkpoint_interval", 0)
+    if type(interval) is not int or interval < 0:
+        raise ConfigError(f"{source}: pipeline.activation_checkpoint_interval must be a whole number >= 0 "
+                          f"(0: off), got {interval!r}")
+    if pipeline.get("use_reentrant") not in (None, False):
+        raise ConfigError(f"{source}: pipeline.use_reentrant = {pipeline['use_reentrant']!r}: decoder layers are "
+                          "recomputed with torch's non-reentrant checkpoint (the one that works under train.compile); "
+                          "leave it out or set it to false")
 
     zero = ds.get("zero_optimization", {}) or {}
     if int(zero.get("stage", 0)) != 0:
@@ -430,7 +446,7 @@ def parse_config(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
         raise ConfigError(f"{source}: gradient_clipping must be a non-negative number, got {clip!r}")
     check_deepspeed_section(ds, source)
     optimizer = optimizer_settings(ds.get("optimizer"), source)
-    return RunConfig(ds=ds, hetloco=hetloco, source=source, stages=stages,
+    return RunConfig(ds=ds, hetloco=hetloco, source=source, stages=stages, activation_checkpoint_interval=interval,
                      bf16=bool(bf16), clip=float(clip),
                      micro_batch=ds.get("train_micro_batch_size_per_gpu", 1),
                      grad_accum=ds.get("gradient_accumulation_steps", 1), optimizer=optimizer,

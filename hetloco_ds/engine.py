@@ -376,9 +376,12 @@ class HetlocoEngine(PipelineEngineAdapter):
         linears = casts.cast_linears(self.module.modules())
         kv_dim = cfg.num_key_value_heads * head_dim(cfg)
         layers = sizes.decoder_layers_per_stage(cfg.num_hidden_layers, self.num_stages)[self.stage_id]
+        parts = self.module.parts
+        recomputed = sizes.recomputed_runs(cfg.num_hidden_layers, parts[self.stage_id], parts[self.stage_id + 1],
+                                           self.module.activation_checkpoint_interval)
         return sizes.step_casts_pay(sum(m.weight.numel() for m in linears), self.micro_batches, layers,
                                     self.micro_batch_size * self.seq_len, cfg.hidden_size, cfg.intermediate_size,
-                                    kv_dim)
+                                    kv_dim, recomputed=recomputed)
 
     def _record(self, local_loss: torch.Tensor, start: float, outer: dict | None) -> StepRecord:
         counts = self.meter.since_mark()

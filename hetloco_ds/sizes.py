@@ -312,8 +312,17 @@ def deferred_cast_grad_bytes(cast_params: int, micro_batches: int, bf16: bool = 
     return 2 * cast_params if bf16 and micro_batches > 1 else 0
 
 
+def kept_activation_bytes(tokens: int, layers: int, d: int, ffn: int, kv_dim: int, act_bytes: int = 2,
+                          recomputed: Sequence[int] = ()) -> int:
+    """Bytes one micro-batch of `tokens` tokens leaves for its backward through `layers` decoder layers
+    (`layer_activation_bytes`), of which the runs `recomputed` (`recomputed_runs`) keep only their
+    input, the residual stream (act_bytes a value)."""
+    kept = layers - sum(recomputed)
+    return tokens * (kept * layer_activation_bytes(d, ffn, kv_dim, act_bytes) + len(recomputed) * act_bytes * d)
+
+
 def step_casts_pay(cast_params: int, micro_batches: int, layers: int, tokens: int, d: int, ffn: int, kv_dim: int,
-                   bf16: bool = True) -> bool:
+                   bf16: bool = True, recomputed: Sequence[int] = ()) -> bool:
     """Whether a stage's backward would peak higher with autocast's cache than with per-micro-batch
     cast nodes (`casts.step_casts`): its deferred gradients (`deferred_cast_grad_bytes`) outweigh one
     micro-batch's activations through its `layers` decoder layers (`tokens` a micro-batch), which
@@ -321,11 +330,29 @@ def step_casts_pay(cast_params: int, micro_batches: int, layers: int, tokens: in
     the per-micro-batch nodes would only cost host time (an autograd Function a weight per
     micro-batch)."""
     return deferred_cast_grad_bytes(cast_params, micro_batches, bf16) > \
-        layers * tokens * layer_activation_bytes(d, ffn, kv_dim, 2 if bf16 else 4)
+        kept_activation_bytes(tokens, layers, d, ffn, kv_dim, 2 if bf16 else 4, recomputed)
+
+
+def recomputed_runs(num_layers: int, start: int, stop: int, interval: int) -> list[int]:
+    """The lengths of the runs of decoder layers whose forward the stage holding pipeline layers
+    [start, stop) (`stage_parts`) runs again in its backward under pipeline.activation_checkpoint_interval
+    = `interval`: DeepSpeed's PipelineModule cuts the stage's layers into runs of `interval` from its
+    first, and ours recomputes a run whose layers are all decoder layers (`pipe.module.RECOMPUTED_LAYERS`);
+    a run holding the embedding, the final norm or the head keeps its activations. [] when off."""
+    if interval <= 0:
+        return []
+    decoders = LayerLayout(num_layers).decoders
+    runs = []
+    for a in range(start, stop, interval):
+        b = min(a + interval, stop)
+        if all(i in decoders for i in range(a, b)):
+            runs.append(b - a)
+    return runs
 
 
 def stage_activation_bytes(tokens: int, layers: int, in_flight: int, d: int, ffn: int, kv_dim: int,
-                           vocab: int | None = None, act_bytes: int = 2, deferred_grad_bytes: int = 0) -> int:
+                           vocab: int | None = None, act_bytes: int = 2, deferred_grad_bytes: int = 0,
+                           recomputed: Sequence[int] = ()) -> int:
     """Device bytes a stage's activations hold at their peak: `in_flight` micro-batches of `tokens`
     tokens (`pipe.order.depth` for its schedule) through its `layers` decoder layers
     (`layer_activation_bytes`), plus one layer's worth as the backward's working set (the gradients
@@ -334,10 +361,14 @@ def stage_activation_bytes(tokens: int, layers: int, in_flight: int, d: int, ffn
     micro-batch's backward frees its activations layer by layer, `deferred_grad_bytes`
     (`deferred_cast_grad_bytes`) accumulate in their place: the backward peaks at the larger of the
     two, which at few tokens a micro-batch is the gradients (an 8B stage of 8 layers: 3.3 GiB against
-    1.7 GiB of activations at 1024 tokens, measured before `casts.step_casts` took them out)."""
+    1.7 GiB of activations at 1024 tokens, measured before `casts.step_casts` took them out).
+    `recomputed` (`recomputed_runs`): runs of decoder layers that keep only their input (the residual
+    stream, act_bytes a value) per micro-batch in flight; the backward then holds one run's
+    activations again, the longest at its height, beside them."""
     per_layer = layer_activation_bytes(d, ffn, kv_dim, act_bytes)
-    one = layers * tokens * per_layer
-    total = (in_flight - 1) * one + max(one, deferred_grad_bytes) + tokens * per_layer
+    one = kept_activation_bytes(tokens, layers, d, ffn, kv_dim, act_bytes, recomputed)
+    again = tokens * per_layer * max(recomputed, default=0)
+    total = (in_flight - 1) * one + max(one + again, deferred_grad_bytes) + tokens * per_layer
     if vocab is not None:
         total += in_flight * tokens * (4 + 2 * act_bytes) * d + tokens * logit_bytes(vocab, act_bytes)
     return total

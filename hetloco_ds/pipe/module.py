@@ -12,6 +12,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 
 from .. import sizes
@@ -42,6 +43,20 @@ def head_apart(config: LlamaConfig, replica_stages: list[int] | None, stages: in
     return bool(config.tie_word_embeddings) and replica_stages is not None and stages == 1 and max(replica_stages) > 1
 
 
+def recompute(function, *inputs):
+    """DeepSpeed's `activation_checkpoint_func` for a run of decoder layers: torch's non-reentrant
+    checkpoint, which keeps the run's input (hidden state, ids) and runs it again, under the
+    forward's autocast, in the backward. Non-reentrant because it works under torch.compile and
+    with inputs that need no gradient (the ids). The RNG is not stashed: no layer draws from it
+    (no dropout), and DeepSpeed seeds each layer's forward anyway."""
+    return checkpoint(function, *inputs, use_reentrant=False, preserve_rng_state=False)
+
+
+RECOMPUTED_LAYERS = ["DecoderLayer"]
+"""`checkpointable_layers`: a run is recomputed only if every layer in it is a decoder layer
+(`sizes.recomputed_runs` states the same rule for `plan`)."""
+
+
 class HetlocoPipelineModule(PipelineModuleAdapter):
     """PipelineModule over `layer_specs(config)` with a BoundaryCodec at each end of the stage.
 
@@ -50,11 +65,14 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
     """
 
     def __init__(self, config: LlamaConfig, num_stages: int, world_size: int, seed: int = 0, hf_dir: str | None = None,
-                 hf_state=None, replica_stages: list[int] | None = None, fleet_stages=None):
+                 hf_state=None, replica_stages: list[int] | None = None, fleet_stages=None,
+                 activation_checkpoint_interval: int = 0):
         """`replica_stages`: each replica's depth (`hetloco.replica_stages`); the world is laid out by
         `sizes.replica_ranks` and this rank's replica has its own grid (`num_stages` is then its depth).
         `fleet_stages`: an elastic replica's fleet of mixed depths (`RunConfig.fleet_stages`); the world
-        is this replica alone, the depths only decide `head_apart`."""
+        is this replica alone, the depths only decide `head_apart`.
+        `activation_checkpoint_interval`: the DeepSpeed JSON's pipeline.activation_checkpoint_interval
+        (`RunConfig`), as DeepSpeed's PipelineModule applies it, runs of decoder layers only."""
         self.llama_config = config
         self._hf_dir = hf_dir
         self._hf_state = hf_state
@@ -73,8 +91,12 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
             seed_layers=True,
             base_seed=seed,
             partition_method="uniform",
-            activation_checkpoint_interval=0,
+            activation_checkpoint_func=recompute,
+            checkpointable_layers=RECOMPUTED_LAYERS,
         )
+        # Set here, not through DeepSpeed's engine config (`RunConfig.engine_ds_config` leaves it 0),
+        # so the module is whole without an engine and nothing swaps in DeepSpeed's own checkpoint function.
+        self.set_checkpoint_interval(activation_checkpoint_interval)
         self.codec: BoundaryCodec = IdentityCodec(config.hidden_size, config.vocab_size)
         self.autocast_dtype: torch.dtype | None = None
         """Compute dtype of the forward under autocast (bf16 training); None runs in fp32."""

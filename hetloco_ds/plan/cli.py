@@ -186,6 +186,9 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
     ap.add_argument("--largest", action="store_true", help="print the largest preset one replica trains on 1, 2, 4, "
                     "8 GPUs of 24, 40, 80, 141 GB, with the outer state on the GPU and on the host (--vocab, --seq-len, "
                     "--micro-batch, --n-mb, --schedule apply to every preset)")
+    ap.add_argument("--activation-checkpoint-interval", type=int, default=0, metavar="N",
+                    help="--largest: DeepSpeed's pipeline.activation_checkpoint_interval (runs of N decoder layers keep "
+                         "only their input and are recomputed in the backward; default 0, off)")
     ap.add_argument("--outer-state-device", choices=("gpu", "cpu"), default=OUTER_STATE_DEVICE,
                     help="fleet: where the outer state waits between outer steps (hetloco.sparseloco.outer_state_device)")
     ap.add_argument("--target", type=float, default=0.9, help="fleet: target compute utilisation")
@@ -294,9 +297,12 @@ def largest_text(a: argparse.Namespace, settings: Settings) -> str:
     # One replica on the GPUs of one host: "auto" runs blocking there (pipe.order.links_plan).
     named = a.schedule is not None or "overlap" in vars(a)
     schedule = ("overlapped" if settings.overlap else "blocking") if named else "blocking"
+    interval = a.activation_checkpoint_interval
+    if interval < 0:
+        raise ValueError(f"--activation-checkpoint-interval {interval} must be >= 0 (0: off)")
     table = largest_table(vocab, micro_batch=settings.micro_batch, n_mb=settings.n_mb, seq_len=settings.seq_len,
-                          schedule=schedule, bf16=settings.act_bytes == 2)
-    return format_largest(table, vocab, settings.micro_batch, settings.n_mb, settings.seq_len, schedule)
+                          schedule=schedule, bf16=settings.act_bytes == 2, activation_checkpoint_interval=interval)
+    return format_largest(table, vocab, settings.micro_batch, settings.n_mb, settings.seq_len, schedule, interval)
 
 
 def _print_largest(a: argparse.Namespace, settings: Settings) -> int:

@@ -28,27 +28,32 @@ context, the allocator's cached blocks, communication buffers)."""
 def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, n_mb: int = 32,
                        seq_len: int | None = None, schedule: str = "overlapped", bf16: bool = True,
                        sparseloco: bool = True, outer_state_device: str = "gpu",
-                       autocast_cache: bool = False) -> list[int]:
+                       autocast_cache: bool = False, activation_checkpoint_interval: int = 0) -> list[int]:
     """Peak device bytes of each stage of one replica in `stages` stages: `sizes.stage_state_bytes`
     of its parameters plus `sizes.stage_activation_bytes` of its layers, with `pipe.order.depth`
     micro-batches of micro_batch x seq_len tokens in flight (of `n_mb` a step) under `schedule`.
     `autocast_cache`: the weights' casts come from autocast's own cache (`train.compile`'s layers,
     and every run before `casts.step_casts`), so the backward defers the bf16 gradients of every
     cast matrix (all but the token embedding, which is looked up: `sizes.deferred_cast_grad_bytes`).
+    `activation_checkpoint_interval`: pipeline.activation_checkpoint_interval; each stage's runs of
+    decoder layers that keep only their input (`sizes.recomputed_runs`).
     Left out: a compressed replica's basis U and T_perp buffer (d x k and V x d fp32 on its stages)."""
     L = model.seq_len if seq_len is None else seq_len
     tokens = micro_batch * L
     act_bytes = 2 if bf16 else 4
     layers = sizes.decoder_layers_per_stage(model.n_layers, stages)
+    parts = sizes.stage_parts(model.n_layers, stages)
     out = []
     for s, (tensors, nl) in enumerate(zip(stage_tensors(model, stages), layers)):
+        recomputed = sizes.recomputed_runs(model.n_layers, parts[s], parts[s + 1], activation_checkpoint_interval)
         params = sum(math.prod(shape) for _, shape in tensors)
         deferred = 0
         if autocast_cache:
             cast = sum(math.prod(shape) for name, shape in tensors if len(shape) == 2 and not name.startswith("embed_tokens"))
             deferred = sizes.deferred_cast_grad_bytes(cast, n_mb, bf16)
         act = sizes.stage_activation_bytes(tokens, nl, depth(schedule, stages, s, n_mb), model.d, model.ffn,
-                                           model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes, deferred)
+                                           model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes, deferred,
+                                           recomputed)
         out.append(sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device) + act)
     return out
 
@@ -102,7 +107,7 @@ def largest_table(vocab: int, gpus: Sequence[int] = LARGEST_GPUS, memory_gb: Seq
 
 
 def format_largest(table: list[list[tuple[Largest, ...]]], vocab: int, micro_batch: int, n_mb: int,
-                   seq_len: int | None, schedule: str) -> str:
+                   seq_len: int | None, schedule: str, activation_checkpoint_interval: int = 0) -> str:
     """The `--largest` table: per cell "preset S=n" for each outer-state placement, "/"-separated."""
     mems = [row[0].memory_gb for row in table[0]]
     places = " / ".join(f'"{c.outer_state_device}"' for c in table[0][0])
@@ -111,7 +116,9 @@ def format_largest(table: list[list[tuple[Largest, ...]]], vocab: int, micro_bat
     head = (f"Largest preset one replica trains (fewest stages S <= GPUs; every stage's predicted peak "
             f"<= {MEMORY_HEADROOM:g} x the GPU's memory), {schedule} schedule, micro-batch {micro_batch} x "
             f"{n_mb} a step, {seq}, vocab {vocab}, bf16, AdamW; outer state {places} "
-            f"(sparseloco.outer_state_device):")
+            f"(sparseloco.outer_state_device)"
+            + (f"; decoder layers recomputed in runs of {activation_checkpoint_interval} "
+               f"(pipeline.activation_checkpoint_interval):" if activation_checkpoint_interval else ":"))
     cols = ["GPUs"] + [f"{m:g} GB" for m in mems]
     rows = [cols]
     for row in table:

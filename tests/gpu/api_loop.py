@@ -78,7 +78,8 @@ def memory(hf, data_path, config, work) -> dict:
     return {"shape": shape, "losses": losses, "peak_allocated": torch.cuda.max_memory_allocated(),
             "step_casts": bool(engine.step_casts), "schedule": engine.schedule, "micro": engine.micro_batch_size,
             "gas": engine.micro_batches, "seq_len": engine.seq_len,
-            "outer_state_device": engine.hetloco.sparseloco.outer_state_device, "compile": engine.hetloco.train.compile}
+            "outer_state_device": engine.hetloco.sparseloco.outer_state_device, "compile": engine.hetloco.train.compile,
+            "activation_checkpoint_interval": engine.module.activation_checkpoint_interval}
 
 
 def main() -> None:

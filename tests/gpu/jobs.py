@@ -212,13 +212,14 @@ def api_loop(ctx: Inputs, name: str) -> dict:
     return out
 
 
-def memory(ctx: Inputs, name: str) -> dict:
+def memory(ctx: Inputs, name: str, edits: dict | None = None) -> dict:
     """A model large enough that the state and activations `plan` models dominate the peak (d = 1024,
-    6 layers, seq 512, micro 4 x 2), trained through the API for 4 steps (H = 2) under the defaults;
-    its measured peak and what the engine resolved, for the test to compare with `plan`."""
+    6 layers, seq 512, micro 4 x 2), trained through the API for 4 steps (H = 2) under the defaults
+    (and `edits`); its measured peak and what the engine resolved, for the test to compare with `plan`."""
     work = ctx.root / name
     work.mkdir()
-    cfg = write_config(work / "config.json", {"train_micro_batch_size_per_gpu": 4, "hetloco.train.seq_len": 512})
+    cfg = write_config(work / "config.json", {"train_micro_batch_size_per_gpu": 4, "hetloco.train.seq_len": 512,
+                                              **(edits or {})})
     cmd = script(HERE / "api_loop.py", "memory", ctx.hf, ctx.data, cfg, work)
     return {"work": str(work), "config": cfg, "memory": run(cmd, ctx.env(), work / "memory.log")}
 
@@ -270,9 +271,13 @@ JOBS = {
     "outer_on_gpu": lambda c, n: train_and_resume(c, n, {"hetloco.sparseloco.outer_state_device": "gpu"},
                                                   launchers=("torchrun", "deepspeed")),
     "fp32_tied": lambda c, n: train_and_resume(c, n, {"bf16.enabled": False}, tied=True),
+    "ac_compile_tied": lambda c, n: train_and_resume(
+        c, n, {"hetloco.train.compile": True, "pipeline.activation_checkpoint_interval": 1}, tied=True,
+        launchers=("nproc", "torchrun")),
     "preempted": preempted,
     "api": api_loop,
     "memory": memory,
+    "memory_ac": lambda c, n: memory(c, n, {"pipeline.activation_checkpoint_interval": 1}),
     "simulators": simulators,
     "elastic": elastic,
     # The 1B preset at S = 1 (micro 4 x 8, seq 1024, H = 20) on the default data, with train.deterministic:

@@ -113,6 +113,8 @@ ONE_GPU = [
     pytest.param("compile_tied", marks=pytest.mark.job("compile_tied"), id="nproc-then-deepspeed-compile-tied"),
     pytest.param("outer_on_gpu", marks=pytest.mark.job("outer_on_gpu"), id="torchrun-then-deepspeed-outer_on_gpu"),
     pytest.param("fp32_tied", marks=pytest.mark.job("fp32_tied"), id="deepspeed-then-nproc-fp32-tied"),
+    pytest.param("ac_compile_tied", marks=pytest.mark.job("ac_compile_tied"),
+                 id="nproc-then-torchrun-activation-checkpointing-compile-tied"),
 ]
 
 
@@ -205,23 +207,51 @@ def test_plan_predicts_the_measured_peak_on_one_gpu(job_result):
     training allocates on this GPU (micro 4 x 2 at seq 512, the outer state where the defaults put
     it, the engine's own cast and schedule choices), within test_plan's tolerance: below by at most
     5%, above by at most 10%. Breaks if the memory rules drift from what training holds."""
-    from hetloco_ds import plan
-    from hetloco_ds.plan.model import ModelShape
     from test_plan import MEMORY_TOLERANCE
 
     proc = job_result["memory"]
     assert proc["rc"] == 0, _explain(proc)
     got = json.loads((Path(job_result["work"]) / "memory.json").read_text())
+    predicted = _memory_prediction(got)
+    ratio = predicted / got["peak_allocated"]
+    lo, hi = MEMORY_TOLERANCE
+    assert 1 + lo <= ratio <= 1 + hi, (predicted / 2**30, got["peak_allocated"] / 2**30, got)
+
+
+def _memory_prediction(got: dict) -> int:
+    from hetloco_ds import plan
+    from hetloco_ds.plan.model import ModelShape
+
     s = got["shape"]
     model = ModelShape(d=s["hidden_size"], n_layers=s["num_hidden_layers"], n_heads=s["num_attention_heads"],
                        n_kv_heads=s["num_key_value_heads"], ffn=s["intermediate_size"], vocab=s["vocab_size"],
                        seq_len=got["seq_len"])
-    predicted = plan.stage_memory_bytes(model, 1, micro_batch=got["micro"], n_mb=got["gas"], seq_len=got["seq_len"],
-                                        schedule=got["schedule"], bf16=True, outer_state_device=got["outer_state_device"],
-                                        autocast_cache=not got["step_casts"])[0]
-    ratio = predicted / got["peak_allocated"]
-    lo, hi = MEMORY_TOLERANCE
-    assert 1 + lo <= ratio <= 1 + hi, (predicted / 2**30, got["peak_allocated"] / 2**30, got)
+    return plan.stage_memory_bytes(model, 1, micro_batch=got["micro"], n_mb=got["gas"], seq_len=got["seq_len"],
+                                   schedule=got["schedule"], bf16=True, outer_state_device=got["outer_state_device"],
+                                   autocast_cache=not got["step_casts"],
+                                   activation_checkpoint_interval=got.get("activation_checkpoint_interval", 0))[0]
+
+
+@pytest.mark.job("memory_ac")
+def test_recomputed_decoder_layers_lower_the_measured_peak_on_one_gpu(job_result, gpu_jobs):
+    """The memory job's model and batch with every decoder layer recomputed in the backward
+    (pipeline.activation_checkpoint_interval 1): its first loss is the job's without (the same
+    forward), and its measured peak lies below that job's by at least half of what `plan` says the
+    kept activations save. plan's prediction against this peak goes to plan_vs_peak.json beside the
+    job's log. Breaks if the interval is not applied on the GPU or recomputing changes the forward."""
+    on_proc, off_proc = job_result["memory"], gpu_jobs.result("memory")["memory"]
+    assert on_proc["rc"] == 0, _explain(on_proc)
+    assert off_proc["rc"] == 0, _explain(off_proc)
+    work = Path(job_result["work"])
+    on = json.loads((work / "memory.json").read_text())
+    off = json.loads((Path(gpu_jobs.result("memory")["work"]) / "memory.json").read_text())
+    assert on["activation_checkpoint_interval"] == 1 and off["activation_checkpoint_interval"] == 0
+    saved, predicted_saving = off["peak_allocated"] - on["peak_allocated"], _memory_prediction(off) - _memory_prediction(on)
+    (work / "plan_vs_peak.json").write_text(json.dumps({
+        "with": {"predicted": _memory_prediction(on), "measured": on["peak_allocated"]},
+        "without": {"predicted": _memory_prediction(off), "measured": off["peak_allocated"]}}, indent=1))
+    assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-5), (on["losses"], off["losses"])
+    assert predicted_saving > 0 and saved >= 0.5 * predicted_saving, (saved / 2**30, predicted_saving / 2**30)
 
 
 @pytest.mark.job("simulators")
