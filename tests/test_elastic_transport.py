@@ -28,7 +28,8 @@ pytest.importorskip("torchft", reason="elastic mode needs the optional extra: pi
 import elastic_replica as er  # noqa: E402
 from distributed import fork_context  # noqa: E402
 from hetloco_ds.config import SparseLoCoConfig  # noqa: E402
-from hetloco_ds.sparseloco.outer import FLAG_FINITE, HEADER, SparseLoCoState  # noqa: E402
+from hetloco_ds.sparseloco.outer import SparseLoCoState  # noqa: E402
+from hetloco_ds.sparseloco.payload import FLAG_FINITE, HEADER  # noqa: E402
 from hetloco_ds.transport import elastic  # noqa: E402
 from hetloco_ds.transport.auth import FleetRefused, read_fleet_secret, tag  # noqa: E402
 from hetloco_ds.transport.state_transfer import AuthenticatedStateTransport, StateTransferError  # noqa: E402

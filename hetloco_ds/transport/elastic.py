@@ -112,7 +112,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
 from torchft.manager import Manager  # noqa: E402
 from torchft.process_group import ProcessGroupGloo  # noqa: E402
 
-from ..sparseloco.outer import FLAG_FINITE, HEADER  # noqa: E402
+from ..sparseloco.payload import FLAG_FINITE, HEADER  # noqa: E402
 from . import Gathered, ReplicaTransport  # noqa: E402
 from .auth import MAC_BYTES, FleetRefused, tag, verify  # noqa: E402
 from .state_transfer import AuthenticatedStateTransport, url_host  # noqa: E402
