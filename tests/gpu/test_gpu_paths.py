@@ -206,7 +206,7 @@ def test_plan_predicts_the_measured_peak_on_one_gpu(job_result):
     it, the engine's own cast and schedule choices), within test_plan's tolerance: below by at most
     5%, above by at most 10%. Breaks if the memory rules drift from what training holds."""
     from hetloco_ds import plan
-    from hetloco_ds.plan.model import ModelShape
+    from hetloco_ds.plan.shapes import ModelShape
     from test_plan import MEMORY_TOLERANCE
 
     proc = job_result["memory"]
