@@ -1,8 +1,5 @@
-"""The outer state of a stage whose parameters fall into several outer-sync blocks
-(`sizes.block_parts`): replicas of other depths cut their stages elsewhere, so they can only meet
-on blocks every replica holds whole. Mixed depths are the only reason for more than one block;
-one block is `SparseLoCoState`'s own state, payload and checkpoint format exactly.
-"""
+"""A stage's outer state by outer-sync block (`BlockStates`), for fleets whose replicas have their
+own depths and so meet only on blocks every replica holds whole."""
 from __future__ import annotations
 
 from typing import Iterable, Sequence
