@@ -210,7 +210,8 @@ def main(argv=None) -> int:
                             else os.path.join(REPO, "bench", "results", "outer_step.json"))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     from hetloco_ds.config import SparseLoCoConfig
-    from hetloco_ds.sparseloco.outer import SparseLoCoState, payload_nbytes, tensor_codec
+    from hetloco_ds.sparseloco.outer import SparseLoCoState
+    from hetloco_ds.sparseloco.payload import payload_nbytes, tensor_codec
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     timer = Timer(dev)

@@ -3,7 +3,8 @@
 `StageAlgorithm` owns the state the paper adds to a stage and every step of the method that
 touches it:
 
-    SparseLoCo   theta at the last sync and the error-feedback buffers (sparseloco.outer)
+    SparseLoCo   theta at the last sync and the error-feedback buffers (sparseloco.outer, by block:
+                 sparseloco.blocks)
     boundary     the replica's stage-boundary codec (`boundary.BoundaryCodec`, built here from the
                  config: every driver asks this object for it), the fleet's embedding split (the
                  basis T_S lives in and T_perp: `boundary.EmbeddingSplit`), and which of the
@@ -58,7 +59,7 @@ from torch import Tensor, nn
 
 from .boundary import BoundaryCodec, EmbeddingSplit, SubspaceCodec, build_codec, fleet_split, wire_dtype_of
 from .model import DecoderLayer, TokenEmbedding
-from .sparseloco.outer import BlockStates
+from .sparseloco.blocks import BlockStates
 from .transport import Gathered, ReplicaTransport, StageLink
 
 

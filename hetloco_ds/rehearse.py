@@ -39,6 +39,7 @@ import time
 from . import launch, netlab
 from .pipe.order import links_plan
 from .plan import model as plan
+from .plan.shapes import ModelShape
 
 LINK_CLASSES = ("stage", "replica")
 TCP_GOODPUT = 1448 / 1514
@@ -150,10 +151,10 @@ def predict(rc: dict, rates: dict[str, float], compute_per_step: float) -> plan.
     """plan.predict for the run described by run_config.json (the slowest replica's), with the
     device speed calibrated so that the busiest stage's compute per step is `compute_per_step`."""
     model, ds, het = rc["model"], rc["ds"], rc["hetloco"]
-    shape = plan.ModelShape(d=model["hidden_size"], n_layers=model["num_hidden_layers"],
-                            n_heads=model["num_attention_heads"], n_kv_heads=model.get("num_key_value_heads"),
-                            ffn=model["intermediate_size"], vocab=model["vocab_size"], seq_len=het["train"]["seq_len"],
-                            name="run", tied=bool(model.get("tie_word_embeddings")))
+    shape = ModelShape(d=model["hidden_size"], n_layers=model["num_hidden_layers"],
+                       n_heads=model["num_attention_heads"], n_kv_heads=model.get("num_key_value_heads"),
+                       ffn=model["intermediate_size"], vocab=model["vocab_size"], seq_len=het["train"]["seq_len"],
+                       name="run", tied=bool(model.get("tie_word_embeddings")))
     sl, sub = het["sparseloco"], het["subspace"]
     M, S = rc["replicas"], rc["stages"]
     unshaped = 1e12  # netlab leaves the class unshaped: far faster than anything modelled here

@@ -1,6 +1,6 @@
 """Every size rule of the method and the pipeline, once: pure integers, no torch.
 
-The codec (sparseloco.compress), the outer step's payload (sparseloco.outer), the boundary codec
+The codec (sparseloco.compress), the outer step's payload (sparseloco.payload), the boundary codec
 (pipe.module), the HF key map (convert), the simulator and the cost model (`plan`) all import
 these; none restates them. `plan` runs without torch, so nothing here imports it.
 
@@ -34,7 +34,7 @@ VALUE_BYTES = {"float32": 4, "bfloat16": 2}
 """Wire widths of unquantised values, by dtype name."""
 PAYLOAD_ALIGN = 4
 PAYLOAD_HEADER_BYTES = 16
-"""The self-checking header of one stage payload (sparseloco.outer.HEADER)."""
+"""The self-checking header of one stage payload (sparseloco.payload.HEADER)."""
 MAX_CHUNK = 4096
 """Largest chunk: its in-chunk indices fit 12 bits."""
 BYTE_KINDS = ("activation", "activation_grad", "outer_sync", "embedding_sync", "control")

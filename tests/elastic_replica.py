@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hetloco_ds.config import SparseLoCoConfig  # noqa: E402
 from hetloco_ds.sparseloco.outer import SparseLoCoState  # noqa: E402
 from hetloco_ds.transport.auth import SECRET_ENV, FleetRefused, read_fleet_secret  # noqa: E402
-from hetloco_ds.transport.elastic import ElasticConfig, ElasticTransport, replica_store  # noqa: E402
+from hetloco_ds.transport.elastic import ElasticConfig, ElasticTransport  # noqa: E402
+from hetloco_ds.transport.torchft_adapter import replica_store  # noqa: E402
 
 SHAPES = {0: [(8, 8), (16,), (5, 8)], 1: [(8, 8), (12,)]}
 CFG = SparseLoCoConfig(preset="paper", chunk_size=16, topk=8, error_decay=0.9, outer_lr=0.7)

@@ -315,7 +315,7 @@ def test_config_and_plan_import_without_torch():
     out. Breaks if config reaches torch again (e.g. through sparseloco.outer) or the package's
     __init__ asks torch for CUDA at import."""
     from hetloco_ds.config import HetlocoConfig
-    from hetloco_ds.sparseloco.outer import payload_nbytes
+    from hetloco_ds.sparseloco.payload import payload_nbytes
     from hetloco_ds.sparseloco.presets import PRESETS
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -28,8 +28,9 @@ pytest.importorskip("torchft", reason="elastic mode needs the optional extra: pi
 import elastic_replica as er  # noqa: E402
 from distributed import fork_context  # noqa: E402
 from hetloco_ds.config import SparseLoCoConfig  # noqa: E402
-from hetloco_ds.sparseloco.outer import FLAG_FINITE, HEADER, SparseLoCoState  # noqa: E402
-from hetloco_ds.transport import elastic  # noqa: E402
+from hetloco_ds.sparseloco.outer import SparseLoCoState  # noqa: E402
+from hetloco_ds.sparseloco.payload import FLAG_FINITE, HEADER  # noqa: E402
+from hetloco_ds.transport import rounds  # noqa: E402
 from hetloco_ds.transport.auth import FleetRefused, read_fleet_secret, tag  # noqa: E402
 from hetloco_ds.transport.state_transfer import AuthenticatedStateTransport, StateTransferError  # noqa: E402
 
@@ -408,13 +409,13 @@ def _round(payloads, names, secret=SECRET, contributing=None, chains=None, steps
     for i, (n, p) in enumerate(zip(names, payloads)):
         fp = HEADER.unpack_from(p[: HEADER.size].numpy().tobytes())[4]
         chain = (chains or [b"\0" * 32] * len(names))[i]
-        h = elastic.pack_hello(n, (steps or [5] * len(names))[i], contributing[i], True, p.numel(), fp, chain)
+        h = rounds.pack_hello(n, (steps or [5] * len(names))[i], contributing[i], True, p.numel(), fp, chain)
         mac = tag(secret if isinstance(secret, bytes) else secret[i], b"hello", h)
         hellos.append(h + mac)
         macs.append(mac)
-    heard, dropped, lengths = elastic.read_hellos(SECRET, hellos)
-    plan = elastic.plan(heard, b"\0" * 32, lengths)
-    frames = [elastic.payload_frame(secret if isinstance(secret, bytes) else secret[i], macs[i],
+    heard, dropped, lengths = rounds.read_hellos(SECRET, hellos)
+    plan = rounds.plan(heard, b"\0" * 32, lengths)
+    frames = [rounds.payload_frame(secret if isinstance(secret, bytes) else secret[i], macs[i],
                                     p if contributing[i] else None, plan.length) for i, p in enumerate(payloads)]
     return heard, dropped, plan, frames
 
@@ -438,14 +439,14 @@ def test_tampered_or_foreign_payloads_are_dropped_and_the_rest_accepted():
     payloads[3] = _payloads(1, SparseLoCoConfig(preset="paper", chunk_size=16, topk=8, error_decay=0.5, outer_lr=0.7))[0]
     names = ["r3", "r1", "r0", "r2"]  # quorum order is torchft's, not ours
     heard, dropped, plan, frames = _round(payloads, names, contributing=[True, True, True, True])
-    accepted, why = elastic.accept(SECRET, plan, frames)
+    accepted, why = rounds.accept(SECRET, plan, frames)
     assert [n for n, _ in accepted] == ["r0", "r1", "r3"]  # r2 sent the foreign config
     assert [w[0] for w in why] == ["r2"] and "differs from the fleet's" in why[0][1]
     frames[1][10] ^= 1  # r1's payload, flipped on the wire
-    accepted, why = elastic.accept(SECRET, plan, frames)
+    accepted, why = rounds.accept(SECRET, plan, frames)
     assert [n for n, _ in accepted] == ["r0", "r3"] and ("r1", "payload does not authenticate") in why
     heard, _, plan, frames = _round(payloads, names, contributing=[True, False, True, True])
-    assert [n for n, _ in elastic.accept(SECRET, plan, frames)[0]] == ["r0", "r3"]
+    assert [n for n, _ in rounds.accept(SECRET, plan, frames)[0]] == ["r0", "r3"]
 
 
 def test_replicas_without_the_secret_are_not_heard_and_a_minority_refuses_itself():
@@ -455,10 +456,10 @@ def test_replicas_without_the_secret_are_not_heard_and_a_minority_refuses_itself
     secrets = [SECRET, SECRET, b"another-secret-0123456789abcdef"]
     heard, dropped, plan, frames = _round(payloads, ["r0", "r1", "x"], secret=secrets)
     assert sorted(h.name for h in heard.values()) == ["r0", "r1"] and [d[0] for d in dropped] == ["quorum position 2"]
-    assert not elastic.refused(heard, 3)
-    assert [n for n, _ in elastic.accept(SECRET, plan, frames)[0]] == ["r0", "r1"]
+    assert not rounds.refused(heard, 3)
+    assert [n for n, _ in rounds.accept(SECRET, plan, frames)[0]] == ["r0", "r1"]
     stranger = {2: heard[0]}  # what x hears: only itself
-    assert elastic.refused(stranger, 3)
+    assert rounds.refused(stranger, 3)
 
 
 def test_behind_or_diverged_replicas_do_not_contribute():
@@ -468,7 +469,7 @@ def test_behind_or_diverged_replicas_do_not_contribute():
     chains = [b"a" * 32, b"a" * 32, b"b" * 32, b"a" * 32]
     heard, _, plan, frames = _round(payloads, ["r0", "r1", "r2", "r3"], chains=chains, steps=[5, 5, 5, 4])
     assert plan.step == 5 and plan.chain == b"a" * 32
-    assert [n for n, _ in elastic.accept(SECRET, plan, frames)[0]] == ["r0", "r1"]
+    assert [n for n, _ in rounds.accept(SECRET, plan, frames)[0]] == ["r0", "r1"]
 
 
 def test_excluded_copy_leaves_the_synced_parameters_unchanged():
@@ -479,7 +480,7 @@ def test_excluded_copy_leaves_the_synced_parameters_unchanged():
     before = [t.clone() for t in state.theta_prev]
     er.inner_steps(params, "r0", 0, 0)
     payload = state.prepare(params)
-    copy = elastic.excluded_copy(payload)
+    copy = rounds.excluded_copy(payload)
     assert not HEADER.unpack_from(copy[: HEADER.size].numpy().tobytes())[2] & FLAG_FINITE
     report = state.finish(params, [copy])
     assert report.contributors == () and all(torch.equal(a, b) for a, b in zip(params, before))

@@ -238,7 +238,8 @@ def test_a_stage_split_into_blocks_takes_the_whole_stages_outer_step_bit_for_bit
     tensor's chunking, top-k, quantisation, clipping, error feedback and momentum never depend
     on the other tensors of its payload. Breaks if any of them starts to."""
     from hetloco_ds.config import SparseLoCoConfig
-    from hetloco_ds.sparseloco.outer import BlockStates, SparseLoCoState
+    from hetloco_ds.sparseloco.blocks import BlockStates
+    from hetloco_ds.sparseloco.outer import SparseLoCoState
 
     cfg = SparseLoCoConfig(preset="paper", topk=4, chunk_size=16, **settings)
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,8 @@ import torch
 
 from hetloco_ds.config import SparseLoCoConfig
 from hetloco_ds.sparseloco.compress import TensorCodec
-from hetloco_ds.sparseloco.outer import HEADER, SparseLoCoState, payload_nbytes
+from hetloco_ds.sparseloco.outer import SparseLoCoState
+from hetloco_ds.sparseloco.payload import HEADER, payload_nbytes
 from hetloco_ds.sparseloco.presets import PRESETS
 
 SHAPES = [(65, 130), (10000,), (65, 130), (7,), (3, 5), (128, 96)]  # a repeated shape exercises grouping
@@ -381,7 +382,7 @@ def test_presets_set_every_rule_and_explicit_fields_win():
     to it overrides it, the defaults are one set (the config's, no second copy to drift), and a dense
     run asking for quantisation fails with one line naming quant_bits."""
     from hetloco_ds.config import ConfigError, parse_config
-    from hetloco_ds.sparseloco.outer import LOCAL_FIELDS
+    from hetloco_ds.sparseloco.payload import LOCAL_FIELDS
 
     def outer(section):
         cfg = parse_config({"hetloco": {"sparseloco": section}}).hetloco.sparseloco

@@ -9,7 +9,8 @@ import torch
 from hetloco_ds import sizes
 from hetloco_ds.config import ConfigError, SparseLoCoConfig, parse_config
 from hetloco_ds.sparseloco import aggregate
-from hetloco_ds.sparseloco.outer import HEADER, SparseLoCoState, payload_nbytes
+from hetloco_ds.sparseloco.outer import SparseLoCoState
+from hetloco_ds.sparseloco.payload import HEADER, payload_nbytes
 
 
 def paper(**fields) -> SparseLoCoConfig:

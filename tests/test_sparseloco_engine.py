@@ -104,7 +104,7 @@ def test_replicas_diverge_inside_and_agree_bitwise_after_outer_steps(hf_untied, 
     analytic payload size, and no collective touches the data-parallel group between outer
     steps. Breaks if a gradient or loss all-reduce sneaks back in, if aggregation is not
     deterministic, or if the payload is not the compact one."""
-    from hetloco_ds.sparseloco.outer import payload_nbytes
+    from hetloco_ds.sparseloco.payload import payload_nbytes
 
     H, steps = 3, 6
     cfg = _config(stages, H)
@@ -144,7 +144,7 @@ def _bytes_body(rank, hf_dir, ds_cfg, steps):
 def test_outer_sync_bytes_per_step_equal_payload(hf_untied):
     """The `outer_sync` bytes in the step record (summed over the replica's ranks) equal
     sent = sum of each stage's payload and recv = (M-1) x that, at outer steps only."""
-    from hetloco_ds.sparseloco.outer import payload_nbytes
+    from hetloco_ds.sparseloco.payload import payload_nbytes
 
     H = 2
     cfg = _config(2, H)

@@ -283,7 +283,7 @@ class FleetTransport(ReplicaTransport):
 
     def exchange_blocks(self, payloads: list[torch.Tensor]):
         from ..meter import nbytes
-        from ..transport.elastic import committed_bytes
+        from ..transport.rounds import committed_bytes
 
         with self._waiting(f"outer sync after step {self.engine.local_steps}"):
             gathered = self.inner.exchange_blocks(payloads)

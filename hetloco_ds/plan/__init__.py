@@ -3,7 +3,8 @@ and devices, and which groups of a heterogeneous fleet should compress, and how 
 
 Pure Python (no torch), so it runs anywhere and is testable on its own. By job:
 
-    model.py   byte and time model: ModelShape, Settings, predict (exact bytes from hetloco_ds.sizes)
+    shapes.py  model shapes: ModelShape, the presets, the parameter tensors of each stage and block
+    model.py   byte and time model: Settings, predict (exact bytes from hetloco_ds.sizes)
     outer_step.py  one outer step of replicas with their own S and links: the exchange by block,
                    who waits for whom (predict_outer_step)
     memory.py  device memory per stage (`sizes`' rules), the largest preset per GPU count and memory
@@ -13,9 +14,9 @@ Pure Python (no torch), so it runs anywhere and is testable on its own. By job:
 from .cli import format_fleet, format_outer_step, format_prediction, main
 from .fleet import DEFAULT_RATIOS, DeviceGroup, FleetPlan, GroupPlan, fleet_config, load_fleet, plan_fleet
 from .memory import Largest, format_largest, largest_preset, largest_table, min_stages, stage_memory_bytes
-from .model import (PRESETS, TERMS, ModelShape, Prediction, Settings, block_tensors, explain, outer_payload_bytes,
-                    parse_rate, predict, resolve_model, simulate_schedule, stage_tensors)
+from .model import TERMS, Prediction, Settings, explain, outer_payload_bytes, parse_rate, predict, simulate_schedule
 from .outer_step import OuterStep, ReplicaStep, exchange_times, predict_outer_step, replica_blocks
+from .shapes import PRESETS, ModelShape, block_tensors, resolve_model, stage_tensors
 
 __all__ = ["DEFAULT_RATIOS", "DeviceGroup", "FleetPlan", "GroupPlan", "Largest", "ModelShape", "OuterStep", "PRESETS", "Prediction",
            "ReplicaStep", "Settings", "TERMS", "block_tensors", "exchange_times", "explain", "fleet_config",

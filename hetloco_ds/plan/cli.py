@@ -13,7 +13,8 @@ from ..presets import DEFAULT_VOCAB
 from ..sizes import QUANT_BITS
 from .fleet import FleetPlan, plan_fleet
 from .memory import format_largest, largest_table
-from .model import PRESETS, TERMS, ModelShape, Prediction, Settings, fmt_bytes, fmt_rate, fmt_time, parse_rate, predict, resolve_model
+from .model import TERMS, Prediction, Settings, fmt_bytes, fmt_rate, fmt_time, parse_rate, predict
+from .shapes import PRESETS, ModelShape, resolve_model
 from .outer_step import OuterStep, predict_outer_step
 
 

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 from .. import sizes
 from ..config import OUTER_STATE_DEVICE
 from .memory import MEMORY_HEADROOM, min_stages, stage_memory_bytes
-from .model import ModelShape, Settings, check_positive, fmt_rate, parse_rate, predict, resolve_model, stage_tensors
+from .model import Settings, check_positive, fmt_rate, parse_rate, predict
+from .shapes import ModelShape, resolve_model, stage_tensors
 from .outer_step import OuterStep, exchange_times, predict_outer_step
 
 

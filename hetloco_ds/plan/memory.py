@@ -14,7 +14,8 @@ from typing import Sequence
 
 from .. import sizes
 from ..pipe.order import depth
-from .model import PRESETS, ModelShape, check_positive, stage_tensors
+from .model import check_positive
+from .shapes import PRESETS, ModelShape, stage_tensors
 
 LARGEST_GPUS = (1, 2, 4, 8)
 """GPU counts of the `--largest` table's rows."""

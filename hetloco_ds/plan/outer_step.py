@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .. import sizes
-from .model import ModelShape, Prediction, Settings, block_tensors, outer_payload_bytes, predict, resolve_model
+from .model import Prediction, Settings, outer_payload_bytes, predict
+from .shapes import ModelShape, block_tensors, resolve_model
 
 _SHARED = ("H", "topk", "chunk", "quant_bits", "value_bytes")
 """Settings every replica of one fleet has alike: the outer step's period and the payload's codec."""

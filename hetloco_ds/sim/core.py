@@ -18,7 +18,7 @@ from ..algorithm import StageAlgorithm
 from ..config import HetlocoConfig
 from ..model import TokenEmbedding, layer_list
 from ..patches import seed_layer
-from ..sparseloco.outer import payload_nbytes
+from ..sparseloco.payload import payload_nbytes
 from ..transport import Gathered, LocalStageLink
 
 

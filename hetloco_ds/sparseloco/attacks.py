@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .outer import FLAG_FINITE, HEADER, SparseLoCoState
+from .outer import SparseLoCoState
+from .payload import FLAG_FINITE, HEADER
 
 ATTACKS = ("flip", "scale", "noise", "constant", "absent")
 SCALE = 100.0

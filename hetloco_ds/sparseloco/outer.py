@@ -66,18 +66,9 @@ Pure logic, no process group: the collective is injected by the caller, in two p
 
 so a test drives M fake replicas in one process by passing the list of their payloads.
 
-One payload per stage and outer step (one collective, not one per tensor):
-
-    header  16 bytes, little-endian: b"SLC1", version u8 (=1), flags u8 (bit 0: finite, i.e.
-            this replica contributes), u16 zero, u32 crc32 fingerprint of (version, config,
-            parameter shapes in order), u32 total payload length
-    body    parameters grouped by shape, groups in order of first appearance, members of a
-            group in parameter order; each parameter is one `TensorCodec` payload
-            (see compress.py), each a multiple of 4 bytes.
-
-The layout depends only on the configuration and the parameter shapes, so every replica of a
-stage group produces a buffer of the same length (`payload_nbytes`) and the all-gather cannot
-mismatch. A replica whose pseudo-gradient holds a NaN/Inf sends the same length with the finite
+One payload per stage and outer step, laid out and checked by payload.py (`PayloadLayout`: a
+self-checking header, then the parameters grouped by shape), the same length on every replica of a
+stage group. A replica whose pseudo-gradient holds a NaN/Inf sends the same length with the finite
 flag cleared and a zero body; its error buffer is left as it was, and `finish` averages over the
 others only and restores every replica, the faulty one included, to the same synced theta. A
 payload flagged finite whose values are not (a faulty or hostile sender) is left out the same way.
@@ -117,71 +108,17 @@ placements train the same bits.
 """
 from __future__ import annotations
 
-import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-from .. import sizes
-from ..config import SparseLoCoConfig
-from .aggregate import AGGREGATIONS, CLIPS, REGISTRIES, SCREENS
-from .compress import DenseCodec, TensorCodec
+from .aggregate import AGGREGATIONS, CLIPS, SCREENS
+from .payload import PayloadLayout, Section, is_dense, outer_config
 
-HEADER = struct.Struct("<4sBBHII")
-assert HEADER.size == sizes.PAYLOAD_HEADER_BYTES
-MAGIC = b"SLC1"
-VERSION = 1
-FLAG_FINITE = 1
 UNIT_NUMEL = 1 << 26
 """Elements of the largest slice of a same-shape group the outer step works on at once (module docstring)."""
-LOCAL_FIELDS = ("preset", "outer_state_device")
-"""`SparseLoCoConfig` fields the payload fingerprint leaves out: a shorthand for the others, and where a
-replica keeps its own state; replicas may differ in these and still sum each other's payloads."""
-
-
-def outer_config(cfg=None) -> SparseLoCoConfig:
-    """The outer step's settings: `config.SparseLoCoConfig`, the one schema and the one set of
-    defaults (None: those defaults; a dict: validated as the config's `sparseloco` section). A copy,
-    so a later assignment to the caller's config cannot part a state from the payloads it lays out."""
-    if cfg is None:
-        return SparseLoCoConfig()
-    if isinstance(cfg, dict):
-        return SparseLoCoConfig.model_validate(cfg)
-    if isinstance(cfg, SparseLoCoConfig):
-        return cfg.model_copy(deep=True)
-    raise TypeError(f"the outer step's settings must be a SparseLoCoConfig, a dict or None, got {type(cfg).__name__}")
-
-
-def is_dense(cfg: SparseLoCoConfig) -> bool:
-    """Whether `cfg`'s aggregation sends whole pseudo-gradients (no top-k, no error feedback)."""
-    return AGGREGATIONS[cfg.aggregation].dense
-
-
-def tensor_codec(cfg: SparseLoCoConfig, shape) -> TensorCodec | DenseCodec:
-    """The wire format of one tensor of `shape` under `cfg`."""
-    value_dtype = getattr(torch, cfg.value_dtype)
-    if is_dense(cfg):
-        return DenseCodec(tuple(shape), value_dtype)
-    return TensorCodec(tuple(shape), cfg.chunk_size, cfg.topk, cfg.quant_bits, value_dtype,
-                       chunking=cfg.chunking, topk_rule=cfg.topk_rule, quant_rounding=cfg.quant_rounding,
-                       quant_std=cfg.quant_std)
-
-
-def payload_nbytes(shapes: Iterable[Sequence[int]], cfg=None) -> int:
-    """Bytes of one replica's payload for parameters of `shapes`: a pure function of the config."""
-    cfg = outer_config(cfg)
-    return HEADER.size + sum(tensor_codec(cfg, s).nbytes for s in shapes)
-
-
-def _fingerprint(shapes: Sequence[tuple[int, ...]], cfg: SparseLoCoConfig) -> int:
-    # Every field but the local ones, and each chosen rule as its registry knows it: a rule
-    # registered under the same name but defined otherwise on another replica is a mismatch too.
-    settings = tuple(f"{name}={getattr(cfg, name)}" for name in type(cfg).model_fields if name not in LOCAL_FIELDS)
-    rules = tuple(registry.identity(getattr(cfg, registry.key)) for registry in REGISTRIES)
-    return zlib.crc32(repr((VERSION, settings, rules, tuple(shapes))).encode())
 
 
 @dataclass(frozen=True)
@@ -209,28 +146,17 @@ class OuterReport:
 
 
 @dataclass
-class _Group:
-    """Parameters of one shape: their state stacked, [G, *shape], and their place in the payload."""
+class _Group(Section):
+    """A payload section's parameters with their state stacked, [G, *shape]."""
 
-    shape: tuple[int, ...]
-    members: list[int]
-    codec: TensorCodec | DenseCodec
-    offset: int
     theta_prev: Tensor
     error: Tensor
     momentum: Tensor | None = None
 
     @property
-    def nbytes(self) -> int:
-        return len(self.members) * self.codec.nbytes
-
-    @property
     def numel(self) -> int:
         """Elements of one member."""
         return self.theta_prev[0].numel()
-
-    def rows(self, payload: Tensor) -> Tensor:
-        return payload[self.offset: self.offset + self.nbytes].view(len(self.members), self.codec.nbytes)
 
 
 @dataclass(frozen=True)
@@ -333,33 +259,22 @@ class SparseLoCoState:
         self.on_host = on_host
         self._copies = _HostCopies(self.device) if on_host else None
         self.shapes = [tuple(p.shape) for p in params]
-        self.nbytes = payload_nbytes(self.shapes, self.cfg)
-        by_shape: dict[tuple[int, ...], list[int]] = {}
-        for i, s in enumerate(self.shapes):
-            by_shape.setdefault(s, []).append(i)
+        self.layout = PayloadLayout(self.shapes, self.cfg, self.device)
+        self.nbytes = self.layout.nbytes
         self._groups: list[_Group] = []
         self._units: list[_Unit] = []
         self._where: list[tuple[int, int]] = [(0, 0)] * len(params)
-        offset = HEADER.size
         with torch.no_grad():
-            for shape, members in by_shape.items():
-                tp = self._snapshot([params[i] for i in members])
+            for sec in self.layout.sections:
+                tp = self._snapshot([params[i] for i in sec.members])
                 momentum = self._zeros(tp) if self.cfg.outer_momentum > 0 else None
-                group = _Group(shape, members, tensor_codec(self.cfg, shape), offset, tp, self._zeros(tp), momentum)
-                for j, i in enumerate(members):
+                group = _Group(sec.shape, sec.members, sec.codec, sec.offset, tp, self._zeros(tp), momentum)
+                for j, i in enumerate(sec.members):
                     self._where[i] = (len(self._groups), j)
                 self._groups.append(group)
                 step = max(1, unit_numel // max(1, group.numel))
-                self._units += [_Unit(group, lo, min(lo + step, len(members))) for lo in range(0, len(members), step)]
-                offset += group.nbytes
-        assert offset == self.nbytes
-        fp = _fingerprint(self.shapes, self.cfg)
-        self._fingerprint = fp
-        self._headers = {
-            ok: torch.tensor(list(HEADER.pack(MAGIC, VERSION, FLAG_FINITE if ok else 0, 0, fp, self.nbytes)),
-                             dtype=torch.uint8, device=self.device)
-            for ok in (True, False)
-        }
+                self._units += [_Unit(group, lo, min(lo + step, len(sec.members)))
+                                for lo in range(0, len(sec.members), step)]
         self._pending = False
 
     # ------------------------------------------------------------------ where the state lives
@@ -488,8 +403,7 @@ class SparseLoCoState:
             finite.append(torch.isfinite(sel.values).all())
             staged.append((u, e_new, sel))
         ok = bool(torch.stack(finite).all())  # the one host sync of prepare
-        payload = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
-        payload[: HEADER.size] = self._headers[ok]
+        payload = self.layout.blank(ok)
         if ok:
             for u, e_new, sel in staged:
                 rows = u.of(u.group.rows(payload))
@@ -511,30 +425,10 @@ class SparseLoCoState:
 
     def value_sections(self, payload: Tensor) -> list[Tensor]:
         """Writable views of a payload's float sections, one [members, n] per same-shape group
-        (`TensorCodec.value_section`): where a fault injection corrupts what a replica sends."""
-        return [g.codec.value_section(g.rows(payload)) for g in self._groups]
+        (`PayloadLayout.value_sections`): where a fault injection corrupts what a replica sends."""
+        return self.layout.value_sections(payload)
 
     # ------------------------------------------------------------------ phase 2
-    def _flags(self, payloads: Sequence[Tensor]) -> list[bool]:
-        if not payloads:
-            raise ValueError("finish() needs the payloads of all replicas, got none")
-        for m, p in enumerate(payloads):
-            if p.dtype != torch.uint8 or p.dim() != 1 or p.numel() != self.nbytes:
-                raise ValueError(f"payload of replica {m} is {p.dtype} {tuple(p.shape)}; expected uint8 "
-                                 f"({self.nbytes},): replicas disagree on the stage's parameters or config")
-        heads = torch.stack([p[: HEADER.size].to(self.device) for p in payloads]).cpu()
-        flags = []
-        for m, raw in enumerate(heads.tolist()):
-            magic, version, flag, _, fp, length = HEADER.unpack(bytes(raw))
-            if magic != MAGIC or version != VERSION or length != self.nbytes:
-                raise ValueError(f"payload of replica {m} is not a version-{VERSION} SparseLoCo payload of "
-                                 f"{self.nbytes} bytes (magic {magic!r}, version {version}, length {length})")
-            if fp != self._fingerprint:
-                raise ValueError(f"payload of replica {m} was built with another config or parameter list "
-                                 f"(fingerprint {fp:#010x}, this replica {self._fingerprint:#010x})")
-            flags.append(bool(flag & FLAG_FINITE))
-        return flags
-
     @torch.no_grad()
     def finish(self, params: Sequence[Tensor], payloads: Sequence[Tensor],
                keep_average: bool | Iterable[int] = False, count_selected: bool = False) -> OuterReport:
@@ -549,9 +443,9 @@ class SparseLoCoState:
         params = self._check(params)
         if not self._pending:
             raise RuntimeError("finish() called without prepare()")
-        flags = self._flags(payloads)
+        flags = self.layout.flags(payloads)
         payloads = [p.to(self.device) for p in payloads]
-        finite = self._finite_values(payloads, tuple(m for m, f in enumerate(flags) if f))
+        finite = self.layout.finite_values(payloads, tuple(m for m, f in enumerate(flags) if f))
         screened, scores = self._screened(payloads, finite)
         contributors = tuple(m for m in finite if m not in screened)
         excluded = tuple(m for m in range(len(flags)) if m not in contributors)
@@ -583,15 +477,6 @@ class SparseLoCoState:
         self._pending = False
         selected, distinct = (counts[0], int(counts[1])) if counts is not None else (None, None)
         return OuterReport(self.nbytes, contributors, excluded, averages, selected, distinct, screened, scores)
-
-    def _finite_values(self, payloads: list[Tensor], flagged: tuple[int, ...]) -> tuple[int, ...]:
-        """Those of `flagged` (finite by their header) whose sent values (or lookup tables) are all
-        finite: the flag is the sender's word, and one NaN summed in would reach every replica's theta."""
-        if not flagged:
-            return flagged
-        ok = torch.stack([torch.stack([torch.isfinite(g.codec.value_section(g.rows(payloads[m]))).all()
-                                       for g in self._groups]).all() for m in flagged]).tolist()
-        return tuple(m for m, good in zip(flagged, ok) if good)
 
     def _screened(self, payloads: list[Tensor], finite: tuple[int, ...]) -> tuple[tuple[int, ...], dict]:
         """(replica indices the screen drops, its scores by name, each a list over the payloads, None for
@@ -672,100 +557,3 @@ class SparseLoCoState:
             if self.momentum is not None:
                 self._view("momentum", i).copy_(state["momentum"][i])
         self._pending = False
-
-
-class BlockStates:
-    """The outer state of a stage whose parameters fall into several outer-sync blocks: one
-    SparseLoCoState (one payload, one exchange) per block, so replicas cut into different stages
-    exchange the same coordinates (`sizes.block_parts`). Per parameter it reads as one
-    SparseLoCoState over the stage's parameters (`theta_prev`, `error`, `momentum`, `synced`,
-    `rebase`); the outer step is per block: `prepare` gives a payload per block, `finish` takes
-    each block's gathered payloads. One block (every replica of one depth) is today's state,
-    payload and checkpoint format exactly.
-
-    `blocks`: the parameter indices of each block, in order (together each index once)."""
-
-    def __init__(self, params: Sequence[Tensor], blocks: Sequence[Sequence[int]], cfg=None, *, on_host: bool = False):
-        params = list(params)
-        self.blocks = [list(b) for b in blocks]
-        if sorted(i for b in self.blocks for i in b) != list(range(len(params))):
-            raise ValueError(f"blocks {self.blocks} do not cover the {len(params)} parameters once each")
-        self.states = [SparseLoCoState([params[i] for i in b], cfg, on_host=on_host) for b in self.blocks]
-        self.cfg, self.dense, self.on_host = self.states[0].cfg, self.states[0].dense, on_host
-        self._where = {i: (k, j) for k, b in enumerate(self.blocks) for j, i in enumerate(b)}
-
-    def _per_param(self, name: str) -> list[Tensor] | None:
-        lists = [getattr(s, name) for s in self.states]
-        if lists[0] is None:
-            return None
-        return [lists[k][j] for k, j in (self._where[i] for i in range(len(self._where)))]
-
-    @property
-    def nbytes(self) -> list[int]:
-        """Payload bytes of each block."""
-        return [s.nbytes for s in self.states]
-
-    @property
-    def theta_prev(self) -> list[Tensor]:
-        return self._per_param("theta_prev")
-
-    @property
-    def error(self) -> list[Tensor]:
-        return self._per_param("error")
-
-    @property
-    def momentum(self) -> list[Tensor] | None:
-        return self._per_param("momentum")
-
-    def synced(self, i: int) -> Tensor:
-        k, j = self._where[i]
-        return self.states[k].synced(j)
-
-    def rebase(self, i: int, value: Tensor) -> None:
-        k, j = self._where[i]
-        self.states[k].rebase(j, value)
-
-    def matches(self, params: Sequence[Tensor]) -> bool:
-        return all(s.matches([params[i] for i in b]) for s, b in zip(self.states, self.blocks))
-
-    def prepare(self, params: Sequence[Tensor]) -> list[Tensor]:
-        """Each block's payload, in block order."""
-        return [s.prepare([params[i] for i in b]) for s, b in zip(self.states, self.blocks)]
-
-    def finish(self, params: Sequence[Tensor], payloads: Sequence[Sequence[Tensor]],
-               keep_average: Iterable[int] = (), count_selected: bool = False) -> OuterReport:
-        """`payloads[k]`: block k's gathered payloads. One report for the stage: bytes summed over
-        the blocks, a replica excluded (or screened) if any of its block payloads was (the others
-        average it out of that block only), `averages` by stage parameter index, the screen's
-        scores of block k under "block<k>.<name>" when there are several."""
-        keep = set(keep_average)
-        reports = [s.finish([params[i] for i in b], p, keep_average=[j for j, i in enumerate(b) if i in keep],
-                            count_selected=count_selected)
-                   for s, b, p in zip(self.states, self.blocks, payloads)]
-        excluded = tuple(sorted({m for r in reports for m in r.excluded}))
-        averages = {b[j]: avg for r, b in zip(reports, self.blocks) for j, avg in r.averages.items()}
-        counted = [r for r in reports if r.selected is not None]
-        scores = reports[0].scores if len(reports) == 1 else {
-            f"block{k}.{name}": v for k, r in enumerate(reports) for name, v in r.scores.items()}
-        return OuterReport(sum(r.bytes_per_replica for r in reports),
-                           tuple(m for m in range(len(payloads[0])) if m not in excluded),
-                           excluded, averages,
-                           sum(r.selected for r in counted) if counted else None,
-                           sum(r.distinct for r in counted) if counted else None,
-                           tuple(sorted({m for r in reports for m in r.screened})), scores)
-
-    def state_dict(self) -> dict:
-        """One block: SparseLoCoState's own state dict; several: {"blocks": theirs}."""
-        if len(self.states) == 1:
-            return self.states[0].state_dict()
-        return {"blocks": [s.state_dict() for s in self.states]}
-
-    def load_state_dict(self, state: dict) -> None:
-        if len(self.states) == 1:
-            self.states[0].load_state_dict(state)
-            return
-        if len(state.get("blocks", ())) != len(self.states):
-            raise ValueError(f"checkpointed SparseLoCo state has {len(state.get('blocks', ()))} outer-sync blocks, "
-                             f"this stage has {len(self.states)}")
-        for s, sd in zip(self.states, state["blocks"]):
-            s.load_state_dict(sd)

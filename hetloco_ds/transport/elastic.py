@@ -18,18 +18,19 @@ Mixed depths (`ElasticConfig.blocks`; the fleet's config names every replica's S
 other layers in replicas of other depths, so the exchange goes by outer-sync block
 (`sizes.block_parts` over the fleet's depths): every replica has exactly one rank holding block b,
 and block b's process group joins those ranks (rank = the replica's position in the quorum, world =
-the quorum's size). The torchft-configured group (`_BlockGroups`) builds one gloo group per block
-the rank holds, at each new quorum, in block order, all at the store torchft gives group rank 0
-(torchft picks a store per group rank; every replica's stage 0 gets the same one). A rank holding
-several blocks runs the rounds below once per block, in block order; each block keeps its own
-chain. The replica-wide agreement (d) and torchft's `should_commit` (e) stay per replica, so all
-blocks and all ranks of a replica commit together. Healing goes by block too: every rank's
+the quorum's size). The torchft-configured group (`torchft_adapter.BlockGroups`) builds one gloo
+group per block the rank holds, at each new quorum, in block order, all at the store torchft gives
+group rank 0 (torchft picks a store per group rank; every replica's stage 0 gets the same one). A
+rank holding several blocks runs the rounds below once per block, in block order; each block keeps
+its own chain. The replica-wide agreement (d) and torchft's `should_commit` (e) stay per replica,
+so all blocks and all ranks of a replica commit together. Healing goes by block too: every rank's
 checkpoint metadata is its replica's block -> address map, the healer asks the recovery source's
 stage 0 for it (torchft asks the healer's own group rank, which the source may not have:
-`_SourceRankZero`, our one lasting override of torchft internals, checked against torchft 0.2.0 at
-the first transport), and each rank fetches each block it holds from the source's rank that holds
-it (state_transfer.py). Every up-to-date rank serves its state from its quorum until its commit
-(`_quorum`), since torchft stages it only on ranks it assigns to a joiner of their own group rank.
+`torchft_adapter.install_source_rank_zero`, our one lasting override of torchft internals, checked
+against torchft 0.2.0 at the first transport), and each rank fetches each block it holds from the
+source's rank that holds it (state_transfer.py). Every up-to-date rank serves its state from its
+quorum until its commit (`_quorum`), since torchft stages it only on ranks it assigns to a joiner
+of their own group rank.
 
 One elastic outer step, on every stage rank of every replica:
 
@@ -39,7 +40,8 @@ One elastic outer step, on every stage rank of every replica:
    below the fleet's is healed inside this call: torchft fetches a live peer's state for this stage
    (our callables: synced parameters, T_perp, outer-step counter) and loads it. A replica that
    healed is *stale* until its next commit: it sends no pseudo-gradient, it only receives.
-2. `exchange(payload)` (`exchange_blocks`: a payload per block the rank holds), one attempt:
+2. `exchange(payload)` (`exchange_blocks`: a payload per block the rank holds), one attempt (its
+   frames, and what every replica decides from them, in rounds.py):
    a. hello round (all-gather of 160 bytes): name, step, flags, payload length, the chain (a hash of
       every member set and payload this stage has applied), HMAC. Only replicas whose hello
       authenticates are heard from at all.
@@ -77,10 +79,10 @@ is heard by no one, and refuses itself (one line, `FleetRefused`) when it is a m
 transfer uses our `AuthenticatedStateTransport` (state_transfer.py), not torchft's HTTP one: a
 request without the secret gets no byte of state, and a response without it is not loaded.
 Listening sockets are on `bind` (localhost by default): the state-transfer server and torchft's
-ManagerServer (torchft hard-codes every interface; we pass it `bind`, see
-`_manager_server_bound_to`); the gloo sockets of the cross-replica groups are on `advertise or
-bind`; `replica_store` gives a replica a TCPStore on `bind` (c10d's listens everywhere).
-Not covered (torchft 0.2.0 has no authentication): the lighthouse's gRPC and its HTTP
+ManagerServer (torchft hard-codes every interface; we pass it `bind`: torchft_adapter.py, which
+holds every change we make to torchft); the gloo sockets of the cross-replica groups are on
+`advertise or bind`; `replica_store` gives a replica a TCPStore on `bind` (c10d's listens
+everywhere). Not covered (torchft 0.2.0 has no authentication): the lighthouse's gRPC and its HTTP
 `/replica/<id>/kill`, the ManagerServer's `Kill` RPC, the replicas' TCPStores, and gloo itself (a
 group member that sends more bytes than a receive expects aborts the receiver). Anyone who reaches
 those ports, or who the lighthouse puts in a quorum, can stall or stop replicas, but cannot get a
@@ -88,15 +90,11 @@ payload or state accepted. Bind to localhost, or firewall them to the fleet's ho
 """
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import logging
 import os
-import socket
-import struct
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
@@ -105,32 +103,19 @@ from typing import Callable
 os.environ.setdefault("RUST_LOG", "warn")
 
 import torch  # noqa: E402
-import torchft.manager as _tfm  # noqa: E402
-from torch.distributed import ProcessGroup as _C10dGroup  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
-from torchft.manager import Manager  # noqa: E402
-from torchft.process_group import ProcessGroupGloo  # noqa: E402
+from torchft.manager import REPLICA_ID_KEY, Manager  # noqa: E402
 
-from ..sparseloco.outer import FLAG_FINITE, HEADER  # noqa: E402
 from . import Gathered, ReplicaTransport  # noqa: E402
-from .auth import MAC_BYTES, FleetRefused, tag, verify  # noqa: E402
-from .state_transfer import AuthenticatedStateTransport, url_host  # noqa: E402
+from .auth import FleetRefused, tag, verify  # noqa: E402
+from .rounds import (accept, accepted_digest, excluded_copy, pack_hello, payload_fingerprint,  # noqa: E402
+                     payload_frame, plan, read_hellos, refused)
+from .state_transfer import AuthenticatedStateTransport  # noqa: E402
+from .torchft_adapter import BlockGroups, install_source_rank_zero, manager_server_bound_to  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-# What we rely on in torchft beyond its documented Manager API; checked here so that an upgrade
-# that moves them fails at import instead of silently binding every interface.
-TORCHFT_CHECKED_AGAINST = "0.2.0"
-if not callable(getattr(_tfm, "ManagerServer", None)) or not isinstance(getattr(_tfm, "REPLICA_ID_KEY", None), str):
-    raise ImportError("torchft.manager no longer has ManagerServer / REPLICA_ID_KEY; hetloco_ds.transport.elastic "
-                      f"supports torchft {TORCHFT_CHECKED_AGAINST}")
-
-_HELLO = struct.Struct("<4sBBHqII32s64s")  # magic, version, flags, name length, step, length, fingerprint, chain, name
-_HELLO_BYTES = 128
-_VOTE_BYTES = 32  # a SHA-256 digest of the accepted set
-_MAGIC, _VERSION = b"HLE1", 1
-_CONTRIBUTING, _OK = 1, 2
 _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 _STATE_KEY = "hetloco_elastic"
 
@@ -225,305 +210,6 @@ class _Retry(Exception):
     """This attempt cannot commit on this replica; take a new quorum and send the same payload again."""
 
 
-@dataclass(frozen=True)
-class Hello:
-    """The first message of an attempt: who this is, where it stands, what it will send."""
-
-    rank: int
-    name: str
-    step: int
-    contributing: bool
-    ok: bool
-    length: int
-    fingerprint: int
-    chain: bytes
-    mac: bytes
-
-
-def pack_hello(name: str, step: int, contributing: bool, ok: bool, length: int, fingerprint: int,
-                chain: bytes) -> bytes:
-    flags = (_CONTRIBUTING if contributing else 0) | (_OK if ok else 0)
-    raw = name.encode()
-    body = _HELLO.pack(_MAGIC, _VERSION, flags, len(raw), step, length, fingerprint, chain, raw)
-    return body.ljust(_HELLO_BYTES, b"\0")
-
-
-def _unpack_hello(rank: int, body: bytes, mac: bytes) -> Hello | None:
-    magic, version, flags, n, step, length, fp, chain, raw = _HELLO.unpack_from(body)
-    if magic != _MAGIC or version != _VERSION or n > 64:
-        return None
-    try:
-        name = raw[:n].decode()
-    except UnicodeDecodeError:
-        return None
-    return Hello(rank, name, step, bool(flags & _CONTRIBUTING), bool(flags & _OK), length, fp, chain, mac)
-
-
-def _mode(values):
-    """Most common value; ties go to the smallest, so every replica picks the same one."""
-    counts = collections.Counter(values)
-    best = max(counts.values())
-    return min(v for v, c in counts.items() if c == best)
-
-
-def _payload_key(body: bytes) -> tuple:
-    """A payload's header without its flags: what must agree for payloads to be summed."""
-    magic, version, _flags, _zero, fp, length = HEADER.unpack_from(body)
-    return (magic, version, fp, length)
-
-
-def excluded_copy(payload: torch.Tensor) -> torch.Tensor:
-    """`payload` with the finite flag cleared and a zero body: `finish` applies no update for it but
-    still restores the parameters to the synced ones."""
-    magic, version, flags, zero, fp, length = HEADER.unpack_from(payload[: HEADER.size].numpy().tobytes())
-    out = torch.zeros_like(payload)
-    header = HEADER.pack(magic, version, flags & ~FLAG_FINITE, zero, fp, length)
-    out[: HEADER.size] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    return out
-
-
-# ---------------------------------------------------------------------- the pure core of one attempt
-# Every replica runs these on the same gathered bytes, so every replica reaches the same decisions.
-
-def read_hellos(secret: bytes, frames: list[bytes]) -> tuple[dict[int, Hello], list[tuple[str, str]], list[int]]:
-    """The hellos that authenticate, by quorum position; (who, why) for those dropped; and the
-    payload lengths announced by every hello that parses, signed or not (see `plan`)."""
-    heard: dict[int, Hello] = {}
-    dropped: list[tuple[str, str]] = []
-    lengths: list[int] = []
-    names: set[str] = set()
-    for r, raw in enumerate(frames):
-        body, mac = raw[:_HELLO_BYTES], raw[_HELLO_BYTES:]
-        h = _unpack_hello(r, body, mac)
-        if h is not None:
-            lengths.append(h.length)
-        if h is None or not verify(secret, mac, b"hello", body):
-            dropped.append((f"quorum position {r}", "its messages are not signed with the fleet secret"))
-        elif h.name in names:
-            dropped.append((f"quorum position {r}", f"a second replica named {h.name!r}"))
-        else:
-            heard[r] = h
-            names.add(h.name)
-    return heard, dropped, lengths
-
-
-def refused(heard: dict[int, Hello], n: int) -> bool:
-    """Whether the replicas that authenticate with this one's secret are a minority of the quorum
-    (a tie goes to the side holding quorum position 0)."""
-    return 2 * len(heard) < n or (2 * len(heard) == n and 0 not in heard)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the hellos decide before any payload moves."""
-
-    step: int
-    """The fleet's step: the highest among the heard; a replica below it is behind."""
-    chain: bytes
-    """The fleet's history: the most common chain among replicas at that step that are ok."""
-    candidates: dict[int, Hello]
-    """Contributors at the fleet's step with the fleet's chain, by quorum position."""
-    length: int
-    """Payload bytes of this round: the most common length announced by any hello. Unsigned hellos
-    count too, so that a replica that hears no one (a wrong secret) still posts receives of the
-    size the others send: gloo aborts the process on a message larger than the receive posted
-    for it (gloo/transport/tcp/pair.cc, "Received data size doesn't match expected size")."""
-
-
-def plan(heard: dict[int, Hello], own_chain: bytes, lengths: list[int]) -> Plan:
-    step = max(h.step for h in heard.values())
-    live = [h for h in heard.values() if h.ok and h.step == step]
-    chain = _mode([h.chain for h in live]) if live else own_chain
-    candidates = {h.rank: h for h in live if h.contributing and h.chain == chain}
-    return Plan(step, chain, candidates, _mode(lengths))
-
-
-def accept(secret: bytes, p: Plan, frames: list[torch.Tensor]) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
-    """Candidates whose payload authenticates and whose header (magic, version, fingerprint,
-    length) is the most common one, as sorted (name, position); and (who, why) for those dropped."""
-    keys: dict[int, tuple] = {}
-    dropped: list[tuple[str, str]] = []
-    for r, h in sorted(p.candidates.items()):
-        body, mac = frames[r][: p.length], frames[r][p.length:].numpy().tobytes()
-        if h.length != p.length or p.length < HEADER.size:
-            dropped.append((h.name, f"payload of {h.length} bytes, the fleet's are {p.length}"))
-        elif not verify(secret, mac, b"payload", h.mac, body.numpy()):
-            dropped.append((h.name, "payload does not authenticate"))
-        else:
-            keys[r] = _payload_key(body[: HEADER.size].numpy().tobytes())
-    fleet = _mode(list(keys.values())) if keys else None
-    for r in sorted(keys):
-        if keys[r] != fleet:
-            dropped.append((p.candidates[r].name, f"payload header {keys[r]} differs from the fleet's {fleet}"))
-    return sorted((p.candidates[r].name, r) for r in keys if keys[r] == fleet), dropped
-
-
-def accepted_digest(accepted: list[tuple[str, int]], frames: list[torch.Tensor], length: int) -> bytes:
-    return hashlib.sha256(json.dumps([[nm, frames[r][length:].numpy().tobytes().hex()]
-                                      for nm, r in accepted]).encode()).digest()
-
-
-def payload_frame(secret: bytes, hello_mac: bytes, payload: torch.Tensor | None, length: int) -> torch.Tensor:
-    """payload + its MAC bound to the sender's hello; zeros (authenticating as nothing) if none."""
-    frame = torch.zeros(length + MAC_BYTES, dtype=torch.uint8)
-    if payload is not None:
-        frame[:length] = payload
-        frame[length:] = torch.frombuffer(bytearray(tag(secret, b"payload", hello_mac, payload.numpy())),
-                                          dtype=torch.uint8)
-    return frame
-
-
-def replica_store(host: str, port: int = 0, timeout: timedelta = timedelta(seconds=300)) -> TCPStore:
-    """A TCPStore server for one replica's stage ranks (and the rendezvous of the cross-replica groups
-    when this replica is their primary) that listens on `host` only; c10d's own binds every interface."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host.strip("[]"), port))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    return TCPStore(host.strip("[]"), port, is_master=True, wait_for_workers=False, timeout=timeout,
-                    master_listen_fd=sock.detach())
-
-
-class _BoundGloo(ProcessGroupGloo):
-    """torchft's reconfigurable gloo group, with its sockets on `host` (torchft's uses the address
-    the machine's hostname resolves to, torchft/process_group.py ProcessGroupGloo._create_pg)."""
-
-    def __init__(self, host: str, timeout: timedelta):
-        super().__init__(timeout=timeout)
-        self._host = host
-
-    def _create_pg(self, store, rank: int, world_size: int):
-        opts = torch._C._distributed_c10d.ProcessGroupGloo._Options()
-        opts._timeout = self._timeout
-        opts._devices = [torch._C._distributed_c10d.ProcessGroupGloo.create_device(hostname=self._host)]
-        backend = torch._C._distributed_c10d.ProcessGroupGloo(store, rank, world_size, opts)
-        backend._set_sequence_number_for_group()
-        pg = _C10dGroup(store, rank, world_size)
-        pg._set_default_backend(_C10dGroup.BackendType.GLOO)
-        pg._register_backend(torch.device("cpu"), _C10dGroup.BackendType.GLOO, backend)
-        return pg
-
-
-@contextmanager
-def _manager_server_bound_to(host: str, applied: list):
-    """torchft 0.2.0 builds its ManagerServer with bind=f"[::]:{port}" (torchft/manager.py, in
-    Manager.__init__), i.e. on every interface, and that server answers an unauthenticated Kill RPC.
-    While the Manager is built, hand it a ManagerServer that binds `host` instead."""
-    real = _tfm.ManagerServer
-
-    def bound(*, bind: str, **kwargs):
-        applied.append(True)
-        return real(bind=f"{url_host(host)}:{bind.rpartition(':')[2]}", **kwargs)
-
-    _tfm.ManagerServer = bound
-    try:
-        yield
-    finally:
-        _tfm.ManagerServer = real
-
-
-class _BlockGroups:
-    """The process group torchft's Manager reconfigures at each new quorum: one torchft gloo group
-    per outer-sync block this rank holds (rank = the replica's position in the quorum, world = the
-    quorum's size). Every participating replica has exactly one rank holding a block, so its group
-    is well defined whatever the replicas' depths.
-
-    One depth: one group, at the store address torchft gives this group rank, as torchft makes it.
-    Mixed depths: torchft picks a group rank's store by the group rank (the quorum's replica
-    `group_rank % n`, torchft manager.rs compute_quorum_results), and one block's holders have other
-    group ranks in replicas of other depths; so every block's group meets at the store torchft gives
-    group rank 0, the same for every replica (`rank_zero_store`), under a prefix of the block."""
-
-    def __init__(self, host: str, timeout: timedelta, blocks: tuple[int, ...], mixed: bool,
-                 rank_zero_store: Callable[[int, int, str], str]):
-        self.blocks, self.mixed, self._rank_zero_store = blocks, mixed, rank_zero_store
-        self.groups = [_BoundGloo(host, timeout) for _ in blocks]
-
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id=None,
-                  group_rank=None, group_world_size=None, global_ranks=None) -> None:
-        if not self.mixed:
-            self.groups[0].configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
-                                     group_world_size, global_ranks)
-            return
-        host = self._rank_zero_store(quorum_id, group_rank, store_addr.partition("/")[0])
-        # In block order on every rank: a rank waits in one block's rendezvous only for ranks that are
-        # done with every earlier block's.
-        for b, g in zip(self.blocks, self.groups):
-            g.configure(f"{host}/torchft/{quorum_id}/block{b}", replica_id, rank, world_size, quorum_id,
-                        group_rank, group_world_size, global_ranks)
-
-    def errored(self):
-        return next((e for e in (g.errored() for g in self.groups) if e is not None), None)
-
-    def shutdown(self) -> None:
-        for g in self.groups:
-            g.shutdown()
-
-
-class _SourceRankZero:
-    """torchft 0.2.0 heals a rank with the checkpoint metadata of its own group rank in the recovery
-    source (Manager._async_quorum: `primary_client._checkpoint_metadata(self._group_rank)`); a source
-    of another depth may have no such rank, or other layers on it. Every rank's metadata carries its
-    replica's whole block map (`AuthenticatedStateTransport.metadata`), so the healer asks the
-    source's rank 0, which every replica has, and fetches each block it holds from the source's rank
-    that holds it."""
-
-    def __init__(self, client):
-        self._client = client
-
-    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
-        return self._client._checkpoint_metadata(0, timeout=timeout)
-
-    def __getattr__(self, name: str):
-        return getattr(self._client, name)
-
-
-def _install_source_rank_zero() -> None:
-    """Our one lasting override of torchft internals (idempotent; checked against torchft 0.2.0):
-    every ManagerClient torchft.manager builds answers `_checkpoint_metadata` with rank 0's."""
-    import importlib.metadata
-    import inspect
-    import re
-
-    real = _tfm.ManagerClient
-    if getattr(real, "_hetloco_source_rank_zero", False):
-        return
-    found = importlib.metadata.version("torchft")
-    source = inspect.getsource(Manager._async_quorum)
-    if (found != TORCHFT_CHECKED_AGAINST or not callable(getattr(Manager, "_manager_state_dict", None))
-            or not re.search(r"primary_client = ManagerClient\(", source)
-            or not re.search(r"primary_client\._checkpoint_metadata\(\s*self\._group_rank", source)):
-        raise ImportError(f"torchft {found}: Manager._async_quorum no longer asks ManagerClient(...)."
-                          "_checkpoint_metadata(self._group_rank) when it heals, or Manager._manager_state_dict is "
-                          f"gone; hetloco_ds heals replicas of mixed depths against torchft {TORCHFT_CHECKED_AGAINST}")
-
-    def client(*args, **kwargs):
-        return _SourceRankZero(real(*args, **kwargs))
-
-    client._hetloco_source_rank_zero = True
-    _tfm.ManagerClient = client
-
-
-class _QuietTorchft(logging.Filter):
-    """torchft logs a failed heal with its traceback; a refusal is reported once, by us, in one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], FleetRefused):
-            return False
-        # Logged at every reconfiguration on builds without NCCL's flight recorder (CPU): noise here.
-        return "flight recorder" not in str(record.msg)
-
-
-logging.getLogger(_tfm.__name__).addFilter(_QuietTorchft())
-
-
-def committed_bytes(peers: int, payload_bytes: int) -> int:
-    """Bytes one stage rank sends (and receives) in an attempt that commits with `peers` other
-    participants: the hello, payload and vote rounds of `_rounds`, each frame with its MAC."""
-    return peers * (_HELLO_BYTES + MAC_BYTES + payload_bytes + MAC_BYTES + _VOTE_BYTES + MAC_BYTES)
-
-
 class ElasticTransport(ReplicaTransport):
     """One stage rank's outer-sync transport over torchft (see the module docstring).
 
@@ -561,15 +247,15 @@ class ElasticTransport(ReplicaTransport):
         if not store_addr or not store_port:
             raise ValueError("elastic transport needs this replica's TCPStore: set store_addr/store_port or "
                              "MASTER_ADDR/MASTER_PORT")
-        _install_source_rank_zero()
-        self._pg = _BlockGroups(cfg.advertise or cfg.bind, timeout, self._blocks, bool(cfg.blocks),
+        install_source_rank_zero()
+        self._pg = BlockGroups(cfg.advertise or cfg.bind, timeout, self._blocks, bool(cfg.blocks),
                                 self._rank_zero_store)
         self._ckpt = AuthenticatedStateTransport(cfg.secret, cfg.bind, cfg.advertise, timeout, cfg.replica_id,
                                                  blocks=self._blocks)
         self._ckpt.replica_urls = self._replica_urls
         applied: list = []
         try:
-            with _manager_server_bound_to(cfg.bind, applied):
+            with manager_server_bound_to(cfg.bind, applied):
                 self._manager = Manager(
                     pg=self._pg, load_state_dict=self._load_user, state_dict=state_dict, min_replica_size=1,
                     use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout),
@@ -590,13 +276,13 @@ class ElasticTransport(ReplicaTransport):
             self._store = TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False, timeout=timeout)
             # The ManagerServer's replica id carries a fresh uuid per start: keys of a previous
             # incarnation of this replica (same store) can never be mistaken for this one's.
-            self._prefix = f"hetloco_elastic/{self._store.get(_tfm.REPLICA_ID_KEY).decode()}"
+            self._prefix = f"hetloco_elastic/{self._store.get(REPLICA_ID_KEY).decode()}"
             self._store.set(f"{self._prefix}/urls/{cfg.stage}", json.dumps({b: self._ckpt.url for b in self._blocks}))
 
     # ------------------------------------------------------------------ what the quorum thread asks
     def _replica_urls(self) -> dict[int, str]:
         """Block -> state-transfer address of every rank of this replica (stage 0; the others' own):
-        the metadata torchft hands a healer (see `_SourceRankZero`)."""
+        the metadata torchft hands a healer (see `torchft_adapter.install_source_rank_zero`)."""
         if self._urls is None:
             urls = {b: self._ckpt.url for b in self._blocks}
             if self._store is not None and self.cfg.stage == 0:
@@ -610,7 +296,7 @@ class ElasticTransport(ReplicaTransport):
 
     def _rank_zero_store(self, quorum_id: int, group_rank: int, mine: str) -> str:
         """The store address torchft gave group rank 0 of this replica for quorum `quorum_id` (the
-        same in every replica): stage 0 publishes it, the others read it (`_BlockGroups`)."""
+        same in every replica): stage 0 publishes it, the others read it (`BlockGroups`)."""
         if self._store is None:
             return mine
         key = f"{self._prefix}/quorum/{quorum_id}/store"
@@ -801,8 +487,7 @@ class ElasticTransport(ReplicaTransport):
         """Block i's hello, payload and vote rounds; (accepted (name, position), frames, payload length)."""
         m, secret, chain = self._manager, self.cfg.secret, self._chains[i]
         contributing = ok and not self._stale and own.numel() > 0
-        fp = HEADER.unpack_from(own[: HEADER.size].numpy().tobytes())[4] if own.numel() >= HEADER.size else 0
-        hello = pack_hello(self.cfg.replica_id, step, contributing, ok, own.numel(), fp, chain)
+        hello = pack_hello(self.cfg.replica_id, step, contributing, ok, own.numel(), payload_fingerprint(own), chain)
         hello_mac = tag(secret, b"hello", hello)
 
         # a. hello round: who is here, and who authenticates

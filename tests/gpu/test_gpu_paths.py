@@ -220,7 +220,7 @@ def test_plan_predicts_the_measured_peak_on_one_gpu(job_result):
 
 def _memory_prediction(got: dict) -> int:
     from hetloco_ds import plan
-    from hetloco_ds.plan.model import ModelShape
+    from hetloco_ds.plan.shapes import ModelShape
 
     s = got["shape"]
     model = ModelShape(d=s["hidden_size"], n_layers=s["num_hidden_layers"], n_heads=s["num_attention_heads"],
