@@ -241,12 +241,13 @@ def test_recomputed_decoder_layers_lower_the_measured_peak_on_one_gpu(job_result
     the kept activations are small enough that another phase of the step sets the peak, which plan
     does not model yet (README, "Activation checkpointing"), so plan is not held to it here. Breaks if
     the interval is not applied on the GPU or recomputing changes the forward."""
-    on_proc, off_proc = job_result["memory"], gpu_jobs.result("memory")["memory"]
+    off_job = gpu_jobs.result("memory")
+    on_proc, off_proc = job_result["memory"], off_job["memory"]
     assert on_proc["rc"] == 0, _explain(on_proc)
     assert off_proc["rc"] == 0, _explain(off_proc)
     work = Path(job_result["work"])
     on = json.loads((work / "memory.json").read_text())
-    off = json.loads((Path(gpu_jobs.result("memory")["work"]) / "memory.json").read_text())
+    off = json.loads((Path(off_job["work"]) / "memory.json").read_text())
     assert on["activation_checkpoint_interval"] == 1 and off["activation_checkpoint_interval"] == 0
     (work / "plan_vs_peak.json").write_text(json.dumps({
         "with": {"predicted": _memory_prediction(on), "measured": on["peak_allocated"]},
