@@ -270,6 +270,59 @@ def stage_state_bytes(params: int, bf16: bool = True, sparseloco: bool = True, o
     return params * per
 
 
+OUTER_UNIT_NUMEL = 1 << 26
+"""Elements of the largest slice of a same-shape group the outer step works on at once
+(`sparseloco.outer`: the transients beside the state are a few units, not a whole group)."""
+
+
+def outer_units(shapes: Sequence[Sequence[int]], unit_numel: int = OUTER_UNIT_NUMEL) -> list[tuple[tuple[int, ...], int, int]]:
+    """The outer step's units in the order it walks them: (shape, first member, end member) of each
+    slice of a same-shape group (the groups in order of first appearance in `shapes`, as the
+    payload's sections), at most `unit_numel` elements a slice, one member where a member is larger."""
+    if unit_numel < 1:
+        raise ValueError(f"unit_numel must be >= 1, got {unit_numel}")
+    groups: dict[tuple[int, ...], int] = {}
+    for s in shapes:
+        key = tuple(int(x) for x in s)
+        groups[key] = groups.get(key, 0) + 1
+    out = []
+    for shape, members in groups.items():
+        step = max(1, unit_numel // max(1, math.prod(shape)))
+        out += [(shape, lo, min(lo + step, members)) for lo in range(0, members, step)]
+    return out
+
+
+def outer_step_transient_bytes(shapes: Sequence[Sequence[int]], on_host: bool, chunk_size: int = MAX_CHUNK,
+                               topk: int = 32, chunk_rule: str = "tiles", topk_rule: str = "scaled",
+                               error_feedback: bool = True, unit_numel: int = OUTER_UNIT_NUMEL) -> int:
+    """Device bytes the outer step of a stage of `shapes` allocates beside the state at its height,
+    which is `SparseLoCoState.prepare` (finish holds fewer: one state name, no new error buffers):
+    the new error buffers of the whole stage, fp32 (held until the replica is known finite); each
+    tensor's top-k selection, staged until packing (int64 in-chunk and flat indices, fp32 values:
+    20 B an entry); and the units' working set: on the device, |e| of one unit (fp32) for the top-k;
+    with the state on the host, also the device copies of its state (theta_prev and, with error
+    feedback, the error buffer), three units' worth at the moment the walk fetches the next unit
+    while the caller still holds the previous one, two beside |e|; and each shape's int64 tables
+    of chunk and in-chunk offsets (built at the first outer step, then kept). The sparse path only: the dense
+    control's gathered payloads (replicas x numel x value bytes) are left out."""
+    shapes = [tuple(int(x) for x in s) for s in shapes]
+    numel = sum(math.prod(s) for s in shapes)
+    wires = {s: tensor_wire(s, chunk_size, topk, None, 4, chunk_rule, topk_rule) for s in shapes}
+    selected = sum(wires[s].n_selected for s in shapes)
+    tables = sum(8 * (w.chunks.n_chunks + w.chunks.chunk_len) for w in wires.values())
+    units = [math.prod(shape) * (hi - lo) for shape, lo, hi in outer_units(shapes, unit_numel)]
+    names = 2 if error_feedback else 1
+    work = 0
+    for k, u in enumerate(units):
+        if on_host:
+            prev = units[k - 1] if k else 0
+            nxt = units[k + 1] if k + 1 < len(units) else 0
+            work = max(work, names * (prev + u + nxt), names * (u + nxt) + u)
+        else:
+            work = max(work, u)
+    return 4 * numel + 20 * selected + tables + 4 * work
+
+
 def host_state_bytes(params: int, on_gpu: bool, outer_on_host: bool, bf16: bool = True, sparseloco: bool = True,
                      outer_momentum: bool = False) -> int:
     """Host bytes `params` trainable parameters of a rank take: a checkpoint's host copy, kept between

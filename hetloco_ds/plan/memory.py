@@ -38,6 +38,9 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
     cast matrix (all but the token embedding, which is looked up: `sizes.deferred_cast_grad_bytes`).
     `activation_checkpoint_interval`: pipeline.activation_checkpoint_interval; each stage's runs of
     decoder layers that keep only their input (`sizes.recomputed_runs`).
+    Under SparseLoCo the peak is the larger of the inner step's and the outer step's (weights,
+    moments and the outer state beside `sizes.outer_step_transient_bytes`, at the default codec): the
+    outer step's sets it where activations are small (recomputed layers, short sequences).
     Left out: a compressed replica's basis U and T_perp buffer (d x k and V x d fp32 on its stages)."""
     L = model.seq_len if seq_len is None else seq_len
     tokens = micro_batch * L
@@ -55,7 +58,15 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
         act = sizes.stage_activation_bytes(tokens, nl, depth(schedule, stages, s, n_mb), model.d, model.ffn,
                                            model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes, deferred,
                                            recomputed)
-        out.append(sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device) + act)
+        train = sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device) + act
+        if sparseloco:
+            # The outer step runs after the inner step has freed its gradients and casts: weights and
+            # moments, the outer state where it lives, and the outer step's own transients.
+            resident = sizes.stage_state_bytes(params, False, True, outer_state_device) - 4 * params
+            outer = resident + sizes.outer_step_transient_bytes([shape for _, shape in tensors],
+                                                                on_host=outer_state_device == "cpu")
+            train = max(train, outer)
+        out.append(train)
     return out
 
 

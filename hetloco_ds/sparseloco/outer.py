@@ -114,10 +114,11 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from .. import sizes
 from .aggregate import AGGREGATIONS, CLIPS, SCREENS
 from .payload import PayloadLayout, Section, is_dense, outer_config
 
-UNIT_NUMEL = 1 << 26
+UNIT_NUMEL = sizes.OUTER_UNIT_NUMEL
 """Elements of the largest slice of a same-shape group the outer step works on at once (module docstring)."""
 
 
@@ -264,6 +265,10 @@ class SparseLoCoState:
         self._groups: list[_Group] = []
         self._units: list[_Unit] = []
         self._where: list[tuple[int, int]] = [(0, 0)] * len(params)
+        # The units as sizes cuts them (plan's memory rule walks the same list).
+        spans: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for shape, lo, hi in sizes.outer_units(self.shapes, unit_numel):
+            spans.setdefault(shape, []).append((lo, hi))
         with torch.no_grad():
             for sec in self.layout.sections:
                 tp = self._snapshot([params[i] for i in sec.members])
@@ -272,9 +277,7 @@ class SparseLoCoState:
                 for j, i in enumerate(sec.members):
                     self._where[i] = (len(self._groups), j)
                 self._groups.append(group)
-                step = max(1, unit_numel // max(1, group.numel))
-                self._units += [_Unit(group, lo, min(lo + step, len(sec.members)))
-                                for lo in range(0, len(sec.members), step)]
+                self._units += [_Unit(group, lo, hi) for lo, hi in spans[tuple(sec.shape)]]
         self._pending = False
 
     # ------------------------------------------------------------------ where the state lives

@@ -66,6 +66,8 @@ def memory(hf, data_path, config, work) -> dict:
 
     import hetloco_ds
 
+    # Every allocation from here on, with its Python stack: at the peak, what held the memory.
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     tok = AutoTokenizer.from_pretrained(hf)
     shape = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
                  intermediate_size=2816, vocab_size=len(tok), max_position_embeddings=512)
@@ -75,11 +77,50 @@ def memory(hf, data_path, config, work) -> dict:
     del model
     losses = [engine.train_batch().item() for _ in range(4)]
     torch.cuda.synchronize()
+    try:  # a diagnostic: the job's numbers stand without it
+        breakdown = peak_breakdown(torch.cuda.memory._snapshot())
+    except Exception as e:  # noqa: BLE001
+        breakdown = {"error": f"{type(e).__name__}: {e}"}
+    torch.cuda.memory._record_memory_history(enabled=None)
     return {"shape": shape, "losses": losses, "peak_allocated": torch.cuda.max_memory_allocated(),
+            "peak_breakdown": breakdown,
             "step_casts": bool(engine.step_casts), "schedule": engine.schedule, "micro": engine.micro_batch_size,
             "gas": engine.micro_batches, "seq_len": engine.seq_len,
             "outer_state_device": engine.hetloco.sparseloco.outer_state_device, "compile": engine.hetloco.train.compile,
             "activation_checkpoint_interval": engine.module.activation_checkpoint_interval}
+
+
+def peak_breakdown(snapshot: dict, top: int = 12) -> dict:
+    """The allocator's trace replayed: the moment live bytes peaked, and the blocks alive then grouped by
+    the innermost frame of ours, DeepSpeed's, transformers' or torch.optim's code that allocated them
+    (what plan's memory rule is checked against, term by term)."""
+    events = snapshot["device_traces"][0] if snapshot.get("device_traces") else []
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    mark = ("hetloco_ds", "deepspeed", "transformers", "torch/optim", "api_loop")
+
+    def where(frames) -> str:
+        for f in frames or []:
+            name = f.get("filename", "")
+            if any(m in name for m in mark):
+                return f"{name.split('site-packages/')[-1].split('/work/main/')[-1]}:{f.get('line')} {f.get('name')}"
+        return "other"
+
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], where(e.get("frames")))
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])[0]
+    groups: dict[str, int] = {}
+    for size, key in at_peak.values():
+        groups[key] = groups.get(key, 0) + size
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1])
+    return {"traced_peak": peak, "events": len(events), "blocks_at_peak": len(at_peak),
+            "by_site": [[k, v] for k, v in ranked[:top]], "rest": sum(v for _, v in ranked[top:])}
 
 
 def main() -> None:

@@ -237,9 +237,11 @@ def test_recomputed_decoder_layers_lower_the_measured_peak_on_one_gpu(job_result
     """The memory job's model and batch with every decoder layer recomputed in the backward
     (pipeline.activation_checkpoint_interval 1): its first loss is the job's without (the same
     forward) and its measured peak lies below that job's. plan's predictions beside both peaks go to
-    plan_vs_peak.json next to the job's log: at this size (77M parameters, 2048 tokens a micro-batch)
-    the kept activations are small enough that another phase of the step sets the peak, which plan
-    does not model yet (README, "Activation checkpointing"), so plan is not held to it here. Breaks if
+    plan_vs_peak.json next to the job's log, with the allocator's account of the peak (memory.json's
+    peak_breakdown): at this size (77M parameters, 2048 tokens a micro-batch) the kept activations are
+    small enough that the outer step sets the peak; plan models it since, but its last prediction
+    was 5.8% under the measured peak (README, "Activation checkpointing"), so plan is not held to
+    the tolerance here until that gap is explained. Breaks if
     the interval is not applied on the GPU or recomputing changes the forward."""
     off_job = gpu_jobs.result("memory")
     on_proc, off_proc = job_result["memory"], off_job["memory"]
@@ -251,7 +253,8 @@ def test_recomputed_decoder_layers_lower_the_measured_peak_on_one_gpu(job_result
     assert on["activation_checkpoint_interval"] == 1 and off["activation_checkpoint_interval"] == 0
     (work / "plan_vs_peak.json").write_text(json.dumps({
         "with": {"predicted": _memory_prediction(on), "measured": on["peak_allocated"]},
-        "without": {"predicted": _memory_prediction(off), "measured": off["peak_allocated"]}}, indent=1))
+        "without": {"predicted": _memory_prediction(off), "measured": off["peak_allocated"]},
+        "breakdown_with": on.get("peak_breakdown"), "breakdown_without": off.get("peak_breakdown")}, indent=1))
     assert on["losses"][0] == pytest.approx(off["losses"][0], rel=1e-5), (on["losses"], off["losses"])
     assert on["peak_allocated"] < off["peak_allocated"], (on["peak_allocated"] / 2**30, off["peak_allocated"] / 2**30)
 
