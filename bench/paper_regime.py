@@ -244,9 +244,12 @@ def size_sweep_points() -> list[dict]:
         syncs = next((r["outer_steps"] for r in rows if r["model"] == model and r["mode"] == "sparseloco"), None)
         mine = [p for p in pens if p["model"] == model]
         seeds = sorted({s for p in mine for s in p["seeds"]})
+        sl_gap = gap.get((model, "sparseloco"))
         point = {"size": model, "d": width(model),
+                 # the penalties and the gaps to AdamW can rest on different seeds, so each says its own
                  "regime": f"{size_sweep.regime_name(True, 8)}, {syncs} syncs, final"
-                           + (f", seeds {','.join(map(str, seeds))}" if seeds else ""),
+                           + (f", penalties on seeds {','.join(map(str, seeds))}" if seeds else "")
+                           + (f", gaps on seeds {','.join(map(str, sl_gap['seeds']))}" if sl_gap else ""),
                  "penalty_pct": {p["row"].split(":lr=")[0]: p["penalty_pct"] for p in mine},
                  "seeds": {p["row"].split(":lr=")[0]: p["seeds"] for p in mine}}
         for mode in ("sparseloco", "diloco"):

@@ -263,6 +263,20 @@ def test_only_a_modes_best_lr_inside_its_closed_bracket_is_tuned_never_a_compres
     rows = ss.summary_rows("105M", summary, meta)
     assert [(r["mode"], r["lr"]) for r in rows if r["tuned"]] == [("adamw", 0.001)]
     assert any(r["mode"] == "sparseloco" and r["lr"] == 0.0005 and r["best_lr_so_far"] for r in rows)
+    # the committed summaries as read: every compressed row (20M PP-Compress 1/8 at SparseLoCo's tuned
+    # 1e-3, 105M's at 2e-3) untuned, and a tuned row only at its own mode's closed-bracket best lr
+    import json
+
+    summaries = sorted((BENCH / "results" / "size_sweep").glob("**/summary.json"))
+    assert len(summaries) == 3
+    for summary in summaries:
+        doc = json.loads(summary.read_text())
+        assert not any(r["tuned"] for r in doc["rows"] if r["mode"] not in ("sparseloco", "adamw", "diloco")), summary
+        for r in (r for r in doc["rows"] if r["tuned"]):
+            seed0 = {x["lr"]: x["per_seed"][x["seeds"].index(0)] for x in doc["rows"]
+                     if x["model"] == r["model"] and x["mode"] == r["mode"] and 0 in x["seeds"]}
+            b = ss.bracket(seed0, r["mode"]) if r["mode"] in ss.LR_BRACKETS else {}
+            assert b.get("complete") and b["best"] == r["lr"], (summary, r["model"], r["mode"], r["lr"])
 
 
 def test_size_sweep_gap_against_outer_syncs_from_the_committed_runs():
@@ -1101,8 +1115,14 @@ def test_penalty_set_runs_each_sizes_compressed_rows_at_sparselocos_tuned_lr_on_
     d = {m: model_config_for(m, 8192).hidden_size for m in ss.PENALTY_ROWS}
     assert [d["20M"] // int(r.split(":")[1]) for r in ss.PENALTY_ROWS["20M"]] == [48, 48, 4, 4]
     assert [d["105M"] // int(r.split(":")[1]) for r in ss.PENALTY_ROWS["105M"]] == [96, 96, 8, 8, 48]
-    micro8 = ss.results_folder(True, 8)
     tuned = {"20M": "0.001", "105M": "0.0005"}
+    # a committed row is not asked for again: 20M PP-Compress 1/8 seed 0 ran (call p65a)
+    left = ss.rows_of_set("penalty", "20M", ss.load_size("20M", ss.results_folder(True, 8))[0])
+    assert ("pp:8:lr=0.001", 0) not in left and ("pp:8:lr=0.001", 1) in left
+    # the rest reads the penalty rows as they stood before any ran, so it holds as more are committed
+    unrun = {"one_pass/micro8/20M": ["pp:8:lr=0.001@seed0"]}
+    results_without(ss, tmp_path / "unrun", monkeypatch, unrun)
+    micro8 = ss.results_folder(True, 8)
     for model in ss.PENALTY_ROWS:
         left = ss.rows_of_set("penalty", model, ss.load_size(model, micro8)[0])
         want = [f"{r}:lr={tuned[model]}" for r in ss.PENALTY_ROWS[model]]
@@ -1138,6 +1158,7 @@ def test_penalty_set_runs_each_sizes_compressed_rows_at_sparselocos_tuned_lr_on_
     assert calls == []
     # fill, one GPU, time enough: every row-seed once, seed 0 of both sizes first, --model's order within
     monkeypatch.undo()
+    results_without(ss, tmp_path / "fill", monkeypatch, unrun)
     pt = bench_module("paper_tables")
     monkeypatch.setattr(pt, "main", lambda argv: calls.append(argv) or 0)
     monkeypatch.setitem(sys.modules, "paper_tables", pt)
@@ -1181,9 +1202,12 @@ def test_penalty_reads_each_compressed_row_against_sparseloco_at_its_seed_and_lr
             for r in json.loads(f.read_text())["rows"]:
                 if r["variant"]["name"].startswith(f"sparseloco:lr={lr}@"):
                     sl[(model, r["variant"]["seed"])] = r["val_loss"]
-    made = {("20M", "pp:8:lr=0.001", 0): 2.40, ("20M", "pp:8:lr=0.001", 1): 2.45,
-            ("105M", "pp:16:lr=0.0005", 0): 2.20}
-    for (model, name, seed), loss in made.items():
+    # 20M PP-Compress 1/8 seed 0 is committed (call p65a, issue 57's method); its seed 1 is made up
+    made = {("20M", "pp:8:lr=0.001", 0): next(
+        r["val_loss"] for f in (copy / "20M").glob("paper_tables_p65a*.json")
+        for r in json.loads(f.read_text())["rows"] if r["variant"]["name"] == "pp:8:lr=0.001@seed0")}
+    made |= {("20M", "pp:8:lr=0.001", 1): 2.45, ("105M", "pp:16:lr=0.0005", 0): 2.20}
+    for (model, name, seed), loss in list(made.items())[1:]:
         ratio = int(name.split(":")[1])
         _penalty_row(copy / model, f"sparseloco:lr={name.split('lr=')[1]}@seed{seed}", f"{name}@seed{seed}",
                      ratio, 8, loss)
@@ -1193,6 +1217,7 @@ def test_penalty_reads_each_compressed_row_against_sparseloco_at_its_seed_and_lr
     pp8 = rows[("20M", "pp:8:lr=0.001")]
     want = [100 * (made[("20M", "pp:8:lr=0.001", s)] - sl[("20M", s)]) / sl[("20M", s)] for s in (0, 1)]
     assert pp8["seeds"] == [0, 1] and pp8["penalty_pct_per_seed"] == want and pp8["penalty_pct"] == sum(want) / 2
+    assert abs(pp8["penalty_pct_per_seed"][0] - 16.246912463658553) < 1e-9  # the committed penalty.json's
     assert (pp8["k"], pp8["d"], pp8["method"], pp8["at_tuned_sparseloco_lr"]) == (48, 384, "issue 57", True)
     pp16 = rows[("105M", "pp:16:lr=0.0005")]
     assert (pp16["k"], pp16["k_over_d"], pp16["seeds"]) == (48, 1 / 16, [0])
@@ -1274,10 +1299,15 @@ def test_fidelity_sets_our_penalties_and_gaps_beside_the_papers_at_matched_steps
     assert at["178M"]["step"] == 700 and at["178M"]["rows"]["pp:8"] == {"finished": False, "last_step": 700}
     assert at["178M"]["penalty_pct"] == {"pp:8": 100 * (3.45 - 3.1) / 3.1}
     assert at["178M"]["sparseloco_minus_adamw_pct"] == 100 * (3.1 - 2.9) / 2.9
-    # 20M: only the made-up issue-57 row at the tuned lr; 105M's committed rows are the old method's
+    # 20M: the issue-57 rows at the tuned lr, the committed PP-Compress 1/8 (call p65a) and the made-up
+    # Het; 105M's committed rows are the old method's
     sl = [json.loads(f.read_text()) for f in (micro8 / "20M").glob("paper_tables_*.json")]
-    base = next(r["val_loss"] for d in sl for r in d["rows"] if r["variant"]["name"] == "sparseloco:lr=0.001@seed0")
-    assert at["20M"]["penalty_pct"] == {"het:8": 100 * (2.30 - base) / base} and at["105M"]["penalty_pct"] == {}
+    loss = {r["variant"]["name"]: r["val_loss"] for d in sl for r in d["rows"]}
+    base = loss["sparseloco:lr=0.001@seed0"]
+    assert at["20M"]["penalty_pct"] == {"pp:8": 100 * (loss["pp:8:lr=0.001@seed0"] - base) / base,
+                                        "het:8": 100 * (2.30 - base) / base}
+    assert at["105M"]["penalty_pct"] == {}
+    assert at["20M"]["regime"].endswith("79 syncs, final, penalties on seeds 0, gaps on seeds 0,1")
     summary = json.loads((micro8 / "summary.json").read_text())
     gap = {g["model"]: g["gap_pct"] for g in summary["gaps"] if g["mode"] == "sparseloco"}
     assert at["20M"]["sparseloco_minus_adamw_pct"] == gap["20M"] and at["105M"]["sparseloco_minus_adamw_pct"] == gap["105M"]
