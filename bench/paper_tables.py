@@ -277,7 +277,7 @@ def saved_curve(path: str) -> list[dict]:
     first block): a row whose state cannot leave the machine still brings back how far it got.
     Memory-mapped, so the state's tensors (gigabytes at 178M) are not read."""
     path = path if os.path.exists(path) else path + ".g0"
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("val_curve", [])
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("val_curve", [])
 
 
 def resumable(state_dir: str) -> set[str]:

@@ -96,7 +96,7 @@ def load(args):
     from hetloco_ds.presets import model_config_for
 
     if args.data:
-        blob = torch.load(args.data)
+        blob = torch.load(args.data, weights_only=True)  # a corpus file: tensors and plain data, nothing run
         corpus = Corpus(train=blob["train"].to(torch.int32), val=blob["val"].to(torch.int32),
                         description=blob["description"], cache_path=args.data)
         vocab, seq = blob["vocab_size"], corpus.train.shape[1]

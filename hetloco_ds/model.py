@@ -25,6 +25,31 @@ from transformers.models.llama.modeling_llama import (
 from .sizes import LayerLayout
 
 
+INIT_SCHEMES = ("torch", "torchtitan")
+"""How a fresh model's weights are drawn (`init_scheme`): "torch", the token embedding N(0,
+initializer_range) and every linear layer torch's default (kaiming-uniform); "torchtitan", TorchTitan's
+LLaMA (the authors' code runs on it): the embedding N(0, 1), q/k/v and gate N(0, 0.02), the layer's
+residual writers o_proj and down_proj, and up_proj, N(0, 0.02 / sqrt(2 (layer + 1))), the head
+N(0, d^-1/2) cut at 3 std. A checkpoint loaded over the model replaces either."""
+
+
+def init_scheme(config: LlamaConfig) -> str:
+    """The model config's `hetloco_init` ("torch" where it names none), checked."""
+    scheme = getattr(config, "hetloco_init", None) or "torch"
+    if scheme not in INIT_SCHEMES:
+        raise ValueError(f"hetloco_init = {scheme!r} must be one of {', '.join(map(repr, INIT_SCHEMES))}")
+    if scheme == "torchtitan" and config.tie_word_embeddings:
+        raise ValueError("hetloco_init = 'torchtitan' draws the embedding N(0, 1) and the head N(0, d^-1/2): "
+                         "a tied table cannot be both (TorchTitan's LLaMA is untied); set tie_word_embeddings false")
+    return scheme
+
+
+def _trunc_normal_(t: torch.Tensor, std: float, cut: float | None = None) -> None:
+    # TorchTitan's cut: +-2 absolute (never reached at these stds) unless a cut in stds is given.
+    bound = 2.0 if cut is None else cut * std
+    nn.init.trunc_normal_(t, mean=0.0, std=std, a=-bound, b=bound)
+
+
 def stage_config(config: LlamaConfig) -> LlamaConfig:
     """A copy of `config` fixed to SDPA attention, which is causal without a mask tensor.
 
@@ -72,7 +97,7 @@ class TokenEmbedding(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        nn.init.normal_(self.weight, std=config.initializer_range)
+        nn.init.normal_(self.weight, std=1.0 if init_scheme(config) == "torchtitan" else config.initializer_range)
         # A None buffer stays out of state_dict until a split assigns a tensor to it.
         self.register_buffer("perp", None)
 
@@ -127,6 +152,13 @@ class DecoderLayer(nn.Module):
         self.layer.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = LlamaRotaryEmbedding(config)
+        if init_scheme(config) == "torchtitan":
+            with torch.no_grad():
+                attn, mlp = self.layer.self_attn, self.layer.mlp
+                for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj):
+                    _trunc_normal_(lin.weight, 0.02)
+                for lin in (attn.o_proj, mlp.up_proj, mlp.down_proj):
+                    _trunc_normal_(lin.weight, 0.02 / (2 * (layer_idx + 1)) ** 0.5)
 
     @torch.no_grad()
     def reset_nonpersistent_buffers(self) -> None:
@@ -163,6 +195,9 @@ class LMHead(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if init_scheme(config) == "torchtitan":
+            with torch.no_grad():
+                _trunc_normal_(self.lm_head.weight, config.hidden_size ** -0.5, cut=3.0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

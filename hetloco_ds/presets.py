@@ -62,6 +62,10 @@ def model_config_for(name_or_json: str, vocab_size: int):
     fields.setdefault("rms_norm_eps", 1e-5)
     fields.setdefault("rope_theta", 10000.0)
     try:
-        return LlamaConfig(**fields)
+        config = LlamaConfig(**fields)
+        from .model import init_scheme
+
+        init_scheme(config)
+        return config
     except (TypeError, ValueError) as err:
         raise ConfigError(f"--model-config {name_or_json}: {err}") from None
