@@ -57,7 +57,7 @@ def table_row(name: str) -> str:
 def base_key(v: dict) -> tuple:
     """What a row shares with the uncompressed row it is measured against (sim.rows.Variant.base_key)."""
     return (v["mode"], v["seed"], v.get("lr"), tuple(sorted((v.get("sparseloco") or {}).items())),
-            v.get("optimizer_state", "fp32"))
+            v.get("optimizer_state"))
 
 
 def input_files(paths: list[str]) -> list[str]:

@@ -49,8 +49,8 @@ class Variant:
     """One replica's payloads corrupted at every outer step (`sparseloco.attacks.ATTACKS`), or None."""
     attacker: int = -1
     """The attacking replica (negative: from the end, -1 the last)."""
-    optimizer_state: str = "fp32"
-    """`hetloco.train.optimizer_state` of this row: how the inner AdamW holds its moments."""
+    optimizer_state: str | None = None
+    """`hetloco.train.optimizer_state` of this row, how the inner AdamW holds its moments (None: the run's)."""
 
     def attack_of(self, replicas: int) -> Attack | None:
         """The row's attack on a row of `replicas`, or None."""
@@ -72,7 +72,8 @@ class Variant:
         cfg.subspace.embedding_weight_decay = self.embedding_weight_decay
         cfg.train.seed = self.seed
         try:
-            cfg.train.optimizer_state = self.optimizer_state
+            if self.optimizer_state is not None:
+                cfg.train.optimizer_state = self.optimizer_state
         except ValueError as err:  # pydantic's ValidationError is a ValueError
             raise ConfigError(f"row {self.name}: optimizer_state = {self.optimizer_state!r}: "
                               f"{str(err).splitlines()[-1].strip()}") from None
@@ -452,7 +453,7 @@ def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Var
         except ValueError:
             raise ConfigError(f"--variants: row {item!r}: lr must be a number, attacker an integer") from None
         attack = settings.pop("attack", None)
-        optimizer_state = settings.pop("optimizer_state", "fp32")
+        optimizer_state = settings.pop("optimizer_state", None)
         if attack is not None and attack not in ATTACKS:
             raise ConfigError(f"--variants: row {item!r}: attack must be one of {ATTACKS}, got {attack!r}")
         variants.append(Variant(name=f"{item}@seed{seed}", mode="adamw" if head.startswith("adamw") else "sparseloco",
