@@ -127,7 +127,8 @@ def main(argv=None) -> int:
     kept = {}
     if args.resume and os.path.exists(args.out):
         old = json.load(open(args.out))
-        kept = old["rows"] if old.get("settings") == settings else {}
+        same = {k: v for k, v in old.get("settings", {}).items() if k in SETTINGS} == settings
+        kept = old["rows"] if same else {}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for model in args.models:
         args.shape = model
