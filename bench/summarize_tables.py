@@ -56,7 +56,8 @@ def table_row(name: str) -> str:
 
 def base_key(v: dict) -> tuple:
     """What a row shares with the uncompressed row it is measured against (sim.rows.Variant.base_key)."""
-    return v["mode"], v["seed"], v.get("lr"), tuple(sorted((v.get("sparseloco") or {}).items()))
+    return (v["mode"], v["seed"], v.get("lr"), tuple(sorted((v.get("sparseloco") or {}).items())),
+            v.get("optimizer_state"))
 
 
 def input_files(paths: list[str]) -> list[str]:

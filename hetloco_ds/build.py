@@ -49,7 +49,7 @@ def build_engine(run: RunConfig, module, seq_len: int, replica: tuple[int, int] 
     if run.hetloco.train.compile:
         compile_stage(module)
     params = [p for p in module.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, run.optimizer)
+    optimizer = build_optimizer(params, run.optimizer, run.hetloco.train.optimizer_state)
     mpu = module.mpu()
     ds = run.engine_ds_config()
     engine = HetlocoEngine(

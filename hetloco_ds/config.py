@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # name of the configuration from here.
 from .ds_config import (ConfigError, OptimizerSettings, check_deepspeed_section, check_scheduler,  # noqa: F401
                         format_pydantic, optimizer_settings, resolve_scheduler)
-from .sizes import CHUNKINGS, MAX_CHUNK, QUANT_BITS, VALUE_BYTES
+from .sizes import CHUNKINGS, MAX_CHUNK, OPTIMIZER_STATES, QUANT_BITS, VALUE_BYTES
 from .sparseloco.aggregate import AGGREGATIONS, REGISTRIES
 from .sparseloco.presets import PRESETS as OUTER_PRESETS
 
@@ -233,6 +233,12 @@ class TrainConfig(_Section):
     max_nonfinite_outer_steps: int = Field(3, ge=0)
     """Stop (exit 3, keeping the last good checkpoint) after this many consecutive outer steps at which
     every replica's update was non-finite; 0 never stops."""
+    optimizer_state: Literal[OPTIMIZER_STATES] = "fp32"
+    """How the inner AdamW keeps its moments (`optim.build_optimizer`; bytes per parameter in
+    `sizes.optimizer_state_bytes_per_param`): "fp32" torch's AdamW, 8 B/param; "bf16" both moments in
+    bf16, 4; "8bit" torchao's AdamW8bit, block-quantised, about 2; "cpu_offload" moments, and AdamW's
+    step, on the host, 0 on the device (on a CPU-only run the copies are host to host and the numbers
+    fp32's). "bf16" and "8bit" need torchao (`pip install torchao==0.18.0`)."""
     profile_step: int = Field(0, ge=0)
     """Record this optimizer step with torch.profiler on every rank: OUT/profile/rank<r>.json (device
     busy and idle time, kernel time by class, the pipeline instructions as a timeline, host waits,

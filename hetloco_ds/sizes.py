@@ -254,17 +254,46 @@ def step_control_nbytes(stages: int) -> int:
 
 
 # --------------------------------------------------------------------------- device memory
+OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "cpu_offload")
+"""`hetloco.train.optimizer_state`: how the inner AdamW holds its two moments (`optim.build_optimizer`)."""
+
+LOWBIT_BLOCK = 256
+"""Values per fp32 scale of an 8-bit moment (torchao's AdamW8bit block size)."""
+LOWBIT_MIN_NUMEL = 4096
+"""torchao quantises a moment only if its tensor has at least this many values and a whole number of
+blocks (as bitsandbytes does); a smaller or ragged tensor keeps fp32 moments (8 B/param). In the batched
+simulator the rule is applied to one replica's slice, so every driver quantises the same tensors."""
+
+
+def optimizer_state_bytes_per_param(option: str, where: str = "device") -> float:
+    """Bytes per parameter AdamW's state takes on the device (`where` "device") or the host ("host")
+    under `hetloco.train.optimizer_state` `option`, for tensors large enough to be quantised:
+    "fp32" two fp32 moments, 8 on the device; "bf16" two bf16 moments, 4; "8bit" two uint8 codes plus
+    one fp32 scale per LOWBIT_BLOCK values each, 2 + 8/256 = 2.03125 (and a 256-entry fp32 code map,
+    1 KiB, per quantised moment tensor; tensors under LOWBIT_MIN_NUMEL keep 8); "cpu_offload" none on
+    the device, and on the host the fp32 moments 8 plus the fp32 copy of the weights and of the
+    gradients AdamW steps there, 16."""
+    if option not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {option!r}")
+    if where not in ("device", "host"):
+        raise ValueError(f"where must be 'device' or 'host', got {where!r}")
+    device = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 2 * 4 / LOWBIT_BLOCK, "cpu_offload": 0.0}[option]
+    return device if where == "device" else (16.0 if option == "cpu_offload" else 0.0)
+
+
 def stage_state_bytes(params: int, bf16: bool = True, sparseloco: bool = True, outer_state_device: str = "gpu",
                       outer_momentum: bool = False) -> int:
     """Device bytes a stage's `params` trainable parameters hold at the height of a training step,
-    activations aside: fp32 weights 4 + fp32 gradients 4 + AdamW's two fp32 moments 8 per parameter;
+    activations aside: fp32 weights 4 + fp32 gradients 4 + AdamW's two fp32 moments 8 per parameter
+    (`optimizer_state_bytes_per_param("fp32")`; the other `hetloco.train.optimizer_state` options'
+    bytes are that function's);
     under bf16 the step's cached bf16 weight casts 2 (`HetlocoEngine._weight_casts`; an upper bound,
     embedding and norm weights are never cast); under SparseLoCo with the outer state on the device,
     theta at the last sync 4 + error feedback 4 (+ outer momentum 4). `outer_state_device` "cpu" keeps
     those on the host (`sparseloco.outer_state_device`)."""
     if outer_state_device not in ("gpu", "cpu"):
         raise ValueError(f"outer_state_device must be 'gpu' or 'cpu', got {outer_state_device!r}")
-    per = 4 + 4 + 8 + (2 if bf16 else 0)
+    per = 4 + 4 + int(optimizer_state_bytes_per_param("fp32")) + (2 if bf16 else 0)
     if sparseloco and outer_state_device == "gpu":
         per += 8 + (4 if outer_momentum else 0)
     return params * per

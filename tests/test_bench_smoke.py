@@ -550,3 +550,39 @@ def test_paper_regime_row_saves_its_curve_at_the_budget_and_resumes_on_the_cpu(t
     assert row["val_curve"][0] == u["val_curve"][0]
     done = _run(common + ["--resume-only", "--tag", "c3"], timeout=120)
     assert "nothing to resume" in done.stdout and not (tmp_path / "178M" / "paper_tables_c3_g0p0.json").exists()
+
+
+def test_optimizer_state_rows_differ_only_in_the_option_and_resume_keeps_them(tmp_path):
+    """bench/optimizer_state.py --cpu-smoke (tiny, M = 2 x S = 2, 4 steps) with fp32 and cpu_offload,
+    then --resume adding bf16 when torchao is installed: every row trains on the same tokens (the
+    same outer steps), cpu_offload's loss is fp32's exactly (on the CPU it is fp32's arithmetic),
+    each delta is 100 (val - fp32's) / fp32's of the rows' own losses, the bytes per parameter are
+    `sizes`'s, and the resumed call keeps the first call's rows without training them again.
+    Breaks if a row ran with another option or schedule than it says, or --resume retrains."""
+    from hetloco_ds import sizes
+
+    out = tmp_path / "os.json"
+    env = {"HETLOCO_CACHE": str(tmp_path / "cache")}
+    _run([sys.executable, "bench/optimizer_state.py", "--cpu-smoke", "--options", "fp32,cpu_offload", "--out", str(out)],
+         timeout=600, **env)
+    first = json.loads(out.read_text())
+    rows = first["rows"]
+    assert first["status"] == "done" and list(rows) == ["tiny:fp32", "tiny:cpu_offload"]
+    assert rows["tiny:cpu_offload"]["val_loss"] == rows["tiny:fp32"]["val_loss"]
+    assert rows["tiny:cpu_offload"]["delta_pct_vs_fp32"] == 0 and rows["tiny:fp32"]["delta_pct_vs_fp32"] is None
+    assert (rows["tiny:cpu_offload"]["device_bytes_per_param"], rows["tiny:cpu_offload"]["host_bytes_per_param"]) == (0, 16)
+    assert "optimizer_state.py" in first["command"] and first["card"].startswith("cpu")
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return
+    proc = _run([sys.executable, "bench/optimizer_state.py", "--cpu-smoke", "--options", "fp32,cpu_offload,bf16",
+                 "--resume", "--out", str(out)], timeout=600, **env)
+    assert "tiny:fp32: kept" in proc.stdout and "tiny:cpu_offload: kept" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {k: rows[k] for k in first["rows"]} == first["rows"]
+    bf16 = rows["tiny:bf16"]
+    assert bf16["outer_steps"] == rows["tiny:fp32"]["outer_steps"] == 2
+    assert bf16["delta_pct_vs_fp32"] == pytest.approx(100 * (bf16["val_loss"] - rows["tiny:fp32"]["val_loss"])
+                                                       / rows["tiny:fp32"]["val_loss"])
+    assert bf16["device_bytes_per_param"] == sizes.optimizer_state_bytes_per_param("bf16") == 4

@@ -153,7 +153,8 @@ class BatchedSimulation:
             torch.backends.cuda.enable_cudnn_sdp(False)
         self._forward = torch.compile(self._forward_eager) if compile else self._forward_eager
 
-        self.optimizer = optim.build_optimizer(self.params, run.optimizer)
+        self.optimizer = optim.build_optimizer(self.params, run.optimizer, hetloco.train.optimizer_state,
+                                               replicas=len(self.replicas))
         self.scheduler = optim.build_scheduler(run.scheduler, self.optimizer)
 
     def _codecs(self, hetloco: HetlocoConfig) -> None:

@@ -33,7 +33,7 @@ class SimReplica:
         self.params = [p for ps in self.stage_params for p in ps]
         self.codecs = [alg.codec for alg in self.algorithms]
         self.bf16 = run.bf16
-        self.optimizer = optim.build_optimizer(self.params, run.optimizer)
+        self.optimizer = optim.build_optimizer(self.params, run.optimizer, hetloco.train.optimizer_state)
         self.scheduler = optim.build_scheduler(run.scheduler, self.optimizer)
 
     def stage_layers(self, s: int) -> list[nn.Module]:

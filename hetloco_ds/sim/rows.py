@@ -49,6 +49,8 @@ class Variant:
     """One replica's payloads corrupted at every outer step (`sparseloco.attacks.ATTACKS`), or None."""
     attacker: int = -1
     """The attacking replica (negative: from the end, -1 the last)."""
+    optimizer_state: str | None = None
+    """`hetloco.train.optimizer_state` of this row, how the inner AdamW holds its moments (None: the run's)."""
 
     def attack_of(self, replicas: int) -> Attack | None:
         """The row's attack on a row of `replicas`, or None."""
@@ -69,6 +71,12 @@ class Variant:
         cfg.subspace.project_embedding_every_step = self.project_embedding_every_step
         cfg.subspace.embedding_weight_decay = self.embedding_weight_decay
         cfg.train.seed = self.seed
+        try:
+            if self.optimizer_state is not None:
+                cfg.train.optimizer_state = self.optimizer_state
+        except ValueError as err:  # pydantic's ValidationError is a ValueError
+            raise ConfigError(f"row {self.name}: optimizer_state = {self.optimizer_state!r}: "
+                              f"{str(err).splitlines()[-1].strip()}") from None
         if self.sparseloco:
             # Validated as a whole, so a `preset` expands; what the base config set explicitly
             # stays unless the row overrides it (a field written next to a preset wins).
@@ -90,8 +98,9 @@ class Variant:
     @property
     def base_key(self) -> tuple:
         """What a row shares with the uncompressed row it is measured against: mode, seed, inner lr,
-        outer-step settings (so 'het:8' is against 'sparseloco', 'adamw-het:8' against 'adamw')."""
-        return self.mode, self.seed, self.lr, tuple(sorted(self.sparseloco.items())), self.attack, self.attacker
+        outer-step settings, optimizer state (so 'het:8' is against 'sparseloco', 'adamw-het:8' against 'adamw')."""
+        return (self.mode, self.seed, self.lr, tuple(sorted(self.sparseloco.items())), self.attack, self.attacker,
+                self.optimizer_state)
 
 
 def replica_losses(losses: torch.Tensor) -> list[list[float]]:
@@ -417,7 +426,8 @@ def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Var
     RATIO), het (the last half do), adamw, adamw-pp, adamw-het (plain data parallelism), diloco
     (SparseLoCo's loop with `aggregation: dense`, the dense-averaging control). FLAG: noadapt
     (Table 5a), wproj (Table 5b), stepproj (T_S projected after every inner step too), tsdecay
-    (weight decay on T_S alone), lr=X (this row's inner lr), attack=KIND (one replica's payloads
+    (weight decay on T_S alone), lr=X (this row's inner lr), optimizer_state=X (fp32, bf16, 8bit,
+    cpu_offload: `hetloco.train.optimizer_state`), attack=KIND (one replica's payloads
     corrupted at every outer step, `sparseloco.attacks`) with attacker=M (default -1, the last), or
     KEY=VALUE for any `hetloco.sparseloco` field (e.g. aggregation=selected_count, outer_lr=2)."""
     variants = []
@@ -443,6 +453,7 @@ def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Var
         except ValueError:
             raise ConfigError(f"--variants: row {item!r}: lr must be a number, attacker an integer") from None
         attack = settings.pop("attack", None)
+        optimizer_state = settings.pop("optimizer_state", None)
         if attack is not None and attack not in ATTACKS:
             raise ConfigError(f"--variants: row {item!r}: attack must be one of {ATTACKS}, got {attack!r}")
         variants.append(Variant(name=f"{item}@seed{seed}", mode="adamw" if head.startswith("adamw") else "sparseloco",
@@ -450,7 +461,8 @@ def parse_variants(spec: list[str], replicas: int, seeds: list[int]) -> list[Var
                                 embedding_adaptation="noadapt" not in rest, project_residual_weights="wproj" in rest,
                                 project_embedding_every_step="stepproj" in rest,
                                 embedding_weight_decay="t_s" if "tsdecay" in rest else "table",
-                                seed=seed, lr=lr, sparseloco=settings, attack=attack, attacker=attacker))
+                                seed=seed, lr=lr, sparseloco=settings, attack=attack, attacker=attacker,
+                                optimizer_state=optimizer_state))
     return variants
 
 
