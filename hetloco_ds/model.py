@@ -22,26 +22,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from .init_schemes import init_scheme
 from .sizes import LayerLayout
-
-
-INIT_SCHEMES = ("torch", "torchtitan")
-"""How a fresh model's weights are drawn (`init_scheme`): "torch", the token embedding N(0,
-initializer_range) and every linear layer torch's default (kaiming-uniform); "torchtitan", TorchTitan's
-LLaMA (the authors' code runs on it): the embedding N(0, 1), q/k/v and gate N(0, 0.02), the layer's
-residual writers o_proj and down_proj, and up_proj, N(0, 0.02 / sqrt(2 (layer + 1))), the head
-N(0, d^-1/2) cut at 3 std. A checkpoint loaded over the model replaces either."""
-
-
-def init_scheme(config: LlamaConfig) -> str:
-    """The model config's `hetloco_init` ("torch" where it names none), checked."""
-    scheme = getattr(config, "hetloco_init", None) or "torch"
-    if scheme not in INIT_SCHEMES:
-        raise ValueError(f"hetloco_init = {scheme!r} must be one of {', '.join(map(repr, INIT_SCHEMES))}")
-    if scheme == "torchtitan" and config.tie_word_embeddings:
-        raise ValueError("hetloco_init = 'torchtitan' draws the embedding N(0, 1) and the head N(0, d^-1/2): "
-                         "a tied table cannot be both (TorchTitan's LLaMA is untied); set tie_word_embeddings false")
-    return scheme
 
 
 def _trunc_normal_(t: torch.Tensor, std: float, cut: float | None = None) -> None:

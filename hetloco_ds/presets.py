@@ -10,6 +10,7 @@ import json
 import os
 
 from .config import ConfigError
+from .init_schemes import init_scheme
 
 DEFAULT_VOCAB = 32000
 """Vocabulary of a preset where no tokenizer fixes it (the paper's 32K; the cost model's default)."""
@@ -63,8 +64,6 @@ def model_config_for(name_or_json: str, vocab_size: int):
     fields.setdefault("rope_theta", 10000.0)
     try:
         config = LlamaConfig(**fields)
-        from .model import init_scheme
-
         init_scheme(config)
         return config
     except (TypeError, ValueError) as err:

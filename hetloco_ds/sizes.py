@@ -282,21 +282,20 @@ def optimizer_state_bytes_per_param(option: str, where: str = "device") -> float
 
 
 def stage_state_bytes(params: int, bf16: bool = True, sparseloco: bool = True, outer_state_device: str = "gpu",
-                      outer_momentum: bool = False) -> int:
+                      outer_momentum: bool = False, optimizer_state: str = "fp32") -> int:
     """Device bytes a stage's `params` trainable parameters hold at the height of a training step,
-    activations aside: fp32 weights 4 + fp32 gradients 4 + AdamW's two fp32 moments 8 per parameter
-    (`optimizer_state_bytes_per_param("fp32")`; the other `hetloco.train.optimizer_state` options'
-    bytes are that function's);
+    activations aside: fp32 weights 4 + fp32 gradients 4 + AdamW's state,
+    `optimizer_state_bytes_per_param(optimizer_state)` (two fp32 moments, 8, by default; rounded up);
     under bf16 the step's cached bf16 weight casts 2 (`HetlocoEngine._weight_casts`; an upper bound,
     embedding and norm weights are never cast); under SparseLoCo with the outer state on the device,
     theta at the last sync 4 + error feedback 4 (+ outer momentum 4). `outer_state_device` "cpu" keeps
     those on the host (`sparseloco.outer_state_device`)."""
     if outer_state_device not in ("gpu", "cpu"):
         raise ValueError(f"outer_state_device must be 'gpu' or 'cpu', got {outer_state_device!r}")
-    per = 4 + 4 + int(optimizer_state_bytes_per_param("fp32")) + (2 if bf16 else 0)
+    per = 4 + 4 + (2 if bf16 else 0)
     if sparseloco and outer_state_device == "gpu":
         per += 8 + (4 if outer_momentum else 0)
-    return params * per
+    return params * per + math.ceil(params * optimizer_state_bytes_per_param(optimizer_state))
 
 
 OUTER_UNIT_NUMEL = 1 << 26

@@ -1,4 +1,4 @@
-"""A fresh model's init scheme (`model.INIT_SCHEMES`, the model config's `hetloco_init`): TorchTitan's
+"""A fresh model's init scheme (`init_schemes.INIT_SCHEMES`, the model config's `hetloco_init`): TorchTitan's
 LLaMA init, the one the authors' code trains from, next to ours; the same weights whichever driver
 builds them (DeepSpeed's LayerSpecs seeded as PipelineModule does, the simulator's `build_layers`)."""
 from __future__ import annotations

@@ -674,7 +674,8 @@ def test_largest_preset_grows_with_gpus_and_memory():
                 assert size[gpu.preset] >= size[row[j - 1][0].preset]
 
 
-@pytest.mark.parametrize("marker", ["plan-largest", "plan-largest-2048", "plan-largest-checkpointed"])
+@pytest.mark.parametrize("marker", ["plan-largest", "plan-largest-2048", "plan-largest-checkpointed",
+                                    "plan-largest-8bit", "plan-largest-offload"])
 def test_readme_largest_table_is_the_commands_output(marker, capsys):
     """README's table of the largest preset per GPU count and memory is what `hetloco-ds plan
     --largest` prints now (breaks when the memory rules, the presets or the README drift apart)."""

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from ..config import OUTER_STATE_DEVICE
 from ..presets import DEFAULT_VOCAB
-from ..sizes import QUANT_BITS
+from ..sizes import OPTIMIZER_STATES, QUANT_BITS
 from .fleet import FleetPlan, plan_fleet
 from .memory import format_largest, largest_table
 from .model import TERMS, Prediction, Settings, fmt_bytes, fmt_rate, fmt_time, parse_rate, predict
@@ -190,6 +190,9 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
     ap.add_argument("--activation-checkpoint-interval", type=int, default=0, metavar="N",
                     help="--largest: DeepSpeed's pipeline.activation_checkpoint_interval (runs of N decoder layers keep "
                          "only their input and are recomputed in the backward; default 0, off)")
+    ap.add_argument("--optimizer-state", choices=OPTIMIZER_STATES, default="fp32",
+                    help="--largest: AdamW's state (hetloco.train.optimizer_state): fp32, bf16 or 8-bit moments, "
+                         "or moments on the host (cpu_offload)")
     ap.add_argument("--outer-state-device", choices=("gpu", "cpu"), default=OUTER_STATE_DEVICE,
                     help="fleet: where the outer state waits between outer steps (hetloco.sparseloco.outer_state_device)")
     ap.add_argument("--target", type=float, default=0.9, help="fleet: target compute utilisation")
@@ -302,8 +305,10 @@ def largest_text(a: argparse.Namespace, settings: Settings) -> str:
     if interval < 0:
         raise ValueError(f"--activation-checkpoint-interval {interval} must be >= 0 (0: off)")
     table = largest_table(vocab, micro_batch=settings.micro_batch, n_mb=settings.n_mb, seq_len=settings.seq_len,
-                          schedule=schedule, bf16=settings.act_bytes == 2, activation_checkpoint_interval=interval)
-    return format_largest(table, vocab, settings.micro_batch, settings.n_mb, settings.seq_len, schedule, interval)
+                          schedule=schedule, bf16=settings.act_bytes == 2, activation_checkpoint_interval=interval,
+                          optimizer_state=a.optimizer_state)
+    return format_largest(table, vocab, settings.micro_batch, settings.n_mb, settings.seq_len, schedule, interval,
+                          a.optimizer_state)
 
 
 def _print_largest(a: argparse.Namespace, settings: Settings) -> int:

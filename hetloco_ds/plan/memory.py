@@ -29,7 +29,8 @@ context, the allocator's cached blocks, communication buffers)."""
 def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, n_mb: int = 32,
                        seq_len: int | None = None, schedule: str = "overlapped", bf16: bool = True,
                        sparseloco: bool = True, outer_state_device: str = "gpu",
-                       autocast_cache: bool = False, activation_checkpoint_interval: int = 0) -> list[int]:
+                       autocast_cache: bool = False, activation_checkpoint_interval: int = 0,
+                       optimizer_state: str = "fp32") -> list[int]:
     """Peak device bytes of each stage of one replica in `stages` stages: `sizes.stage_state_bytes`
     of its parameters plus `sizes.stage_activation_bytes` of its layers, with `pipe.order.depth`
     micro-batches of micro_batch x seq_len tokens in flight (of `n_mb` a step) under `schedule`.
@@ -37,7 +38,9 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
     and every run before `casts.step_casts`), so the backward defers the bf16 gradients of every
     cast matrix (all but the token embedding, which is looked up: `sizes.deferred_cast_grad_bytes`).
     `activation_checkpoint_interval`: pipeline.activation_checkpoint_interval; each stage's runs of
-    decoder layers that keep only their input (`sizes.recomputed_runs`).
+    decoder layers that keep only their input (`sizes.recomputed_runs`). `optimizer_state`:
+    hetloco.train.optimizer_state, AdamW's bytes a parameter on the device
+    (`sizes.optimizer_state_bytes_per_param`).
     Under SparseLoCo the peak is the larger of the inner step's and the outer step's (weights,
     moments and the outer state beside `sizes.outer_step_transient_bytes`, at the default codec): the
     outer step's sets it where activations are small (recomputed layers, short sequences).
@@ -58,11 +61,13 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
         act = sizes.stage_activation_bytes(tokens, nl, depth(schedule, stages, s, n_mb), model.d, model.ffn,
                                            model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes, deferred,
                                            recomputed)
-        train = sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device) + act
+        train = sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device,
+                                        optimizer_state=optimizer_state) + act
         if sparseloco:
             # The outer step runs after the inner step has freed its gradients and casts: weights and
             # moments, the outer state where it lives, and the outer step's own transients.
-            resident = sizes.stage_state_bytes(params, False, True, outer_state_device) - 4 * params
+            resident = sizes.stage_state_bytes(params, False, True, outer_state_device,
+                                               optimizer_state=optimizer_state) - 4 * params
             outer = resident + sizes.outer_step_transient_bytes([shape for _, shape in tensors],
                                                                 on_host=outer_state_device == "cpu")
             train = max(train, outer)
@@ -119,7 +124,8 @@ def largest_table(vocab: int, gpus: Sequence[int] = LARGEST_GPUS, memory_gb: Seq
 
 
 def format_largest(table: list[list[tuple[Largest, ...]]], vocab: int, micro_batch: int, n_mb: int,
-                   seq_len: int | None, schedule: str, activation_checkpoint_interval: int = 0) -> str:
+                   seq_len: int | None, schedule: str, activation_checkpoint_interval: int = 0,
+                   optimizer_state: str = "fp32") -> str:
     """The `--largest` table: per cell "preset S=n" for each outer-state placement, "/"-separated."""
     mems = [row[0].memory_gb for row in table[0]]
     places = " / ".join(f'"{c.outer_state_device}"' for c in table[0][0])
@@ -127,7 +133,9 @@ def format_largest(table: list[list[tuple[Largest, ...]]], vocab: int, micro_bat
            + ", ".join(f"{n} {m.seq_len}" for n, m in PRESETS.items()) + ")")
     head = (f"Largest preset one replica trains (fewest stages S <= GPUs; every stage's predicted peak "
             f"<= {MEMORY_HEADROOM:g} x the GPU's memory), {schedule} schedule, micro-batch {micro_batch} x "
-            f"{n_mb} a step, {seq}, vocab {vocab}, bf16, AdamW; outer state {places} "
+            f"{n_mb} a step, {seq}, vocab {vocab}, bf16, AdamW"
+            + ("" if optimizer_state == "fp32" else f" with optimizer_state {optimizer_state!r}")
+            + f"; outer state {places} "
             f"(sparseloco.outer_state_device)"
             + (f"; decoder layers recomputed in runs of {activation_checkpoint_interval} "
                f"(pipeline.activation_checkpoint_interval):" if activation_checkpoint_interval else ":"))
