@@ -274,10 +274,22 @@ JOBS = {
     "ac_compile_tied": lambda c, n: train_and_resume(
         c, n, {"hetloco.train.compile": True, "pipeline.activation_checkpoint_interval": 1}, tied=True,
         launchers=("nproc", "torchrun")),
+    # AdamW's state options (hetloco.train.optimizer_state) through save, resume and export: the 20M preset,
+    # whose matrices are large enough to be quantised (the tiny model's all keep fp32 moments under 8bit).
+    "moments_8bit_20m": lambda c, n: train_and_resume(
+        c, n, {"hetloco.train.optimizer_state": "8bit", "hetloco.train.seq_len": 128, "hetloco.train.eval_interval": 0},
+        model=["--model-config", "20M"], data=None),
+    "moments_on_host_20m": lambda c, n: train_and_resume(
+        c, n, {"hetloco.train.optimizer_state": "cpu_offload", "hetloco.train.seq_len": 128,
+               "hetloco.train.eval_interval": 0}, model=["--model-config", "20M"], data=None,
+        launchers=("torchrun", "deepspeed")),
+    "moments_bf16_tied": lambda c, n: train_and_resume(c, n, {"hetloco.train.optimizer_state": "bf16"}, tied=True,
+                                                       launchers=("nproc", "deepspeed")),
     "preempted": preempted,
     "api": api_loop,
     "memory": memory,
     "memory_ac": lambda c, n: memory(c, n, {"pipeline.activation_checkpoint_interval": 1}),
+    "memory_8bit": lambda c, n: memory(c, n, {"hetloco.train.optimizer_state": "8bit"}),
     "simulators": simulators,
     "elastic": elastic,
     # The 1B preset at S = 1 (micro 4 x 8, seq 1024, H = 20) on the default data, with train.deterministic:
