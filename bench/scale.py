@@ -658,7 +658,8 @@ def part_largest(res: Results, work: str, a) -> None:
                 optimizer_state=opt)] for opt in runs}
         if tag == "8b":
             name = "stock_8b_s1_ckpt1"
-            facts = plan_facts(fields, cfg, "fp32", sparseloco=False)
+            facts = {k: v for k, v in plan_facts(fields, cfg, "fp32", sparseloco=False).items()
+                     if not k.startswith("host_")}  # our launcher's host check is not stock's
             facts["plan_note"] = ("plan's rules without SparseLoCo, fp32 AdamW: stock's bf16 layout (bf16 weights and "
                                   "gradients beside fp32 master weights and gradients) is not ours; a rough guide")
             host = host_memory() if wanted(name) else {}
