@@ -13,6 +13,10 @@ Parts (each appends its rows to OUT/scale.json and can be run alone):
   outer_place  1B and 178M on one GPU: the outer state on the GPU vs on the host, repeats interleaved
   mixed     178M on 4 GPUs, replicas of depths (1, 1, 2) against (2, 2) (hetloco.replica_stages):
             per replica tokens/s, bytes per link class, outer-step seconds (issue 29)
+  largest   one GPU, every decoder layer recomputed (issue 59, item 3): the Llama-3-8B shape at seq
+            8192 whole, ours with 8-bit and host AdamW moments beside stock DeepSpeed (checkpointed
+            too; expected out of memory, recorded as its outcome), and one S = 8 stage of the 70B
+            preset; tokens/s, MFU, peak against `plan`'s prediction, the host memory each needs
 Before each run its GPUs (CUDA_VISIBLE_DEVICES', else all) must be free of processes (up to 60 s;
 what was there is in the row's `gpu_apps_before`; what ran on the machine's other GPUs meanwhile,
 one bench per GPU, in `gpu_apps_beside`). --only NAME,... makes only the runs whose names start so (a part split over calls).
@@ -229,14 +233,20 @@ def checkpoint_facts(metrics_path: str, run_dir: str) -> dict:
 
 
 def stock(name: str, work: str, nproc: int, stages: int, model: str, mb: int, gas: int, seq: int, steps: int,
-          timeout: float, vocab: int = 8192, profile_step: int = 0, bf16: bool = True) -> dict | None:
+          timeout: float, vocab: int = 8192, profile_step: int = 0, bf16: bool = True,
+          activation_checkpoint_interval: int = 0) -> dict | None:
+    """bench/stock_pipe.py under torchrun; `activation_checkpoint_interval` > 0: through
+    `stock_pipe_checkpointed` (DeepSpeed's own activation checkpointing of the decoder layers)."""
     if not wanted(name):
         return None
     out = os.path.join(work, f"{name}.json")
     prof = os.path.join(work, f"{name}_profile")
     shutil.rmtree(prof, ignore_errors=True)
+    script = [os.path.join(HERE, "stock_pipe.py")]
+    if activation_checkpoint_interval:
+        script = [os.path.abspath(__file__), STOCK_CHECKPOINTED, str(activation_checkpoint_interval)]
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            os.path.join(HERE, "stock_pipe.py"), "--stages", str(stages), "--model", model, "--vocab", str(vocab),
+            *script, "--stages", str(stages), "--model", model, "--vocab", str(vocab),
             "--mb", str(mb), "--gas", str(gas), "--seq", str(seq), "--steps", str(steps), "--out-json", out]
     if bf16:
         argv.append("--bf16")
@@ -246,6 +256,8 @@ def stock(name: str, work: str, nproc: int, stages: int, model: str, mb: int, ga
     rc, wall = run_cmd(argv, os.path.join(work, f"{name}.log"), timeout)
     row = {"system": "stock_deepspeed", "name": name, "rc": rc, "wall_seconds": wall, "nproc": nproc,
            "gpu_apps_before": busy, "gpu_apps_beside": gpu_apps(mine=False)}
+    if activation_checkpoint_interval:
+        row["activation_checkpoint_interval"] = activation_checkpoint_interval
     if os.path.exists(out):
         with open(out) as f:
             row.update(json.load(f))
@@ -431,8 +443,242 @@ def part_mixed(res: Results, work: str, a) -> None:
             res.add("mixed", row)
 
 
+# --------------------------------------------------------------------------- largest (issue 59, item 3)
+STOCK_CHECKPOINTED = "--stock-pipe-checkpointed"
+"""scale.py's first argument when it stands in for bench/stock_pipe.py under torchrun (`stock` with
+an activation_checkpoint_interval): `stock_pipe_checkpointed`."""
+
+PLAN_TOLERANCE = (-0.05, 0.10)
+"""plan's prediction against a measured peak: below it by at most 5%, above by at most 10%
+(tests/test_plan.py's MEMORY_TOLERANCE)."""
+
+
+def stock_pipe_checkpointed(interval: int, argv: list[str]) -> None:
+    """bench/stock_pipe.py with DeepSpeed's own activation checkpointing: its PipelineModule built
+    with `activation_checkpoint_interval` = `interval` and only stock_pipe's decoder layers (`Block`)
+    eligible (`checkpointable_layers`), as ours recomputes only decoder layers; DeepSpeed's default
+    checkpoint function (reentrant, which would leave the embedding, fed token ids, without a
+    gradient: it is not eligible). Everything else is stock_pipe.py's, run as its own __main__."""
+    import runpy
+
+    import deepspeed.pipe
+
+    class CheckpointedPipelineModule(deepspeed.pipe.PipelineModule):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("activation_checkpoint_interval", interval)
+            kwargs.setdefault("checkpointable_layers", ["Block"])
+            super().__init__(*args, **kwargs)
+
+    deepspeed.pipe.PipelineModule = CheckpointedPipelineModule  # stock_pipe.run imports it from there
+    path = os.path.join(HERE, "stock_pipe.py")
+    sys.argv = [path] + argv
+    runpy.run_path(path, run_name="__main__")  # exits (stock_pipe.py ends in os._exit)
+
+
+def row_ok(row: dict) -> bool:
+    """A row counts as run: rc 0, or a run the part expected might not fit (`may_run_out_of_memory`)
+    that ran out of memory, its outcome recorded."""
+    return row.get("rc") == 0 or bool(row.get("may_run_out_of_memory") and row.get("outcome") == "out_of_memory")
+
+
+def run_outcome(rc: int, log: str) -> dict:
+    """How a run ended, from its rc and log: "ok" (rc 0; a run `ours` stopped after its step rows
+    counts so), "out_of_memory" (the log says a device or host allocation failed), "refused_host_memory"
+    (our launcher's host-memory check, before any rank started), "timeout" (rc 124), else "failed";
+    the log's last error line (the last line naming an error, else its last line; torchrun's own
+    summary may come after a rank's), and when out of memory the last line saying so."""
+    try:
+        with open(log, errors="replace") as f:
+            lines = [line.rstrip() for line in f if line.strip()]
+    except OSError:
+        lines = []
+    errors = [line for line in lines if "error" in line.lower() or "killed" in line.lower()
+              or "out of memory" in line.lower()]
+    text = "\n".join(lines).lower()
+    if rc == 0:
+        outcome = "ok"
+    elif "out of memory" in text or "outofmemoryerror" in text:
+        outcome = "out_of_memory"
+    elif "of host memory" in text and "is available" in text:
+        outcome = "refused_host_memory"
+    elif rc == 124:
+        outcome = "timeout"
+    else:
+        outcome = "failed"
+    got = {"outcome": outcome, "last_error_line": (errors or lines or [None])[-1] if rc != 0 else None}
+    if outcome == "out_of_memory":
+        got["out_of_memory_line"] = [line for line in lines if "out of memory" in line.lower()
+                                     or "outofmemoryerror" in line.lower()][-1]
+    return got
+
+
+def host_memory() -> dict:
+    """This machine's host memory at the row's start: MemAvailable (what our launcher's check reads),
+    and the cgroup's limit where one is set (a container's; MemAvailable may not show it)."""
+    from hetloco_ds.runplan import mem_available
+
+    avail = mem_available()
+    limit = None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:
+            limit = int(text)
+        break
+    return {"mem_available_gb": avail / 1e9 if avail else None, "cgroup_limit_gb": limit / 1e9 if limit else None}
+
+
+def model_shape(fields: dict, seq: int):
+    from hetloco_ds.plan.shapes import ModelShape
+
+    return ModelShape(d=fields["hidden_size"], n_layers=fields["num_hidden_layers"],
+                      n_heads=fields["num_attention_heads"], n_kv_heads=fields["num_key_value_heads"],
+                      ffn=fields["intermediate_size"], vocab=fields["vocab_size"], seq_len=seq)
+
+
+def plan_facts(fields: dict, cfg: dict, optimizer_state: str, sparseloco: bool = True) -> dict:
+    """`plan.stage_memory_bytes` for a one-stage run of `fields` (LlamaConfig fields) under `cfg`:
+    its micro-batch, accumulation, seq_len, bf16 and activation_checkpoint_interval, the "blocking"
+    schedule (S = 1), the outer state on the host, `optimizer_state`; the weights' casts as the
+    engine chooses them (`HetlocoEngine._step_casts_pay`'s rule, `sizes.step_casts_pay`, at S = 1).
+    And the host bytes the run takes: our launcher's check (`sizes.host_state_bytes`: a checkpoint's
+    host copy 16 B a parameter, the outer state 8) plus what cpu_offload keeps there
+    (`sizes.optimizer_state_bytes_per_param(..., "host")`)."""
+    import math
+
+    from hetloco_ds import plan, sizes
+    from hetloco_ds.plan.shapes import stage_tensors
+
+    h = cfg["hetloco"]["train"]
+    seq, mb, gas = h["seq_len"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
+    bf16, interval = cfg["bf16"]["enabled"], cfg["pipeline"].get("activation_checkpoint_interval", 0)
+    m = model_shape(fields, seq)
+    tensors = stage_tensors(m, 1)[0]
+    params = sum(math.prod(shape) for _, shape in tensors)
+    cast = sum(math.prod(shape) for name, shape in tensors if len(shape) == 2 and not name.startswith("embed_tokens"))
+    parts = sizes.stage_parts(m.n_layers, 1)
+    step_casts = bf16 and sizes.step_casts_pay(cast, gas, m.n_layers, mb * seq, m.d, m.ffn, m.kv_dim, bf16,
+                                               sizes.recomputed_runs(m.n_layers, parts[0], parts[1], interval))
+    kw = dict(micro_batch=mb, n_mb=gas, seq_len=seq, schedule="blocking", bf16=bf16, sparseloco=sparseloco,
+              outer_state_device="cpu", autocast_cache=not step_casts, activation_checkpoint_interval=interval,
+              optimizer_state=optimizer_state)
+    peak = plan.stage_memory_bytes(m, 1, **kw)[0]
+    host = sizes.host_state_bytes(params, True, sparseloco, bf16, sparseloco)
+    offload = params * sizes.optimizer_state_bytes_per_param(optimizer_state, "host")
+    return {"params": params, "plan_peak_gib": peak / 2**30, "plan_inputs": dict(kw, stages=1),
+            "host_check_gb": host / 1e9, "host_offload_gb": offload / 1e9}
+
+
+def check_plan(row: dict, measured: bool) -> None:
+    """plan's prediction over the run's peak (the metrics rows' peak_memory_bytes; on a GPU only: on
+    the CPU that is the process's resident set) and whether it lies within PLAN_TOLERANCE."""
+    peak = row.get("peak_memory_gib_writers") if row.get("system") == "ours" else \
+        max(row.get("peak_allocated_gib_by_rank") or [0])
+    if measured and peak and row.get("plan_peak_gib"):
+        ratio = row["plan_peak_gib"] / peak
+        row["plan_over_peak"] = ratio
+        row["plan_within_tolerance"] = 1 + PLAN_TOLERANCE[0] <= ratio <= 1 + PLAN_TOLERANCE[1]
+
+
+def part_largest(res: Results, work: str, a) -> None:
+    """On one GPU, a whole replica (S = 1, the "blocking" schedule), every decoder layer recomputed in
+    the backward (pipeline.activation_checkpoint_interval 1), bf16, micro 1 x 8, SparseLoCo's
+    defaults at H = 20 (the outer state on the host), from scratch (no --model: weights initialised,
+    as in part 8b), on the default data; the model from a LlamaConfig JSON written into the work
+    folder and passed as --model-config:
+      8b        the Llama-3-8B shape (d 4096, 32 layers, 32 / 8 heads, ffn 14336, vocab 128256,
+                untied, 8.03B parameters) at seq 8192: ours with AdamW's moments in 8 bits
+                (hetloco.train.optimizer_state "8bit") and on the host ("cpu_offload"); stock
+                DeepSpeed's pipeline (bench/stock_pipe.py, bf16) checkpointing its decoder layers
+                too (its PipelineModule's activation_checkpoint_interval 1: `stock_pipe_checkpointed`),
+                whose fp32 AdamW alone is 64 GB and its master weights and gradients 64 more: its
+                row records how it ended (`outcome`, `last_error_line`), out of memory included,
+                which is not a failure of the part (`row_ok`).
+      70b_stage one stage of the 70B preset as S = 8 would cut it: 10 of its 80 layers (d 8192, 64 /
+                8 heads, ffn 28672, vocab 128256) at seq 4096, trained whole at S = 1, so holding
+                both the embedding and the head: an upper bound of the first and of the last
+                stage's memory (each holds one of them beside its layers; `plan`'s S = 8 stages of
+                the whole preset are in the row as plan_peak_gib_70b_s8_by_stage). Ours with
+                "cpu_offload" and "8bit".
+    Every row: tokens/s and MFU (the median over the steady steps, `steady_rates`' rule: steps 6 to
+    12), the peak the metrics rows carry (peak_memory_bytes), `plan`'s prediction for the row
+    (plan_peak_gib, `plan_facts`; stock's: plan's rules without SparseLoCo and with fp32 AdamW,
+    a rough guide, DeepSpeed's bf16 layout is not ours) and its ratio to the peak against
+    PLAN_TOLERANCE; the host memory the run needs (our launcher refuses a run whose
+    `sizes.host_state_bytes` exceeds MemAvailable: 193 GB at 8B and 256 GB at the 70B stage, a
+    checkpoint's host copy and the outer state, plus cpu_offload's 16 B a parameter once it runs)
+    and what the machine had. Each ours run stops once 12 step rows are written (13 asked: no final
+    save nor export), so none crosses an outer step (H = 20): unlike parts memory and 8b, which
+    cross one, since at seq 8192 a step is estimated at 12-20 s (8B, MFU 30-40%, cpu_offload's
+    host step on top), and 22 steps would not fit a device call with startup; the outer step's peak
+    is below the inner step's at these shapes (plan: weights, moments and the outer step's
+    transients without the activations, casts and gradients), so the peak is the one plan
+    predicts, but the outer step's seconds are not measured here. Each run is bounded by --timeout
+    (seconds); one run per device call (--only NAME)."""
+    s = a.shapes
+    base = deep_update(s["config"], {
+        "pipeline": {"stages": 1, "activation_checkpoint_interval": 1},
+        "train_micro_batch_size_per_gpu": s["mb_largest"], "gradient_accumulation_steps": s["gas_largest"],
+        "hetloco": {"sparseloco": {"inner_steps": s["h_largest"], "outer_state_device": "cpu"},
+                    "subspace": {"compressed_replicas": "none"}}})
+    stop = s["steps_largest"]
+    os.makedirs(work, exist_ok=True)
+
+    def model_json(tag: str, fields: dict) -> str:
+        path = os.path.join(work, f"model_{tag}.json")
+        with open(path, "w") as f:
+            json.dump(fields, f, indent=1)
+        return path
+
+    def finish(row: dict | None, fields: dict, extra: dict) -> dict | None:
+        if row is None:
+            return None
+        row.update(extra)
+        row["model_fields"] = fields
+        row.update(run_outcome(row["rc"], os.path.join(work, f"{row['name']}.log")))
+        check_plan(row, measured=not a.cpu_smoke)
+        return row
+
+    for tag, fields, seq, runs in (("8b", s["fields_8b"], s["seq_8b"], ("8bit", "cpu_offload")),
+                                   ("70b_stage", s["fields_70b_stage"], s["seq_70b_stage"], ("cpu_offload", "8bit"))):
+        model = model_json(tag, fields)
+        cfg = deep_update(base, {"hetloco": {"train": {"seq_len": seq}}})
+        extra = {}
+        if tag == "70b_stage":
+            from hetloco_ds import plan
+
+            whole = model_shape(dict(fields, num_hidden_layers=s["layers_70b"]), seq)
+            extra["upper_bound_of"] = (f"the first and last of S = 8 stages of a {s['layers_70b']}-layer model: "
+                                       "this one-stage run holds both the embedding and the head")
+            extra["plan_peak_gib_70b_s8_by_stage"] = {opt: [b / 2**30 for b in plan.stage_memory_bytes(
+                whole, 8, micro_batch=s["mb_largest"], n_mb=s["gas_largest"], seq_len=seq, schedule="blocking",
+                bf16=cfg["bf16"]["enabled"], outer_state_device="cpu", activation_checkpoint_interval=1,
+                optimizer_state=opt)] for opt in runs}
+        if tag == "8b":
+            name = "stock_8b_s1_ckpt1"
+            facts = {k: v for k, v in plan_facts(fields, cfg, "fp32", sparseloco=False).items()
+                     if not k.startswith("host_")}  # our launcher's host check is not stock's
+            facts["plan_note"] = ("plan's rules without SparseLoCo, fp32 AdamW: stock's bf16 layout (bf16 weights and "
+                                  "gradients beside fp32 master weights and gradients) is not ours; a rough guide")
+            host = host_memory() if wanted(name) else {}
+            row = stock(name, work, 1, 1, s["stock_8b_model"], s["mb_largest"], s["gas_largest"], seq,
+                        s["stock_steps"], a.timeout, vocab=fields["vocab_size"], bf16=cfg["bf16"]["enabled"],
+                        activation_checkpoint_interval=1)
+            res.add("largest", finish(row, fields, dict(extra, **facts, host_memory=host, seq_len=seq,
+                                                        may_run_out_of_memory=True)))
+        for opt in runs:
+            name = f"ours_{tag}_s1_{opt}"
+            c = deep_update(cfg, {"hetloco": {"train": {"optimizer_state": opt}}})
+            host = host_memory() if wanted(name) else {}
+            row = ours(name, work, 1, c, model, stop + 1, a.timeout, stop_after=stop)
+            res.add("largest", finish(row, fields, dict(extra, **plan_facts(fields, c, opt), host_memory=host,
+                                                        optimizer_state=opt)))
+
+
 PARTS = {"profile": part_profile, "speed": part_speed, "memory": part_memory, "s178": part_s178, "8b": part_8b,
-         "mixed": part_mixed, "outer_place": part_outer_place, "ckpt": part_ckpt}
+         "mixed": part_mixed, "outer_place": part_outer_place, "ckpt": part_ckpt, "largest": part_largest}
 
 
 def shapes(cpu: bool) -> dict:
@@ -442,10 +688,27 @@ def shapes(cpu: bool) -> dict:
                                    "hetloco": {"sparseloco": {"inner_steps": 3}, "train": {"seq_len": 32}}})
         return dict(nproc=4, model="tiny", ours_model="tiny", vocab=256, mb=2, gas=4, seq=32, stock_steps=4,
                     ours_steps=4, profile_step=3, config=cfg, model178="tiny", mb178=2, seq178=32,
-                    model8="tiny", mb8=1, gas8=4, seq8=32, h8=4, ckpt8=1)
+                    model8="tiny", mb8=1, gas8=4, seq8=32, h8=4, ckpt8=1,
+                    **largest_shapes(cpu))
     return dict(nproc=4, model="1B", ours_model="1B", vocab=8192, mb=4, gas=8, seq=1024, stock_steps=14,
                 ours_steps=28, profile_step=12, config=HET_1B, model178="178M", mb178=8, seq178=2048,
-                model8="8B", mb8=1, gas8=16, seq8=1024, h8=10, ckpt8=10)
+                model8="8B", mb8=1, gas8=16, seq8=1024, h8=10, ckpt8=10, **largest_shapes(cpu))
+
+
+def largest_shapes(cpu: bool) -> dict:
+    """part largest's shapes: Llama-3-8B's and a 10-layer slice of the 70B preset at vocab 128256
+    (LlamaConfig fields), or on the CPU the tiny preset's (stock_pipe's "tiny", vocab 8192: the
+    default data's tokenizer) and a 2-layer one, a few steps of short sequences (7 step rows: the
+    steady rule keeps steps 6 and 7)."""
+    from hetloco_ds.presets import PRESETS
+
+    if cpu:
+        tiny = dict(PRESETS["tiny"], vocab_size=8192)
+        return dict(fields_8b=tiny, stock_8b_model="tiny", seq_8b=32, fields_70b_stage=dict(tiny, num_hidden_layers=2),
+                    layers_70b=16, seq_70b_stage=32, mb_largest=1, gas_largest=2, h_largest=20, steps_largest=7)
+    return dict(fields_8b=dict(PRESETS["8B"], vocab_size=128256), stock_8b_model="8B", seq_8b=8192,
+                fields_70b_stage=dict(PRESETS["70B"], num_hidden_layers=10, vocab_size=128256), layers_70b=80,
+                seq_70b_stage=4096, mb_largest=1, gas_largest=8, h_largest=20, steps_largest=12)
 
 
 def gpu_peak_gib(row: dict) -> float | None:
@@ -519,7 +782,7 @@ def main(argv=None) -> int:
             PARTS[part](res, a.work, a)
     finally:
         pack(a.work, a.out)
-    return 0 if all(r.get("rc") == 0 for r in res.data["rows"]) else 1
+    return 0 if all(row_ok(r) for r in res.data["rows"]) else 1
 
 
 def pack(work: str, out: str) -> None:
@@ -543,4 +806,7 @@ def pack(work: str, out: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [STOCK_CHECKPOINTED]:  # a rank of `stock`'s checkpointed stock_pipe.py
+        sys.path.insert(0, ROOT)
+        stock_pipe_checkpointed(int(sys.argv[2]), sys.argv[3:])
     sys.exit(main())

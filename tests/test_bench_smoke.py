@@ -491,6 +491,61 @@ def test_scale_replica_rates_split_the_rows_by_replica(tmp_path):
     assert got["0"]["outer_steps"] == 3 and got["1"]["sent_bytes_per_step"]["activation"] == 300
 
 
+def test_scale_largest_part_runs_every_row_on_the_cpu_with_plans_prediction_and_stocks_outcome(tmp_path):
+    """bench/scale.py --cpu-smoke --parts largest (issue 59, item 3; tiny shapes, 8 steps, 7 kept):
+    stock DeepSpeed checkpointing its decoder layers, then ours with 8-bit and host AdamW moments on
+    the 8B row's shape and on the 70B stage's, every ours run at S = 1 with every decoder layer
+    recomputed, its model from the LlamaConfig JSON the part wrote (transformers' parameter count is
+    the row's), each row with finite tokens/s, plan's prediction for its own optimizer state, and
+    its outcome; stock's out-of-memory outcome, read from a log, does not fail the part. Breaks if
+    the part stops running a row, passing its options, or recording what the later GPU run checks."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hetloco_ds.presets import model_config_for
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    _run([sys.executable, "bench/scale.py", "--cpu-smoke", "--parts", "largest", "--out", str(out), "--work", str(work)],
+         timeout=900)
+    data = json.loads((out / "scale.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert data["card"] == "cpu" and list(rows) == [
+        "stock_8b_s1_ckpt1", "ours_8b_s1_8bit", "ours_8b_s1_cpu_offload", "ours_70b_stage_s1_cpu_offload",
+        "ours_70b_stage_s1_8bit"]
+    for r in rows.values():
+        assert r["part"] == "largest" and r["rc"] == 0 and r["outcome"] == "ok" and r["last_error_line"] is None
+        assert math.isfinite(r["global_tokens_per_s"]) and r["global_tokens_per_s"] > 0
+        assert math.isfinite(r["plan_peak_gib"]) and r["plan_peak_gib"] > 0
+    stock = rows["stock_8b_s1_ckpt1"]
+    assert stock["activation_checkpoint_interval"] == 1 and stock["may_run_out_of_memory"] is True
+    assert stock["plan_inputs"]["optimizer_state"] == "fp32" and stock["plan_inputs"]["sparseloco"] is False
+    for name, r in rows.items():
+        if r["system"] != "ours":
+            continue
+        cfg, opt = r["config"], name.split("_s1_")[1]
+        assert cfg["hetloco"]["train"]["optimizer_state"] == opt == r["plan_inputs"]["optimizer_state"]
+        assert cfg["pipeline"] == {"stages": 1, "activation_checkpoint_interval": 1}
+        assert r["plan_inputs"]["activation_checkpoint_interval"] == 1 and r["steady_steps"] >= 2
+        assert r["model"].endswith(".json") and json.loads(open(r["model"]).read()) == r["model_fields"]
+        with torch.device("meta"):
+            assert r["params"] == LlamaForCausalLM(model_config_for(r["model"], 8192)).num_parameters()
+    for shape in ("8b", "70b_stage"):  # the moments on the host leave the device's peak lower
+        assert rows[f"ours_{shape}_s1_cpu_offload"]["plan_peak_gib"] < rows[f"ours_{shape}_s1_8bit"]["plan_peak_gib"]
+    assert rows["ours_70b_stage_s1_8bit"]["model_fields"]["num_hidden_layers"] == 2
+    assert len(rows["ours_70b_stage_s1_8bit"]["plan_peak_gib_70b_s8_by_stage"]["8bit"]) == 8
+    # what the GPU run's stock row will likely record: its last error line, and the part still passes
+    scale = bench_module("scale")
+    log = tmp_path / "oom.log"
+    log.write_text("python -m torch.distributed.run ...\n  File \"engine.py\", line 1\n"
+                   "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB.\n"
+                   "E1129 torch.distributed.elastic.multiprocessing.api: failed (exitcode: 1)\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    got = scale.run_outcome(1, str(log))
+    assert got["outcome"] == "out_of_memory" and got["last_error_line"].endswith("ChildFailedError:")
+    assert got["out_of_memory_line"].startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert scale.row_ok(dict(stock, rc=1, **got)) and not scale.row_ok(dict(rows["ours_8b_s1_8bit"], rc=1, **got))
+
+
 def test_scale_summary_replays_the_committed_1b_and_178m_comparison():
     """The committed summary is what --summarize makes of the committed runs: each system's median
     over its repeats and its ratio to stock's median (bench/README quotes these)."""
