@@ -607,8 +607,9 @@ def part_largest(res: Results, work: str, a) -> None:
     (plan_peak_gib, `plan_facts`; stock's: plan's rules without SparseLoCo and with fp32 AdamW,
     a rough guide, DeepSpeed's bf16 layout is not ours) and its ratio to the peak against
     PLAN_TOLERANCE; the host memory the run needs (our launcher refuses a run whose
-    `sizes.host_state_bytes` exceeds MemAvailable: 193 GB at 8B and 256 GB at the 70B stage, a
-    checkpoint's host copy and the outer state, plus cpu_offload's 16 B a parameter once it runs)
+    `sizes.host_state_bytes` exceeds MemAvailable: with 8-bit moments 145 GB at 8B and 192 GB at the
+    70B stage, a checkpoint's host copy and the outer state; with cpu_offload 321 and 426 GB, its
+    16 B a parameter on the host besides)
     and what the machine had. Each ours run stops once 12 step rows are written (13 asked: no final
     save nor export), so none crosses an outer step (H = 20): unlike parts memory and 8b, which
     cross one, since at seq 8192 a step is estimated at 12-20 s (8B, MFU 30-40%, cpu_offload's

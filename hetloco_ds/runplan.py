@@ -290,7 +290,7 @@ def _check_host_memory(run: RunConfig, llama_config, world: int, replicas: int) 
     on_gpu = torch.cuda.is_available()
     outer_on_host = on_gpu and sl.enabled and sl.outer_state_device == "cpu"
     need = sizes.host_state_bytes(params * replicas * here // world, on_gpu, outer_on_host, run.bf16, sl.enabled,
-                                  sl.outer_momentum > 0)
+                                  sl.outer_momentum > 0, run.hetloco.train.optimizer_state)
     if need > available:
         held = ", ".join(["checkpoint copies"] + ["the outer state"] * outer_on_host + ["the training state"] * (not on_gpu))
         hint = ('; hetloco.sparseloco.outer_state_device "gpu" keeps the outer state (8 B a parameter) on the GPUs'
