@@ -29,7 +29,9 @@ def _losses(out) -> dict:
     return {k: r["loss"] for k, r in runs.keyed(out, "step").items()}
 
 
-@pytest.mark.parametrize("state", ["bf16", "8bit"])
+# 8bit alone through the engine: its state is the one rebuilt from codes on load; bf16's plain moments
+# round-trip bitwise in test_optimizer_state, and both options meet the simulator below.
+@pytest.mark.parametrize("state", ["8bit"])
 def test_a_resumed_run_equals_an_uninterrupted_one_and_the_simulator(state, tmp_path, tmp_path_factory, monkeypatch,
                                                                       capsys):
     """A 6-step run (H = 3) with the option; a second run stopped at step 3 (its checkpoint written
