@@ -237,6 +237,17 @@ def _memory_prediction(got: dict, optimizer_state: str = "fp32") -> int:
                                    optimizer_state=optimizer_state)[0]
 
 
+def _memory_beside_default(job_result, gpu_jobs) -> tuple[Path, dict, dict]:
+    """(this memory job's folder, its memory.json, the default memory job's), both jobs having exited 0."""
+    off_job = gpu_jobs.result("memory")
+    on_proc, off_proc = job_result["memory"], off_job["memory"]
+    assert on_proc["rc"] == 0, _explain(on_proc)
+    assert off_proc["rc"] == 0, _explain(off_proc)
+    work = Path(job_result["work"])
+    return (work, json.loads((work / "memory.json").read_text()),
+            json.loads((Path(off_job["work"]) / "memory.json").read_text()))
+
+
 @pytest.mark.job("memory_ac")
 def test_recomputed_decoder_layers_lower_the_measured_peak_on_one_gpu(job_result, gpu_jobs):
     """The memory job's model and batch with every decoder layer recomputed in the backward
@@ -248,13 +259,7 @@ def test_recomputed_decoder_layers_lower_the_measured_peak_on_one_gpu(job_result
     was 5.8% under the measured peak (README, "Activation checkpointing"), so plan is not held to
     the tolerance here until that gap is explained. Breaks if
     the interval is not applied on the GPU or recomputing changes the forward."""
-    off_job = gpu_jobs.result("memory")
-    on_proc, off_proc = job_result["memory"], off_job["memory"]
-    assert on_proc["rc"] == 0, _explain(on_proc)
-    assert off_proc["rc"] == 0, _explain(off_proc)
-    work = Path(job_result["work"])
-    on = json.loads((work / "memory.json").read_text())
-    off = json.loads((Path(off_job["work"]) / "memory.json").read_text())
+    work, on, off = _memory_beside_default(job_result, gpu_jobs)
     assert on["activation_checkpoint_interval"] == 1 and off["activation_checkpoint_interval"] == 0
     (work / "plan_vs_peak.json").write_text(json.dumps({
         "with": {"predicted": _memory_prediction(on), "measured": on["peak_allocated"]},
@@ -274,13 +279,7 @@ def test_eight_bit_moments_lower_the_measured_peak_on_one_gpu(job_result, gpu_jo
     from hetloco_ds import sizes
     from hetloco_ds.plan.shapes import ModelShape
 
-    off_job = gpu_jobs.result("memory")
-    on_proc, off_proc = job_result["memory"], off_job["memory"]
-    assert on_proc["rc"] == 0, _explain(on_proc)
-    assert off_proc["rc"] == 0, _explain(off_proc)
-    work = Path(job_result["work"])
-    on = json.loads((work / "memory.json").read_text())
-    off = json.loads((Path(off_job["work"]) / "memory.json").read_text())
+    work, on, off = _memory_beside_default(job_result, gpu_jobs)
     (work / "plan_vs_peak.json").write_text(json.dumps({
         "predicted": _memory_prediction(on, "8bit"), "measured": on["peak_allocated"],
         "breakdown": on.get("peak_breakdown")}, indent=1))
