@@ -492,7 +492,7 @@ def test_scale_replica_rates_split_the_rows_by_replica(tmp_path):
 
 
 def test_scale_largest_part_runs_every_row_on_the_cpu_with_plans_prediction_and_stocks_outcome(tmp_path):
-    """bench/scale.py --cpu-smoke --parts largest (issue 59, item 3; tiny shapes, 8 steps, 7 kept):
+    """bench/scale.py --cpu-smoke --parts largest (issue 59, item 3; tiny shapes, 8 steps, 7 kept; three runs):
     stock DeepSpeed checkpointing its decoder layers, then ours with 8-bit and host AdamW moments on
     the 8B row's shape and on the 70B stage's, every ours run at S = 1 with every decoder layer
     recomputed, its model from the LlamaConfig JSON the part wrote (transformers' parameter count is
@@ -505,13 +505,12 @@ def test_scale_largest_part_runs_every_row_on_the_cpu_with_plans_prediction_and_
     from hetloco_ds.presets import model_config_for
 
     out, work = tmp_path / "out", tmp_path / "work"
-    _run([sys.executable, "bench/scale.py", "--cpu-smoke", "--parts", "largest", "--out", str(out), "--work", str(work)],
-         timeout=900)
+    # Three of its five runs (the suite's time): stock, and each shape with one of the two options.
+    _run([sys.executable, "bench/scale.py", "--cpu-smoke", "--parts", "largest", "--out", str(out), "--work", str(work),
+          "--only", "stock_8b,ours_8b_s1_8bit,ours_70b_stage_s1_cpu_offload"], timeout=900)
     data = json.loads((out / "scale.json").read_text())
     rows = {r["name"]: r for r in data["rows"]}
-    assert data["card"] == "cpu" and list(rows) == [
-        "stock_8b_s1_ckpt1", "ours_8b_s1_8bit", "ours_8b_s1_cpu_offload", "ours_70b_stage_s1_cpu_offload",
-        "ours_70b_stage_s1_8bit"]
+    assert data["card"] == "cpu" and list(rows) == ["stock_8b_s1_ckpt1", "ours_8b_s1_8bit", "ours_70b_stage_s1_cpu_offload"]
     for r in rows.values():
         assert r["part"] == "largest" and r["rc"] == 0 and r["outcome"] == "ok" and r["last_error_line"] is None
         assert math.isfinite(r["global_tokens_per_s"]) and r["global_tokens_per_s"] > 0
@@ -529,10 +528,12 @@ def test_scale_largest_part_runs_every_row_on_the_cpu_with_plans_prediction_and_
         assert r["model"].endswith(".json") and json.loads(open(r["model"]).read()) == r["model_fields"]
         with torch.device("meta"):
             assert r["params"] == LlamaForCausalLM(model_config_for(r["model"], 8192)).num_parameters()
-    for shape in ("8b", "70b_stage"):  # the moments on the host leave the device's peak lower
-        assert rows[f"ours_{shape}_s1_cpu_offload"]["plan_peak_gib"] < rows[f"ours_{shape}_s1_8bit"]["plan_peak_gib"]
-    assert rows["ours_70b_stage_s1_8bit"]["model_fields"]["num_hidden_layers"] == 2
-    assert len(rows["ours_70b_stage_s1_8bit"]["plan_peak_gib_70b_s8_by_stage"]["8bit"]) == 8
+    stage = rows["ours_70b_stage_s1_cpu_offload"]
+    assert stage["model_fields"]["num_hidden_layers"] == 2
+    by_stage = stage["plan_peak_gib_70b_s8_by_stage"]
+    assert all(len(v) == 8 for v in by_stage.values())
+    # the moments on the host leave every stage's predicted peak lower than 8-bit moments on the device
+    assert all(h < e for h, e in zip(by_stage["cpu_offload"], by_stage["8bit"])), by_stage
     # what the GPU run's stock row will likely record: its last error line, and the part still passes
     scale = bench_module("scale")
     log = tmp_path / "oom.log"
