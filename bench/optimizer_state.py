@@ -44,7 +44,8 @@ for path in (HERE, REPO):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-OPTIONS = ("fp32", "bf16", "8bit", "cpu_offload")
+from hetloco_ds.sizes import OPTIMIZER_STATES as OPTIONS  # noqa: E402  (the one list: config and plan read it too)
+
 SETTINGS = ("replicas", "stages", "steps", "inner_steps", "micro", "seq", "vocab", "data",
             "lr", "eval_batches", "seed", "device", "compile")
 """What a row's training depends on besides its model and option: --resume keeps the rows of --out only

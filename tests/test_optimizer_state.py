@@ -106,6 +106,16 @@ def _reference_ratio(ref_opt, i: int, step: int) -> torch.Tensor:
     return (st["exp_avg"] / (1 - b1 ** step)).abs() / ((st["exp_avg_sq"] / (1 - b2 ** step)).sqrt() + SETTINGS.eps)
 
 
+def _one_and_two_steps(state: str):
+    """(the weights before, fp32's and `state`'s optimizer after one step, then fp32's and `state`'s
+    (weights, optimizer) after two) on `_case`'s tensors; skips without torchao."""
+    _torchao()
+    base, grads = _case()
+    _, one_ref = _run("fp32", base, grads, steps=1)
+    _, one = _run(state, base, grads, steps=1)
+    return base, one_ref, one, _run("fp32", base, grads), _run(state, base, grads)
+
+
 def test_bf16_moments_move_the_weights_as_fp32_adamw_within_their_rounding():
     """"bf16" against torch.optim.AdamW on the same weights and gradients. After one step the stored
     moments are torch's rounded to bf16 (8 significant bits: relative error <= 2^-8, round to nearest). The second step
@@ -115,12 +125,7 @@ def test_bf16_moments_move_the_weights_as_fp32_adamw_within_their_rounding():
     asserted with a factor 2 for the second order, plus 4 ulps of the weight for the fp32 arithmetic
     done in another order. Breaks if the moments are not bf16 (the weights would equal torch's) or
     the step is another rule (the difference would exceed the bound)."""
-    _torchao()
-    base, grads = _case()
-    _, one_ref = _run("fp32", base, grads, steps=1)
-    _, one = _run("bf16", base, grads, steps=1)
-    ref, ref_opt = _run("fp32", base, grads)
-    got, _ = _run("bf16", base, grads)
+    base, one_ref, one, (ref, ref_opt), (got, _) = _one_and_two_steps("bf16")
     b1, b2 = SETTINGS.betas
     for i, (a, b, start) in enumerate(zip(got, ref, base)):
         st1, ref1 = one.state_dict()["state"][i], one_ref.state_dict()["state"][i]
@@ -146,12 +151,7 @@ def test_8bit_moments_are_within_one_code_step_and_the_update_within_a_tenth_of_
     element far below its block's largest value keeps fewer significant bits). The 100-value vector
     is under torchao's 4096 and keeps fp32 moments: torch's within fp32 rounding. Breaks if the
     moments are not quantised, or quantised more coarsely than the map allows."""
-    _torchao()
-    base, grads = _case()
-    _, one_ref = _run("fp32", base, grads, steps=1)
-    _, one = _run("8bit", base, grads, steps=1)
-    ref, _ = _run("fp32", base, grads)
-    got, opt = _run("8bit", base, grads)
+    base, one_ref, one, (ref, _), (got, opt) = _one_and_two_steps("8bit")
     sd, ref_sd = one.state_dict(), one_ref.state_dict()
     for k in ("exp_avg", "exp_avg_sq"):
         enc = sd["state"][0][k]

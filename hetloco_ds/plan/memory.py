@@ -61,17 +61,16 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
         act = sizes.stage_activation_bytes(tokens, nl, depth(schedule, stages, s, n_mb), model.d, model.ffn,
                                            model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes, deferred,
                                            recomputed)
-        train = sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device,
-                                        optimizer_state=optimizer_state) + act
+        peak = sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device,
+                                       optimizer_state=optimizer_state) + act
         if sparseloco:
             # The outer step runs after the inner step has freed its gradients and casts: weights and
             # moments, the outer state where it lives, and the outer step's own transients.
             resident = sizes.stage_state_bytes(params, False, True, outer_state_device,
                                                optimizer_state=optimizer_state) - 4 * params
-            outer = resident + sizes.outer_step_transient_bytes([shape for _, shape in tensors],
-                                                                on_host=outer_state_device == "cpu")
-            train = max(train, outer)
-        out.append(train)
+            peak = max(peak, resident + sizes.outer_step_transient_bytes([shape for _, shape in tensors],
+                                                                         on_host=outer_state_device == "cpu"))
+        out.append(peak)
     return out
 
 

@@ -249,8 +249,6 @@ class SparseLoCoState:
         devices = {p.device for p in params}
         if len(devices) != 1:
             raise ValueError(f"all parameters of a stage must be on one device, got {sorted(map(str, devices))}")
-        if unit_numel < 1:
-            raise ValueError(f"unit_numel must be >= 1, got {unit_numel}")
         self.cfg = outer_config(cfg)
         # The rules are looked up once: the state keeps the ones its fingerprint names.
         self.dense = is_dense(self.cfg)
