@@ -28,6 +28,11 @@ import hashlib
 import os
 import sys
 import time
+
+# Its own process: the Rust tokenizer's threads on, whatever gpu.sh set for the benches (serial
+# encoding took 225 of a build's 232 s on a 32-core machine).
+os.environ["TOKENIZERS_PARALLELISM"] = "true"
+
 from pathlib import Path
 
 import numpy as np

@@ -39,7 +39,10 @@ import size_sweep  # noqa: E402
 import summarize_tables  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results", "paper_regime")
-MODELS = ("178M",)
+MODELS = {"178M": "178M", "178M_emb1": os.path.join(HERE, "models", "178M_emb1.json")}
+"""Name -> what paper_tables trains: the preset (our torch init) and the same shape with the token
+embedding drawn N(0, 1) as the authors' TorchTitan model draws it (issue 57 item 4: at 20M that init
+took PP 1/8's penalty from +16.3% to +3.2%, init_ablation/summary_20m_h200.json)."""
 REPLICAS, STAGES, H, SEQ = 8, 4, 50, 2048
 MICRO, GAS = 8, 4  # 32 sequences a replica step
 STEPS, WARMUP, VAL_EVERY, EVAL_BATCHES = 1000, 500, 100, 16
@@ -60,21 +63,21 @@ CALL_BUDGET_S = 570  # paper_tables' budget in a call of gpu.sh --timeout 590 (t
 def width(model: str) -> int:
     from hetloco_ds.presets import model_config_for
 
-    return model_config_for(model, 8192).hidden_size
+    return model_config_for(MODELS.get(model, model), 8192).hidden_size
 
 
 def n_params(model: str = "178M", vocab: int = 8192) -> int:
     import paper_tables
     from hetloco_ds.presets import model_config_for
 
-    return paper_tables.n_params(model_config_for(model, vocab))
+    return paper_tables.n_params(model_config_for(MODELS.get(model, model), vocab))
 
 
 def flops_per_step(model: str = "178M", vocab: int = 8192, seq: int = SEQ, tokens: int = REPLICAS * MICRO * GAS * SEQ) -> float:
     """Training FLOPs of one global step (paper_tables.row_flops' convention, 6 N + 12 L d seq a token)."""
     from hetloco_ds.presets import model_config_for
 
-    llama = model_config_for(model, vocab)
+    llama = model_config_for(MODELS.get(model, model), vocab)
     return (6 * n_params(model, vocab) + 12 * llama.num_hidden_layers * llama.hidden_size * seq) * tokens
 
 
@@ -166,7 +169,7 @@ def row_argv(args, row: str, data: str, out: str, state: str) -> list[str]:
         return ["--data", data, "--cpu-smoke", "--rows", ROWS[row], "--steps", "3", "--warmup-steps", "1",
                 "--val-every", "1", "--budget-s", str(args.budget_s), "--state-dir", state, "--tag", args.tag,
                 "--out", out] + (["--resume-only"] if args.resume_only else [])
-    return ["--data", data, "--model", args.model, "--steps", str(STEPS), "--warmup-steps", str(WARMUP),
+    return ["--data", data, "--model", MODELS[args.model], "--steps", str(STEPS), "--warmup-steps", str(WARMUP),
             "--replicas", str(REPLICAS), "--stages", str(STAGES), "--inner-steps", str(H), "--micro", str(args.micro),
             "--gas", str(MICRO * GAS // args.micro), "--lr", f"{SPARSELOCO_LR:g}", "--rows", ROWS[row], "--seeds", "0",
             "--compile", "--budget-s", str(args.budget_s), "--val-every", str(VAL_EVERY),
@@ -259,6 +262,29 @@ def size_sweep_points() -> list[dict]:
     return out
 
 
+INIT_ABLATION = os.path.join(HERE, "results", "init_ablation", "summary_20m_h200.json")
+
+
+def init_ablation_points(path: str = INIT_ABLATION) -> list[dict]:
+    """The 20M penalty rows under another init (bench/init_ablation.py's summary), each against its
+    own init's SparseLoCo row, in the penalty regime's schedule."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r["model"].endswith(".json")]
+    out = []
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        name = os.path.splitext(os.path.basename(model))[0]
+        label = {"20M_emb1": "20M, embedding N(0, 1)", "20M_torchtitan": "20M, TorchTitan's init"}.get(name, name)
+        out.append({"size": label, "d": width(os.path.join(os.path.dirname(HERE), model)),
+                    "regime": f"as 20M's row above, {mine[0]['outer_steps']} syncs, final, seeds "
+                              + ",".join(str(s) for s in sorted({r["seed"] for r in mine})),
+                    "penalty_pct": {r["row"].split(":lr=")[0]: r["penalty_pct"] for r in mine},
+                    "sparseloco_minus_adamw_pct": None, "diloco_minus_adamw_pct": None})
+    return out
+
+
 def regime_point(model: str, folder: str) -> dict | None:
     """`model` in the paper's regime: the penalties and gaps to AdamW at the largest validation step
     every row reached (its steps and which rows finished said beside)."""
@@ -295,7 +321,7 @@ COLUMNS = ("pp:8", "het:8", "pp:96", "het:96", "pp:16")
 
 def fidelity(args) -> int:
     """fidelity.json and the README's table: each size's penalties and gaps to AdamW beside the paper's."""
-    points = size_sweep_points()
+    points = size_sweep_points() + init_ablation_points()
     for model in MODELS:
         got = regime_point(model, os.path.join(args.results, model))
         points.append(got or {"size": model, "d": width(model), "regime": "paper regime: not run yet", "penalty_pct": {},
@@ -345,7 +371,7 @@ def main(argv=None) -> int:
     fi = verbs.add_parser("fidelity", help="fidelity.json and the README's table of ours beside the paper's")
     fi.add_argument("--results", default=RESULTS)
     for verb in (pl, r):
-        verb.add_argument("--model", default=MODELS[0], choices=MODELS)
+        verb.add_argument("--model", default="178M", choices=list(MODELS))
     args = p.parse_args(argv)
     return {"plan": plan, "run": run, "fidelity": fidelity}[args.verb](args)
 

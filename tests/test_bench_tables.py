@@ -1316,3 +1316,55 @@ def test_fidelity_sets_our_penalties_and_gaps_beside_the_papers_at_matched_steps
     assert abs(at["paper 512M"]["sparseloco_minus_adamw_pct"] - 100 * (2.73 - 2.75) / 2.75) < 1e-9
     table = capsys.readouterr().out
     assert "| 178M (1024) | paper regime (seq 2048, 512K tokens a step), step 700 of 1000, seed 0 | +11.3% |" in table
+
+
+def test_init_ablation_sets_each_compressed_row_against_its_own_inits_sparseloco(tmp_path, monkeypatch):
+    """bench/init_ablation.py: a penalty is taken against the SparseLoCo row of the same model config
+    (the init), lr and seed, never across inits; the curve only at steps both rows validated; the
+    baseline against the reference model's. Made-up rows, recomputed by hand. Then the committed
+    summary rebuilds byte for byte from its command, and fidelity shows its rows."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+
+    ia = bench_module("init_ablation")
+
+    def row(name, mode, compressed, seed, loss, curve):
+        return {"status": "done", "val_loss": loss, "outer_steps": 3,
+                "variant": {"name": f"{name}@seed{seed}", "mode": mode, "compressed": compressed, "seed": seed,
+                            "lr": 0.001, "ratio": 8 if compressed else 1},
+                "val_curve": [{"step": s, "loss": x} for s, x in curve]}
+
+    (tmp_path / "a.json").write_text(json.dumps({"model": "20M", "card": "X", "rows": [
+        row("sparseloco:lr=0.001", "sparseloco", 0, 0, 2.0, [(100, 3.0), (200, 2.0)]),
+        row("pp:8:lr=0.001", "sparseloco", 8, 0, 2.4, [(100, 3.3), (200, 2.4)])]}))
+    (tmp_path / "b.json").write_text(json.dumps({"model": "m/emb1.json", "card": "X", "rows": [
+        row("sparseloco:lr=0.001", "sparseloco", 0, 0, 2.2, [(100, 3.2), (150, 2.9), (200, 2.2)]),
+        row("pp:8:lr=0.001", "sparseloco", 8, 0, 2.31, [(150, 3.0), (200, 2.31)]),
+        row("pp:8:lr=0.001", "sparseloco", 8, 1, 2.0, [(200, 2.0)]),  # no SparseLoCo at seed 1: left out
+        row("adamw:lr=0.001", "adamw", 0, 0, 1.9, [(200, 1.9)])]}))
+    s = ia.summarize([str(tmp_path)])
+    got = {(r["model"], r["seed"]): r for r in s["rows"]}
+    assert set(got) == {("20M", 0), ("m/emb1.json", 0)} and s["cards"] == ["X"]
+    assert abs(got[("20M", 0)]["penalty_pct"] - 20.0) < 1e-9 and got[("20M", 0)]["baseline_vs_reference_pct"] == 0
+    e = got[("m/emb1.json", 0)]
+    assert abs(e["penalty_pct"] - 5.0) < 1e-9 and abs(e["penalty_nats"] - 0.11) < 1e-9
+    assert abs(e["baseline_vs_reference_pct"] - 10.0) < 1e-9
+    assert [p["step"] for p in e["curve"]] == [150, 200] and abs(e["curve"][0]["penalty_pct"] - 100 * 0.1 / 2.9) < 1e-9
+
+    committed = BENCH / "results" / "init_ablation" / "summary_20m_h200.json"
+    doc = json.loads(committed.read_text())
+    argv = shlex.split(doc["command"])[1:]
+    out = tmp_path / "rebuilt.json"
+    argv[argv.index("--out") + 1] = str(out)
+    subprocess.run([sys.executable] + argv, cwd=BENCH.parent, check=True, capture_output=True)
+    rebuilt = json.loads(out.read_text())
+    rebuilt["command"] = doc["command"]
+    assert rebuilt == doc and doc["cards"] == ["NVIDIA H200"]
+
+    pr = bench_module("paper_regime")
+    points = {p["size"]: p for p in pr.init_ablation_points(str(committed))}
+    emb1 = next(r for r in doc["rows"] if r["model"].endswith("20M_emb1.json") and r["row"] == "pp:8:lr=0.001")
+    assert points["20M, embedding N(0, 1)"]["penalty_pct"]["pp:8"] == emb1["penalty_pct"]
+    assert points["20M, embedding N(0, 1)"]["d"] == 384
