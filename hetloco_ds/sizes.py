@@ -298,6 +298,15 @@ def stage_state_bytes(params: int, bf16: bool = True, sparseloco: bool = True, o
     return params * per + math.ceil(params * optimizer_state_bytes_per_param(optimizer_state))
 
 
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+"""torch's cuBLAS workspace on Hopper (sm90; 8.125 MiB a handle on older GPUs, so an upper bound
+there): one a (thread, stream) handle, taken from the caching allocator at that handle's first
+matmul and never given back. A training stage holds two, its forward's thread's and autograd's
+backward thread's: the allocator trace of the H200 memory jobs shows both, 32 MiB each, at every
+peak (tests/gpu/last_run.json's job logs, `peak_breakdown`)."""
+CUBLAS_WORKSPACES = 2
+
+
 OUTER_UNIT_NUMEL = 1 << 26
 """Elements of the largest slice of a same-shape group the outer step works on at once
 (`sparseloco.outer`: the transients beside the state are a few units, not a whole group)."""

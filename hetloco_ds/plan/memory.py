@@ -44,6 +44,7 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
     Under SparseLoCo the peak is the larger of the inner step's and the outer step's (weights,
     moments and the outer state beside `sizes.outer_step_transient_bytes`, at the default codec): the
     outer step's sets it where activations are small (recomputed layers, short sequences).
+    Both peaks hold cuBLAS's workspaces (`sizes.CUBLAS_WORKSPACE_BYTES`, Hopper's size).
     Left out: a compressed replica's basis U and T_perp buffer (d x k and V x d fp32 on its stages)."""
     L = model.seq_len if seq_len is None else seq_len
     tokens = micro_batch * L
@@ -70,7 +71,7 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
                                                optimizer_state=optimizer_state) - 4 * params
             peak = max(peak, resident + sizes.outer_step_transient_bytes([shape for _, shape in tensors],
                                                                          on_host=outer_state_device == "cpu"))
-        out.append(peak)
+        out.append(peak + sizes.CUBLAS_WORKSPACES * sizes.CUBLAS_WORKSPACE_BYTES)
     return out
 
 
