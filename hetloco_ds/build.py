@@ -76,14 +76,15 @@ def compile_stage(module) -> None:
     Layers are compiled in place (`nn.Module.compile`), so parameter names, checkpoints and
     the HF export are unchanged; all layers share one graph (parameters are graph inputs).
     The loss is compiled so the fp32 upcast of the logits fuses into the softmax instead of
-    materialising a [tokens, vocab] fp32 copy.
+    materialising a [tokens, vocab] fp32 copy; a chunked loss (`train.loss_chunk_tokens`) is not:
+    its chunks already bound that copy, and each is made again in the backward by torch's checkpoint.
     """
-    from .model import DecoderLayer
+    from .model import ChunkedLoss, DecoderLayer
 
     for layer in module.local_layers().values():
         if isinstance(layer, DecoderLayer):
             layer.compile()
-    if module.loss_fn is not None:
+    if module.loss_fn is not None and not isinstance(module.loss_fn, ChunkedLoss):
         module.loss_fn = torch.compile(module.loss_fn)
 
 
@@ -108,7 +109,9 @@ def build_module(run: RunConfig, llama_config, hf_dir: str | None = None, hf_sta
     use_deterministic_kernels(run)
     world = dist.get_world_size()
     check_topology(world, run.stages, run.source, llama_config.num_hidden_layers, run.hetloco.replica_stages)
-    return HetlocoPipelineModule(llama_config, run.stages, world, seed=run.hetloco.train.seed, hf_dir=hf_dir,
-                                 hf_state=hf_state, replica_stages=run.hetloco.replica_stages,
-                                 fleet_stages=run.fleet_stages,
-                                 activation_checkpoint_interval=run.activation_checkpoint_interval)
+    module = HetlocoPipelineModule(llama_config, run.stages, world, seed=run.hetloco.train.seed, hf_dir=hf_dir,
+                                   hf_state=hf_state, replica_stages=run.hetloco.replica_stages,
+                                   fleet_stages=run.fleet_stages,
+                                   activation_checkpoint_interval=run.activation_checkpoint_interval)
+    module.fuse_head_loss(run.hetloco.train.loss_chunk_tokens)
+    return module

@@ -239,6 +239,12 @@ class TrainConfig(_Section):
     bf16, 4; "8bit" torchao's AdamW8bit, block-quantised, about 2; "cpu_offload" moments, and AdamW's
     step, on the host, 0 on the device (on a CPU-only run the copies are host to host and the numbers
     fp32's). "bf16" and "8bit" need torchao (`pip install torchao==0.18.0`)."""
+    loss_chunk_tokens: int = Field(0, ge=0)
+    """The last stage's loss without its [tokens, vocab] logits: the LM head's matmul and the
+    cross-entropy a chunk of this many tokens at a time, each chunk's logits made again in the
+    backward (`model.chunked_lm_loss`); the head's forward matmul runs twice. For large
+    vocabularies at long sequences (Llama-3's 128256 at 8192 tokens: 14.7 GB of logits and their
+    fp32 gradients a micro-batch, `sizes.logit_bytes`). 0: the whole micro-batch's logits at once."""
     profile_step: int = Field(0, ge=0)
     """Record this optimizer step with torch.profiler on every rank: OUT/profile/rank<r>.json (device
     busy and idle time, kernel time by class, the pipeline instructions as a timeline, host waits,

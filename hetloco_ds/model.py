@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -98,8 +99,10 @@ class TokenEmbedding(nn.Module):
         return F.linear(hidden, self.table())
 
 
-def tied_head_forward(module: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+def tied_head_forward(module: TokenEmbedding, hidden: torch.Tensor):
     """`forward_fn` for the tied LM head (a function, so DeepSpeed can pickle-free call it)."""
+    if getattr(module, "fuse_loss", False):
+        return HeadInput(hidden, module.table())
     return module.head(hidden)
 
 
@@ -181,8 +184,65 @@ class LMHead(nn.Module):
             with torch.no_grad():
                 _trunc_normal_(self.lm_head.weight, config.hidden_size ** -0.5, cut=3.0)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    fuse_loss = False
+    """Set on the instance by `fuse_head_loss`: hand the loss the hidden state and the head's weight."""
+
+    def forward(self, hidden: torch.Tensor):
+        if self.fuse_loss:
+            return HeadInput(hidden, self.lm_head.weight)
         return self.lm_head(hidden)
+
+
+class HeadInput(NamedTuple):
+    """What a fused head hands the loss in place of logits (`chunked_lm_loss`)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+
+def fuse_head_loss(head: nn.Module) -> None:
+    """Make the LM head (an `LMHead`, or the tied `TokenEmbedding` called as the head) return
+    `HeadInput` instead of logits, for `chunked_lm_loss`."""
+    head.fuse_loss = True
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, dtype) -> torch.Tensor:
+    # The weight's cast inside the chunk: each chunk's gradient reaches the fp32 weight in fp32, so
+    # the chunks add in fp32 (a cast shared by the chunks would add their bf16 gradients in bf16).
+    logits = F.linear(hidden.to(dtype), weight.to(dtype))
+    logits = logits if logits.dtype == torch.float64 else logits.float()  # fp32 at least, as causal_lm_loss
+    return F.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+
+
+def chunked_lm_loss(head: HeadInput, labels: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """`causal_lm_loss` of `F.linear(hidden, weight)` without its [tokens, vocab] logits: the tokens
+    in chunks of `chunk_tokens`, each chunk's logits made, reduced to a summed loss and dropped,
+    then made again in the backward (torch.utils.checkpoint), so one chunk's logits and their
+    gradient are the most the loss holds (`sizes.logit_bytes`). The price is the head's forward
+    matmul, and under autocast the weight's cast, once more a chunk. Under autocast the matmul runs in
+    its dtype, as `F.linear` would; the loss is fp32, as `causal_lm_loss`'s. The same value as
+    `causal_lm_loss` up to the order of the sum over tokens."""
+    hidden, weight = head
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(
+        hidden.dtype, weight.dtype)
+    target = F.pad(labels[:, 1:].long(), (0, 1), value=-100).reshape(-1)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    with torch.autocast(device, enabled=False):
+        total = sum(checkpoint(_chunk_loss_sum, hidden[i:i + chunk_tokens], weight, target[i:i + chunk_tokens], dtype,
+                               use_reentrant=False, preserve_rng_state=False)
+                    for i in range(0, hidden.shape[0], chunk_tokens))
+    return total / (target != -100).sum()
+
+
+class ChunkedLoss:
+    """The pipeline's loss_fn behind a fused head: `chunked_lm_loss` at `chunk_tokens`."""
+
+    def __init__(self, chunk_tokens: int):
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, head: HeadInput, labels: torch.Tensor) -> torch.Tensor:
+        return chunked_lm_loss(head, labels, self.chunk_tokens)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -36,11 +36,12 @@ RESUME_MAY_CHANGE = (
     "hetloco.train.eval_interval", "hetloco.train.eval_batches", "hetloco.train.checkpoint_interval",
     "hetloco.train.keep_checkpoints", "hetloco.train.checkpoint_every_s", "hetloco.train.preempt_grace_s",
     "hetloco.train.watchdog_timeout", "hetloco.train.max_nonfinite_outer_steps",
-    "hetloco.train.compile", "ds.steps_per_print", "ds.wall_clock_breakdown", "ds.memory_breakdown", "ds.dump_state",
+    "hetloco.train.compile", "hetloco.train.loss_chunk_tokens", "ds.steps_per_print", "ds.wall_clock_breakdown", "ds.memory_breakdown", "ds.dump_state",
     "ds.tensorboard", "ds.wandb", "ds.csv_monitor", "ds.comet", "ds.flops_profiler", "ds.comms_logger", "ds.timers",
     # How stage links are driven: the schedules train bit for bit alike; CTAs and the carveout are timing
     # (the carveout's cuBLASLt kernels round like another GEMM algorithm would, as train.compile does).
     "hetloco.pipeline",
+    # (loss_chunk_tokens: the same loss up to the order of its sum over tokens, as train.compile's.)
     # Where the outer state waits between outer steps: the same bits either way.
     "hetloco.sparseloco.outer_state_device",
 )

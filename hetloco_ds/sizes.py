@@ -392,8 +392,15 @@ def layer_activation_bytes(d: int, ffn: int, kv_dim: int, act_bytes: int = 2) ->
 def logit_bytes(vocab: int, act_bytes: int = 2) -> int:
     """Bytes per token of the last stage's loss at the height of its backward (`model.causal_lm_loss`):
     the logits (act_bytes a logit), log-softmax's fp32 output, its fp32 gradient and the fp32
-    gradient of its input (12 a logit)."""
+    gradient of its input (12 a logit). A chunked loss (`model.chunked_lm_loss`) holds one chunk's
+    tokens' worth (`loss_tokens`)."""
     return vocab * (act_bytes + 12)
+
+
+def loss_tokens(tokens: int, loss_chunk_tokens: int = 0) -> int:
+    """Tokens whose logits the last stage's loss holds at once: a micro-batch's, or one chunk's under
+    `train.loss_chunk_tokens`."""
+    return min(tokens, loss_chunk_tokens) if loss_chunk_tokens > 0 else tokens
 
 
 def deferred_cast_grad_bytes(cast_params: int, micro_batches: int, bf16: bool = True) -> int:
@@ -446,12 +453,13 @@ def recomputed_runs(num_layers: int, start: int, stop: int, interval: int) -> li
 
 def stage_activation_bytes(tokens: int, layers: int, in_flight: int, d: int, ffn: int, kv_dim: int,
                            vocab: int | None = None, act_bytes: int = 2, deferred_grad_bytes: int = 0,
-                           recomputed: Sequence[int] = ()) -> int:
+                           recomputed: Sequence[int] = (), loss_chunk_tokens: int = 0) -> int:
     """Device bytes a stage's activations hold at their peak: `in_flight` micro-batches of `tokens`
     tokens (`pipe.order.depth` for its schedule) through its `layers` decoder layers
     (`layer_activation_bytes`), plus one layer's worth as the backward's working set (the gradients
     of the layer being differentiated); on the last stage (`vocab` given) the final RMSNorm's
-    saved tensors per micro-batch in flight and one micro-batch's loss (`logit_bytes`). While one
+    saved tensors per micro-batch in flight and one micro-batch's loss (`logit_bytes` of
+    `loss_tokens`: one chunk's under `loss_chunk_tokens`). While one
     micro-batch's backward frees its activations layer by layer, `deferred_grad_bytes`
     (`deferred_cast_grad_bytes`) accumulate in their place: the backward peaks at the larger of the
     two, which at few tokens a micro-batch is the gradients (an 8B stage of 8 layers: 3.3 GiB against
@@ -464,7 +472,8 @@ def stage_activation_bytes(tokens: int, layers: int, in_flight: int, d: int, ffn
     again = tokens * per_layer * max(recomputed, default=0)
     total = (in_flight - 1) * one + max(one + again, deferred_grad_bytes) + tokens * per_layer
     if vocab is not None:
-        total += in_flight * tokens * (4 + 2 * act_bytes) * d + tokens * logit_bytes(vocab, act_bytes)
+        total += (in_flight * tokens * (4 + 2 * act_bytes) * d
+                  + loss_tokens(tokens, loss_chunk_tokens) * logit_bytes(vocab, act_bytes))
     return total
 
 

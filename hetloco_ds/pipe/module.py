@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 
 from .. import sizes
 from ..boundary import BoundaryCodec, IdentityCodec
-from ..model import TokenEmbedding, causal_lm_loss, layer_list
+from ..model import ChunkedLoss, TokenEmbedding, causal_lm_loss, fuse_head_loss, layer_list
 from ..patches import PipelineModuleAdapter
 
 
@@ -100,6 +100,16 @@ class HetlocoPipelineModule(PipelineModuleAdapter):
         self.codec: BoundaryCodec = IdentityCodec(config.hidden_size, config.vocab_size)
         self.autocast_dtype: torch.dtype | None = None
         """Compute dtype of the forward under autocast (bf16 training); None runs in fp32."""
+
+    def fuse_head_loss(self, chunk_tokens: int) -> None:
+        """`hetloco.train.loss_chunk_tokens`: on the stage holding the LM head, the head hands the
+        loss its input and weight and the loss makes the logits a chunk of tokens at a time
+        (`model.chunked_lm_loss`); 0, and every other stage, as built."""
+        head = self.local_layers().get(sizes.LayerLayout(self.llama_config.num_hidden_layers).count - 1)
+        if chunk_tokens <= 0 or head is None:
+            return
+        fuse_head_loss(head)
+        self.loss_fn = ChunkedLoss(chunk_tokens)
 
     def stage_parts(self) -> list[int]:
         return sizes.stage_parts(self.llama_config.num_hidden_layers, self.num_stages)

@@ -193,6 +193,9 @@ def build_parser(prog: str = "hetloco-ds plan") -> argparse.ArgumentParser:
     ap.add_argument("--optimizer-state", choices=OPTIMIZER_STATES, default="fp32",
                     help="--largest: AdamW's state (hetloco.train.optimizer_state): fp32, bf16 or 8-bit moments, "
                          "or moments on the host (cpu_offload)")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=0, metavar="N",
+                    help="--largest: hetloco.train.loss_chunk_tokens (the last stage's loss N tokens at a time, "
+                         "without a micro-batch's logits; default 0, off)")
     ap.add_argument("--outer-state-device", choices=("gpu", "cpu"), default=OUTER_STATE_DEVICE,
                     help="fleet: where the outer state waits between outer steps (hetloco.sparseloco.outer_state_device)")
     ap.add_argument("--target", type=float, default=0.9, help="fleet: target compute utilisation")
@@ -304,11 +307,13 @@ def largest_text(a: argparse.Namespace, settings: Settings) -> str:
     interval = a.activation_checkpoint_interval
     if interval < 0:
         raise ValueError(f"--activation-checkpoint-interval {interval} must be >= 0 (0: off)")
+    if a.loss_chunk_tokens < 0:
+        raise ValueError(f"--loss-chunk-tokens {a.loss_chunk_tokens} must be >= 0 (0: off)")
     table = largest_table(vocab, micro_batch=settings.micro_batch, n_mb=settings.n_mb, seq_len=settings.seq_len,
                           schedule=schedule, bf16=settings.act_bytes == 2, activation_checkpoint_interval=interval,
-                          optimizer_state=a.optimizer_state)
+                          optimizer_state=a.optimizer_state, loss_chunk_tokens=a.loss_chunk_tokens)
     return format_largest(table, vocab, settings.micro_batch, settings.n_mb, settings.seq_len, schedule, interval,
-                          a.optimizer_state)
+                          a.optimizer_state, a.loss_chunk_tokens)
 
 
 def _print_largest(a: argparse.Namespace, settings: Settings) -> int:

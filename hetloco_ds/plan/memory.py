@@ -30,7 +30,7 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
                        seq_len: int | None = None, schedule: str = "overlapped", bf16: bool = True,
                        sparseloco: bool = True, outer_state_device: str = "gpu",
                        autocast_cache: bool = False, activation_checkpoint_interval: int = 0,
-                       optimizer_state: str = "fp32") -> list[int]:
+                       optimizer_state: str = "fp32", loss_chunk_tokens: int = 0) -> list[int]:
     """Peak device bytes of each stage of one replica in `stages` stages: `sizes.stage_state_bytes`
     of its parameters plus `sizes.stage_activation_bytes` of its layers, with `pipe.order.depth`
     micro-batches of micro_batch x seq_len tokens in flight (of `n_mb` a step) under `schedule`.
@@ -40,7 +40,8 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
     `activation_checkpoint_interval`: pipeline.activation_checkpoint_interval; each stage's runs of
     decoder layers that keep only their input (`sizes.recomputed_runs`). `optimizer_state`:
     hetloco.train.optimizer_state, AdamW's bytes a parameter on the device
-    (`sizes.optimizer_state_bytes_per_param`).
+    (`sizes.optimizer_state_bytes_per_param`). `loss_chunk_tokens`: hetloco.train.loss_chunk_tokens,
+    the last stage's loss a chunk of tokens at a time (`sizes.loss_tokens`).
     Under SparseLoCo the peak is the larger of the inner step's and the outer step's (weights,
     moments and the outer state beside `sizes.outer_step_transient_bytes`, at the default codec): the
     outer step's sets it where activations are small (recomputed layers, short sequences).
@@ -61,7 +62,7 @@ def stage_memory_bytes(model: ModelShape, stages: int, *, micro_batch: int = 1, 
             deferred = sizes.deferred_cast_grad_bytes(cast, n_mb, bf16)
         act = sizes.stage_activation_bytes(tokens, nl, depth(schedule, stages, s, n_mb), model.d, model.ffn,
                                            model.kv_dim, model.vocab if s == stages - 1 else None, act_bytes, deferred,
-                                           recomputed)
+                                           recomputed, loss_chunk_tokens)
         peak = sizes.stage_state_bytes(params, bf16, sparseloco, outer_state_device,
                                        optimizer_state=optimizer_state) + act
         if sparseloco:
@@ -125,7 +126,7 @@ def largest_table(vocab: int, gpus: Sequence[int] = LARGEST_GPUS, memory_gb: Seq
 
 def format_largest(table: list[list[tuple[Largest, ...]]], vocab: int, micro_batch: int, n_mb: int,
                    seq_len: int | None, schedule: str, activation_checkpoint_interval: int = 0,
-                   optimizer_state: str = "fp32") -> str:
+                   optimizer_state: str = "fp32", loss_chunk_tokens: int = 0) -> str:
     """The `--largest` table: per cell "preset S=n" for each outer-state placement, "/"-separated."""
     mems = [row[0].memory_gb for row in table[0]]
     places = " / ".join(f'"{c.outer_state_device}"' for c in table[0][0])
@@ -135,6 +136,7 @@ def format_largest(table: list[list[tuple[Largest, ...]]], vocab: int, micro_bat
             f"<= {MEMORY_HEADROOM:g} x the GPU's memory), {schedule} schedule, micro-batch {micro_batch} x "
             f"{n_mb} a step, {seq}, vocab {vocab}, bf16, AdamW"
             + ("" if optimizer_state == "fp32" else f" with optimizer_state {optimizer_state!r}")
+            + (f", the loss {loss_chunk_tokens} tokens at a time (train.loss_chunk_tokens)" if loss_chunk_tokens else "")
             + f"; outer state {places} "
             f"(sparseloco.outer_state_device)"
             + (f"; decoder layers recomputed in runs of {activation_checkpoint_interval} "

@@ -285,6 +285,11 @@ JOBS = {
         launchers=("torchrun", "deepspeed")),
     "moments_bf16_tied": lambda c, n: train_and_resume(c, n, {"hetloco.train.optimizer_state": "bf16"}, tied=True,
                                                        launchers=("nproc", "deepspeed")),
+    # The last stage's loss 32 tokens at a time (hetloco.train.loss_chunk_tokens), the head's weight and its
+    # gradient through torch's checkpoint on the GPU: the 20M preset at the default data's vocabulary, 8192.
+    "loss_chunked_20m": lambda c, n: train_and_resume(
+        c, n, {"hetloco.train.loss_chunk_tokens": 32, "hetloco.train.seq_len": 128, "hetloco.train.eval_interval": 0},
+        model=["--model-config", "20M"], data=None, launchers=("nproc", "torchrun")),
     "preempted": preempted,
     "api": api_loop,
     "memory": memory,
