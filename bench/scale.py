@@ -543,9 +543,9 @@ def plan_facts(fields: dict, cfg: dict, optimizer_state: str, sparseloco: bool =
     its micro-batch, accumulation, seq_len, bf16 and activation_checkpoint_interval, the "blocking"
     schedule (S = 1), the outer state on the host, `optimizer_state`; the weights' casts as the
     engine chooses them (`HetlocoEngine._step_casts_pay`'s rule, `sizes.step_casts_pay`, at S = 1).
-    And the host bytes the run takes: our launcher's check (`sizes.host_state_bytes`: a checkpoint's
-    host copy 16 B a parameter, the outer state 8) plus what cpu_offload keeps there
-    (`sizes.optimizer_state_bytes_per_param(..., "host")`)."""
+    And the host bytes the run takes: our launcher's check (`sizes.host_state_bytes` under the default
+    `train.checkpoint_staging` "auto", which counts no checkpoint copy: the outer state 8 B a
+    parameter) plus what cpu_offload keeps there (`sizes.optimizer_state_bytes_per_param(..., "host")`)."""
     import math
 
     from hetloco_ds import plan, sizes
@@ -565,7 +565,7 @@ def plan_facts(fields: dict, cfg: dict, optimizer_state: str, sparseloco: bool =
               outer_state_device="cpu", autocast_cache=not step_casts, activation_checkpoint_interval=interval,
               optimizer_state=optimizer_state)
     peak = plan.stage_memory_bytes(m, 1, **kw)[0]
-    host = sizes.host_state_bytes(params, True, sparseloco, bf16, sparseloco)
+    host = sizes.host_state_bytes(params, True, sparseloco, bf16, sparseloco, checkpoint_copy=False)
     offload = params * sizes.optimizer_state_bytes_per_param(optimizer_state, "host")
     return {"params": params, "plan_peak_gib": peak / 2**30, "plan_inputs": dict(kw, stages=1),
             "host_check_gb": host / 1e9, "host_offload_gb": offload / 1e9}
@@ -607,9 +607,10 @@ def part_largest(res: Results, work: str, a) -> None:
     (plan_peak_gib, `plan_facts`; stock's: plan's rules without SparseLoCo and with fp32 AdamW,
     a rough guide, DeepSpeed's bf16 layout is not ours) and its ratio to the peak against
     PLAN_TOLERANCE; the host memory the run needs (our launcher refuses a run whose
-    `sizes.host_state_bytes` exceeds MemAvailable: with 8-bit moments 145 GB at 8B and 192 GB at the
-    70B stage, a checkpoint's host copy and the outer state; with cpu_offload 321 and 426 GB, its
-    16 B a parameter on the host besides)
+    `sizes.host_state_bytes` exceeds MemAvailable: under `train.checkpoint_staging` "auto" the outer
+    state alone, 64 GB at 8B and 85 GB at the 70B stage; with cpu_offload 193 and 256 GB, its 16 B a
+    parameter on the host besides; a checkpoint's host copy, 16 B a parameter more, was counted until
+    "auto" made a save on a host that cannot hold it write the live tensors instead)
     and what the machine had. Each ours run stops once 12 step rows are written (13 asked: no final
     save nor export), so none crosses an outer step (H = 20): unlike parts memory and 8b, which
     cross one, since at seq 8192 a step is estimated at 12-20 s (8B, MFU 30-40%, cpu_offload's

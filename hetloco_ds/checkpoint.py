@@ -22,7 +22,9 @@ API's) adds the rank's own weights and theta_prev, which then differ.
 
 `save` is a collective. Every rank copies its state to host memory (DCP's stager; the only part
 training waits for) and a background thread writes its files into the `.partial` directory,
-fsyncs them and takes their crc32. The commit waits until every rank's background write ended:
+fsyncs them and takes their crc32; under `train.checkpoint_staging` "none" (or "auto" on a host
+that cannot hold the copy, `pick_staging`) the rank writes its live tensors itself, torch.save
+taking each to the host in turn, and training waits for the write. The commit waits until every rank's background write ended:
 at the next save, at an outer boundary where all have (`settle`), or at the end of training
 (`settle(block=True)`). The ranks then exchange what each wrote (or the error that stopped it),
 so either all confirm or nobody commits; rank 0 writes the manifest, renames the directory to
@@ -238,9 +240,11 @@ class _Writer:
     save's allocation again) and empties its type table, so that the next save fails on its first
     dict (KeyError: <class 'type'>; the second save of an 8B run on torch 2.11 did)."""
 
-    def __init__(self, device):
+    def __init__(self, device, staging: str = "host"):
         self._stager = _stager_class()(pin_memory=torch.device(device).type == "cuda", share_memory=False)
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetloco-ckpt")
+        self.staging = staging
+        """`train.checkpoint_staging`; "auto" until the first save picks (`pick_staging`)."""
         self.pending: _Pending | None = None
         self.saves = 0
         self.commits: list[dict] = []
@@ -250,6 +254,22 @@ class _Writer:
         """`files` copied to host memory, tensors into the buffers of the previous save's same
         tensors; returns when the copy is complete (synchronous copies)."""
         return self._stager.stage(files, non_blocking=False)
+
+
+def host_bytes(files: dict) -> int:
+    """Bytes of every tensor in `files`: what the stager's host copy of them takes."""
+    from torch.utils._pytree import tree_flatten
+
+    return sum(t.untyped_storage().nbytes() for t in tree_flatten(files)[0] if isinstance(t, torch.Tensor))
+
+
+def pick_staging(setting: str, copy_bytes: int, local_ranks: int, available: int | None) -> str:
+    """`train.checkpoint_staging` for this rank: "auto" is "host" where this host's available memory
+    holds every local rank's copy (this rank's `copy_bytes` each) with a tenth to spare, else "none";
+    a host whose memory cannot be read stages."""
+    if setting != "auto":
+        return setting
+    return "host" if available is None or copy_bytes * local_ranks <= 0.9 * available else "none"
 
 
 def committed(engine) -> list[dict]:
@@ -265,7 +285,8 @@ def committed(engine) -> list[dict]:
 
 def _writer(engine) -> _Writer:
     if getattr(engine, "_checkpoint_writer", None) is None:
-        engine._checkpoint_writer = _Writer(engine.device)
+        run = getattr(engine, "run", None)
+        engine._checkpoint_writer = _Writer(engine.device, run.hetloco.train.checkpoint_staging if run else "host")
     return engine._checkpoint_writer
 
 
@@ -310,14 +331,28 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     files = {STATE_FILE.format(rank=rank): state}
     if writes_shared:
         files.update({layer_checkpoint_name(i): m.state_dict() for i, m in engine.module.checkpoint_layers().items()})
+    if writer.staging == "auto":
+        from .runplan import mem_available
+
+        copy = host_bytes(files)
+        writer.staging = pick_staging("auto", copy, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), mem_available())
+        if writer.staging == "none":
+            print(f"hetloco checkpoint: rank {rank}: this host's available memory holds no second copy of its "
+                  f"ranks' state ({copy / 1e9:.1f} GB a rank), so each save writes the live tensors and training "
+                  f"waits for the write (hetloco.train.checkpoint_staging)", flush=True)
     t_stage = time.perf_counter()
-    staged = writer.stage(files)  # the device-to-host copy: all that training waits for
+    if writer.staging == "host":
+        staged = writer.stage(files)  # the device-to-host copy: all that training waits for
+        future = writer.thread.submit(_write_files, partial, staged)
+    else:  # the write itself, from the live tensors (torch.save takes each to the host in turn)
+        future = concurrent.futures.Future()
+        future.set_result(_write_files(partial, files))
     blocked = time.perf_counter() - t0
     staging = time.perf_counter() - t_stage
     layout = {"stage": engine.stage_id, "data": engine.module.replica_id}
     writer.saves += 1
-    writer.pending = _Pending(ckpt_dir, tag, step, keep, layout, writer.thread.submit(_write_files, partial, staged),
-                              blocked, started, writer.saves == 1, staging, waited)
+    writer.pending = _Pending(ckpt_dir, tag, step, keep, layout, future, blocked, started, writer.saves == 1, staging,
+                              waited)
     if wait:
         settle(engine, block=True)
     return tag

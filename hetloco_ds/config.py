@@ -225,6 +225,14 @@ class TrainConfig(_Section):
     """Deterministic kernels (torch.use_deterministic_algorithms): a GPU run and its --resume repeat bit for bit.
     Off by default, where flash attention's backward adds in atomics, so two GPU runs part in the last bits
     after a few steps (bench/README.md, "Deterministic runs", has its cost)."""
+    checkpoint_staging: Literal["auto", "host", "none"] = "auto"
+    """How a save reaches the disk. "host": each rank copies its state into host buffers kept between
+    saves (pinned on a GPU), training waits for that copy only, and a background thread writes it.
+    "none": no copy; the save writes the live tensors, one at a time through host memory, and
+    training waits for the whole write: for a host that cannot hold a second copy of the state
+    (an 8B replica with its outer state on the host needs ~64 GB more for it). "auto": "host" where
+    this host's available memory holds every local rank's copy at the first save, else "none"
+    (that rank says so in one line); the launch's host-memory check then counts no copy."""
     keep_checkpoints: int = Field(2, ge=0)
     """Complete checkpoints kept in OUT/checkpoints (older ones are deleted after a newer one is committed); 0 keeps all."""
     watchdog_timeout: float = Field(180.0, ge=0)

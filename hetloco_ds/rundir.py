@@ -34,7 +34,7 @@ RECORD_FORMAT = 1
 # Keys that may change between a run and its `--resume`: they do not change what is trained.
 RESUME_MAY_CHANGE = (
     "hetloco.train.eval_interval", "hetloco.train.eval_batches", "hetloco.train.checkpoint_interval",
-    "hetloco.train.keep_checkpoints", "hetloco.train.checkpoint_every_s", "hetloco.train.preempt_grace_s",
+    "hetloco.train.keep_checkpoints", "hetloco.train.checkpoint_every_s", "hetloco.train.checkpoint_staging", "hetloco.train.preempt_grace_s",
     "hetloco.train.watchdog_timeout", "hetloco.train.max_nonfinite_outer_steps",
     "hetloco.train.compile", "hetloco.train.loss_chunk_tokens", "ds.steps_per_print", "ds.wall_clock_breakdown", "ds.memory_breakdown", "ds.dump_state",
     "ds.tensorboard", "ds.wandb", "ds.csv_monitor", "ds.comet", "ds.flops_profiler", "ds.comms_logger", "ds.timers",

@@ -289,12 +289,16 @@ def _check_host_memory(run: RunConfig, llama_config, world: int, replicas: int) 
     sl = run.hetloco.sparseloco
     on_gpu = torch.cuda.is_available()
     outer_on_host = on_gpu and sl.enabled and sl.outer_state_device == "cpu"
+    # "auto" stages a save only where the host holds the copy (checkpoint.pick_staging): no copy counted
+    copies = run.hetloco.train.checkpoint_staging == "host"
     need = sizes.host_state_bytes(params * replicas * here // world, on_gpu, outer_on_host, run.bf16, sl.enabled,
-                                  sl.outer_momentum > 0, run.hetloco.train.optimizer_state)
+                                  sl.outer_momentum > 0, run.hetloco.train.optimizer_state, checkpoint_copy=copies)
     if need > available:
-        held = ", ".join(["checkpoint copies"] + ["the outer state"] * outer_on_host + ["the training state"] * (not on_gpu))
+        held = ", ".join(["checkpoint copies"] * copies + ["the outer state"] * outer_on_host
+                         + ["the training state"] * (not on_gpu))
         hint = ('; hetloco.sparseloco.outer_state_device "gpu" keeps the outer state (8 B a parameter) on the GPUs'
                 if outer_on_host else "")
+        hint += '; hetloco.train.checkpoint_staging "none" saves without a host copy' if copies else ""
         raise ConfigError(f"{run.source}: the {here} rank(s) on this host need about {need / 1e9:.1f} GB of host "
                           f"memory ({params / 1e9:.2f}B parameters, {replicas} replica(s): {held}) and "
                           f"{available / 1e9:.1f} GB is available{hint}")

@@ -361,16 +361,17 @@ def outer_step_transient_bytes(shapes: Sequence[Sequence[int]], on_host: bool, c
 
 
 def host_state_bytes(params: int, on_gpu: bool, outer_on_host: bool, bf16: bool = True, sparseloco: bool = True,
-                     outer_momentum: bool = False, optimizer_state: str = "fp32") -> int:
-    """Host bytes `params` trainable parameters of a rank take: a checkpoint's host copy, kept between
-    saves (weights 4, AdamW's state as saved, error feedback 4: an upper bound, a replica other than 0
-    stores no weights; the state as `optimizer_state` keeps it, fp32 moments 8 where they are fp32 on
-    the device or the host); on a GPU with the outer state on the host (`sparseloco.outer_state_device`
+                     outer_momentum: bool = False, optimizer_state: str = "fp32", checkpoint_copy: bool = True) -> int:
+    """Host bytes `params` trainable parameters of a rank take: with `checkpoint_copy`
+    (`train.checkpoint_staging` "host"), a checkpoint's host copy, kept between saves (weights 4,
+    AdamW's state as saved, error feedback 4: an upper bound, a replica other than 0 stores no weights;
+    the state as `optimizer_state` keeps it, fp32 moments 8 where they are fp32 on the device or the
+    host; without it a save holds one tensor at a time, left out); on a GPU with the outer state on the host (`sparseloco.outer_state_device`
     "cpu", pinned), theta at the last sync 4 + error feedback 4 (+ outer momentum 4), and with the
     moments on the host (`optimizer_state` "cpu_offload") what it keeps there; on the CPU the whole
     training state as well (`stage_state_bytes`, its outer state wherever it is placed)."""
     saved = optimizer_state_bytes_per_param(optimizer_state) or 8.0  # cpu_offload saves its fp32 moments
-    ckpt = math.ceil(params * (8 + saved))
+    ckpt = math.ceil(params * (8 + saved)) if checkpoint_copy else 0
     if not on_gpu:
         return ckpt + stage_state_bytes(params, bf16, sparseloco, "gpu", outer_momentum, optimizer_state)
     per_param = optimizer_state_bytes_per_param(optimizer_state, "host")

@@ -533,25 +533,33 @@ def test_bad_mixed_depths_fail_before_any_rank_with_one_line(case, inputs, tmp_p
     assert not out.exists()
 
 
-def test_a_run_that_needs_more_host_memory_than_the_host_has_is_refused_naming_both(inputs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("staging", ["auto", "host"])
+def test_a_run_that_needs_more_host_memory_than_the_host_has_is_refused_naming_both(inputs, tmp_path, monkeypatch,
+                                                                                   staging):
     """Before any rank starts: the ranks' host bytes (`sizes.host_state_bytes`: here, on the CPU, the
-    training state and a checkpoint's copy, 2 replicas of the tiny model) against MemAvailable; one
-    line naming both, and the same run is accepted with enough memory. Breaks if the check is
-    dropped or counts another model's parameters."""
+    training state of 2 replicas of the tiny model, and a checkpoint's copy where
+    `train.checkpoint_staging` is "host"; "auto" counts none, as it stages only where the host holds
+    the copy) against MemAvailable; one line naming both, and the same run is accepted with enough
+    memory. Breaks if the check is dropped, counts another model's parameters, or counts a copy "auto"
+    would not make."""
     import transformers
 
     from hetloco_ds import runplan, sizes, train
     from hetloco_ds.config import ConfigError
 
-    cfg = write_config(tmp_path / "run.json", {"pipeline.stages": 1})
+    cfg = write_config(tmp_path / "run.json", {"pipeline.stages": 1, "hetloco.train.checkpoint_staging": staging})
     args = train.TrainArgs(config=str(cfg), model=str(inputs["hf"]), data=str(inputs["data"]), out=str(tmp_path / "r"))
     params = transformers.LlamaForCausalLM.from_pretrained(str(inputs["hf"])).num_parameters()
-    need = sizes.host_state_bytes(2 * params, on_gpu=False, outer_on_host=True, bf16=False)
+    copies = staging == "host"
+    need = sizes.host_state_bytes(2 * params, on_gpu=False, outer_on_host=True, bf16=False, checkpoint_copy=copies)
+    assert need < sizes.host_state_bytes(2 * params, on_gpu=False, outer_on_host=True, bf16=False) or copies
     monkeypatch.setattr(runplan, "mem_available", lambda: need - 1)
     with pytest.raises(ConfigError) as err:
         train.plan_run(args, 2)
+    held = "checkpoint copies, the training state" if copies else "the training state"
+    hint = '; hetloco.train.checkpoint_staging "none" saves without a host copy' if copies else ""
     assert str(err.value) == (f"{cfg}: the 2 rank(s) on this host need about {need / 1e9:.1f} GB of host memory "
-                              f"({params / 1e9:.2f}B parameters, 2 replica(s): checkpoint copies, the training "
-                              f"state) and {(need - 1) / 1e9:.1f} GB is available")
+                              f"({params / 1e9:.2f}B parameters, 2 replica(s): {held}) and "
+                              f"{(need - 1) / 1e9:.1f} GB is available{hint}")
     monkeypatch.setattr(runplan, "mem_available", lambda: need)
     assert train.plan_run(args, 2).replicas == 2

@@ -52,6 +52,8 @@ def _api_body(rank, hf_dir, cfg_path, ckpt_dir):
     engine.load_checkpoint(ckpt_dir)
     out["all"] = (equal(weights(), saved_w), equal(moments(), saved_m), engine.local_steps)
     out["positions"] = (saved_position, data.position)
+    writer = engine._checkpoint_writer
+    out["staging"] = (writer.staging, len(writer._stager._cached_storage_mapping) > 0)  # whether anything was copied
     try:
         engine.load_checkpoint(ckpt_dir, load_module_strict=False)
     except ValueError as err:
@@ -59,17 +61,21 @@ def _api_body(rank, hf_dir, cfg_path, ckpt_dir):
     return out
 
 
-def test_load_checkpoint_flags_do_what_deepspeeds_do_and_a_user_tag_saves(tmp_path):
+@pytest.mark.parametrize("staging", ["host", "none"])
+def test_load_checkpoint_flags_do_what_deepspeeds_do_and_a_user_tag_saves(tmp_path, staging):
     """save_checkpoint(tag="mine") commits under that name and `latest` names it. After a further
     step: load_module_only=True restores the weights alone (theta_prev set to them; AdamW moments
     and counters stay this engine's, client state empty, as DeepSpeed returns it);
     load_optimizer_states=False restores everything but the moments; a plain load restores all;
     load_module_strict=False is refused in one line; the loader `initialize` attaches is saved at its
-position and put back there. Breaks if a flag is ignored again, or the data restarts at 0."""
+position and put back there. The same whether the save stages a host copy and writes it in the
+background or writes the live tensors (`train.checkpoint_staging` "none"). Breaks if a flag is
+ignored again, or the data restarts at 0."""
     from test_cli import save_tiny_hf_with_tokenizer, write_config
 
     hf = save_tiny_hf_with_tokenizer(tmp_path / "hf")
-    cfg = write_config(tmp_path / "cfg.json", {"pipeline.stages": 1, "hetloco.sparseloco.inner_steps": 2})
+    cfg = write_config(tmp_path / "cfg.json", {"pipeline.stages": 1, "hetloco.sparseloco.inner_steps": 2,
+                                               "hetloco.train.checkpoint_staging": staging})
     results = run_ranks(_api_body, 2, str(hf), str(cfg), str(tmp_path / "ckpt"), timeout=240)
     assert (tmp_path / "ckpt" / "latest").read_text() == "mine"
     for r in results:
@@ -80,6 +86,18 @@ position and put back there. Breaks if a flag is ignored again, or the data rest
         assert r["all"] == (True, True, 2)
         assert r["refused"] == ("load_checkpoint: load_module_strict=False and custom_load_fn are not supported "
                                 "(a hetloco checkpoint always holds every layer of every stage)")
+        assert r["staging"] == (staging, staging == "host")
+
+
+def test_auto_staging_copies_only_where_the_host_holds_every_local_ranks_copy():
+    """`checkpoint.pick_staging`: "auto" stages where the local ranks' copies fit in nine tenths of
+    the available memory, writes the live tensors where they do not, stages where the memory is
+    unknown; "host" and "none" are kept as given."""
+    from hetloco_ds.checkpoint import pick_staging
+
+    assert pick_staging("auto", 10, 4, 45) == "host" and pick_staging("auto", 10, 4, 44) == "none"
+    assert pick_staging("auto", 10 ** 12, 8, None) == "host"
+    assert pick_staging("host", 10, 4, 1) == "host" and pick_staging("none", 1, 1, 10 ** 12) == "none"
 
 
 def _two_saves_body(rank, hf_dir, cfg_path, ckpt_dir):

@@ -283,6 +283,12 @@ JOBS = {
         c, n, {"hetloco.train.optimizer_state": "cpu_offload", "hetloco.train.seq_len": 128,
                "hetloco.train.eval_interval": 0}, model=["--model-config", "20M"], data=None,
         launchers=("torchrun", "deepspeed")),
+    # Saves that write the live tensors (train.checkpoint_staging "none"): torchao's 8-bit state and the
+    # weights written from the GPU without a host copy, read back by the resume and the export.
+    "unstaged_saves_8bit_20m": lambda c, n: train_and_resume(
+        c, n, {"hetloco.train.optimizer_state": "8bit", "hetloco.train.checkpoint_staging": "none",
+               "hetloco.train.seq_len": 128, "hetloco.train.eval_interval": 0},
+        model=["--model-config", "20M"], data=None, launchers=("torchrun", "nproc")),
     "moments_bf16_tied": lambda c, n: train_and_resume(c, n, {"hetloco.train.optimizer_state": "bf16"}, tied=True,
                                                        launchers=("nproc", "deepspeed")),
     # The last stage's loss 32 tokens at a time (hetloco.train.loss_chunk_tokens), the head's weight and its

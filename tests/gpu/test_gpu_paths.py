@@ -119,6 +119,8 @@ ONE_GPU = [
     pytest.param("moments_on_host_20m", marks=pytest.mark.job("moments_on_host_20m"),
                  id="torchrun-then-deepspeed-20M-moments-on-host"),
     pytest.param("moments_bf16_tied", marks=pytest.mark.job("moments_bf16_tied"), id="nproc-then-deepspeed-bf16-moments-tied"),
+    pytest.param("unstaged_saves_8bit_20m", marks=pytest.mark.job("unstaged_saves_8bit_20m"),
+                 id="torchrun-then-nproc-20M-8bit-unstaged-saves"),
     pytest.param("loss_chunked_20m", marks=pytest.mark.job("loss_chunked_20m"), id="nproc-then-torchrun-20M-chunked-loss"),
 ]
 
