@@ -642,3 +642,22 @@ def test_optimizer_state_rows_differ_only_in_the_option_and_resume_keeps_them(tm
     assert bf16["delta_pct_vs_fp32"] == pytest.approx(100 * (bf16["val_loss"] - rows["tiny:fp32"]["val_loss"])
                                                        / rows["tiny:fp32"]["val_loss"])
     assert bf16["device_bytes_per_param"] == sizes.optimizer_state_bytes_per_param("bf16") == 4
+
+
+def test_loss_chunk_rows_name_each_way_and_ours_is_the_whole_logits_loss(tmp_path):
+    """bench/loss_chunk.py --cpu-smoke (the tiny head, 64 tokens, bf16 autocast): a row per way this
+    machine has (the whole logits, ours at 16 tokens a chunk, torch's chunked linear_cross_entropy
+    where this torch has it), each with its median seconds and its loss and gradients beside the
+    whole logits'; ours within bf16's rounding of a logit. Breaks if a way fails or drifts."""
+    import torch
+    import torch.nn.functional as F
+
+    out = tmp_path / "loss_chunk.json"
+    _run([sys.executable, "bench/loss_chunk.py", "--cpu-smoke", "--out", str(out)], timeout=300)
+    doc = json.loads(out.read_text())
+    rows = {r["way"]: r for r in doc["rows"]}
+    expected = {"whole", "ours:16"} | ({"torch:16"} if hasattr(F, "linear_cross_entropy") else set())
+    assert expected <= set(rows) and doc["card"] == "cpu" and doc["torch"] == torch.__version__
+    for way in expected:
+        assert rows[way]["error"] is None and len(rows[way]["seconds"]) == 2, rows[way]
+    assert rows["ours:16"]["loss_rel_diff"] < 1e-5 and rows["ours:16"]["grad_rel_diff"] < 2e-2, rows["ours:16"]
