@@ -263,6 +263,18 @@ def host_bytes(files: dict) -> int:
     return sum(t.untyped_storage().nbytes() for t in tree_flatten(files)[0] if isinstance(t, torch.Tensor))
 
 
+def mem_available() -> int | None:
+    """Bytes of host memory the kernel says are available (MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def pick_staging(setting: str, copy_bytes: int, local_ranks: int, available: int | None) -> str:
     """`train.checkpoint_staging` for this rank: "auto" is "host" where this host's available memory
     holds every local rank's copy (this rank's `copy_bytes` each) with a tenth to spare, else "none";
@@ -332,8 +344,6 @@ def save(engine, ckpt_dir: str, step: int, data_position: int, keep: int = 0, *,
     if writes_shared:
         files.update({layer_checkpoint_name(i): m.state_dict() for i, m in engine.module.checkpoint_layers().items()})
     if writer.staging == "auto":
-        from .runplan import mem_available
-
         copy = host_bytes(files)
         writer.staging = pick_staging("auto", copy, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), mem_available())
         if writer.staging == "none":

@@ -18,6 +18,7 @@ import time
 import torch
 
 from . import checkpoint, rundir, sizes
+from .checkpoint import mem_available
 from .config import ConfigError, RunConfig, check_run, check_topology, default_config_path, elastic_replica, parse_config
 from .elastic import replica as fleet
 from .elastic.replica import FleetArgs
@@ -263,18 +264,6 @@ def plan_run(args: TrainArgs, world: int, owned: bool = False, config: tuple[dic
         except checkpoint.CheckpointError as err:
             raise ConfigError(f"--resume: {err}") from None
     return RunPlan(args, run, raw, llama_config, tokenizer, corpus, world, M, hf_dir, resume, secret)
-
-
-def mem_available() -> int | None:
-    """Bytes of host memory the kernel says are available (MemAvailable), None where it does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _check_host_memory(run: RunConfig, llama_config, world: int, replicas: int) -> None:
