@@ -93,6 +93,7 @@ def _train_body(rank, cases, steps):
             cfg["bf16"] = {"enabled": True}
         engine, module, _ = build_from_hf(hf_dir, cfg, SEQ)
         losses = [engine.train_step(iter(_batches(engine.replica, step))).loss for step in range(1, steps + 1)]
+        losses.append(engine.eval_batch(iter(_batches(engine.replica, 99))).item())  # the inference schedule too
         out[name, bf16, chunk] = {"losses": losses, "chunked": isinstance(module.loss_fn, ChunkedLoss),
                                   "last": engine.is_last_stage()}
     return out
@@ -100,8 +101,8 @@ def _train_body(rank, cases, steps):
 
 def test_engine_trains_with_the_chunked_loss_as_with_the_whole_logits(hf_untied, hf_tied):
     """2 replicas x 2 stages, replica 1 compressed, 3 micro-batches of 2 x 16 tokens a step, through
-    an outer step, chunks of 5 tokens: every step's loss is the whole-logits run's to fp32's summation
-    order (1e-5), untied, tied with the head on another stage (both ways of training the copies),
+    an outer step, chunks of 5 tokens: every step's loss, and then eval_batch's, is the whole-logits
+    run's to fp32's summation order (1e-5), untied, tied with the head on another stage (both ways of training the copies),
     and under bf16 autocast; the last stage runs the chunked loss and no other stage does. Breaks if
     the head's weight (the tied table T_S + T_perp included) loses its gradient through the fused
     loss, or the loss reaches a stage without the head."""
