@@ -256,11 +256,20 @@ class _Writer:
         return self._stager.stage(files, non_blocking=False)
 
 
+def _storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s storage; a wrapper subclass (torchao's 8-bit optimizer state) by its inner
+    tensors, whose storages are what a copy copies (its own would count 4 bytes an element)."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_storage_bytes(getattr(t, name)) for name in names)
+    return t.untyped_storage().nbytes()
+
+
 def host_bytes(files: dict) -> int:
     """Bytes of every tensor in `files`: what the stager's host copy of them takes."""
     from torch.utils._pytree import tree_flatten
 
-    return sum(t.untyped_storage().nbytes() for t in tree_flatten(files)[0] if isinstance(t, torch.Tensor))
+    return sum(_storage_bytes(t) for t in tree_flatten(files)[0] if isinstance(t, torch.Tensor))
 
 
 def mem_available() -> int | None:

@@ -100,6 +100,24 @@ def test_auto_staging_copies_only_where_the_host_holds_every_local_ranks_copy():
     assert pick_staging("host", 10, 4, 1) == "host" and pick_staging("none", 1, 1, 10 ** 12) == "none"
 
 
+def test_the_copy_a_save_would_stage_counts_8bit_moments_by_their_codes():
+    """`checkpoint.host_bytes`, what "auto" weighs: plain tensors by their storages, torchao's
+    8-bit moments by their codes and scales (about 1 B an element, not the 4 their wrapper reports)."""
+    import torch
+
+    from hetloco_ds.checkpoint import host_bytes
+
+    w = torch.zeros(128, 128)
+    assert host_bytes({"w": w, "n": [torch.zeros(3, dtype=torch.int64)], "x": 1.0}) == 4 * 128 * 128 + 24
+    torchao_optim = pytest.importorskip("torchao.optim")
+    p = torch.nn.Parameter(torch.randn(128, 128))
+    opt = torchao_optim.AdamW8bit([p])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    moments = host_bytes(opt.state_dict()["state"])
+    assert 2 * 128 * 128 <= moments < 2 * 128 * 128 * 1.2, moments
+
+
 def _two_saves_body(rank, hf_dir, cfg_path, ckpt_dir):
     import torch
     from torch.distributed.checkpoint import _state_dict_stager, staging
