@@ -44,6 +44,7 @@ for path in (HERE, REPO):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+import robust_outer  # noqa: E402  (its row loading, card and run options)
 from hetloco_ds.sizes import OPTIMIZER_STATES as OPTIONS  # noqa: E402  (the one list: config and plan read it too)
 
 SETTINGS = ("replicas", "stages", "steps", "inner_steps", "micro", "seq", "vocab", "data",
@@ -86,17 +87,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--inner-steps", type=int, default=50, help="H")
     p.add_argument("--micro", type=int, default=8, help="sequences a replica step")
-    p.add_argument("--seq", type=int, default=256, help="tokens a sequence (without --data)")
-    p.add_argument("--vocab", type=int, default=8192, help="default tokenizer's vocabulary (without --data)")
-    p.add_argument("--data", default="", help="bench/make_corpus.py's blocks instead of the stdlib corpus")
-    p.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr (warmup 5%%, cosine to 10%%)")
-    p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the batched simulator's forward")
-    p.add_argument("--out", required=True, help="the JSON to write")
-    p.add_argument("--resume", action="store_true", help="keep the rows --out already holds for these settings")
+    robust_outer.add_corpus_args(p)
+    robust_outer.add_run_args(p)
     p.add_argument("--cpu-smoke", action="store_true",
                    help="preset tiny, vocab 512, M 2 x S 2, H 2, 4 steps, micro 2 x seq 32, options fp32, bf16, "
                         "8bit, cpu_offload, CPU, 1 thread")
@@ -113,15 +105,13 @@ def main(argv=None) -> int:
 
     import torch
 
-    from robust_outer import card, load
-
     from hetloco_ds.sim.rows import Variant, simulate_variant
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     settings = {k: getattr(args, k) for k in SETTINGS}
-    report = {"status": "partial", "card": card(args.device), "versions": {"torch": torch.__version__},
+    report = {"status": "partial", "card": robust_outer.card(args.device), "versions": {"torch": torch.__version__},
               "command": " ".join(shlex.quote(a) for a in [sys.executable] + (sys.argv if argv is None else
                                                                               ["optimizer_state.py", *argv])),
               "settings": settings, "rows": {}}
@@ -133,7 +123,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for model in args.models:
         args.shape = model
-        run, llama, corpus = load(args)
+        run, llama, corpus = robust_outer.load(args)
         report["settings"].setdefault("corpus", corpus.description)
         for state in ["fp32"] + [o for o in args.options if o != "fp32"]:
             name = f"{model}:{state}"

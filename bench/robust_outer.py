@@ -269,6 +269,26 @@ def verdict(rows: dict) -> dict:
     return out
 
 
+def add_corpus_args(p) -> None:
+    """The corpus and schedule options `load` and the rows read, shared with optimizer_state.py."""
+    p.add_argument("--seq", type=int, default=256, help="tokens a sequence (without --data)")
+    p.add_argument("--vocab", type=int, default=8192, help="default tokenizer's vocabulary (without --data)")
+    p.add_argument("--data", default="", help="bench/make_corpus.py's blocks instead of the stdlib corpus")
+    p.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr (warmup 5%%, cosine to 10%%)")
+    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_run_args(p) -> None:
+    """The options a bench of batched-simulator rows written to one resumable JSON takes (this one and
+    optimizer_state.py): where it runs, compiled or not, the JSON, and --resume."""
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the batched simulator's forward")
+    p.add_argument("--out", required=True, help="the JSON to write")
+    p.add_argument("--resume", action="store_true", help="keep the rows --out already holds for these settings")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="20M", help="model preset")
@@ -277,23 +297,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2000, help="inner steps a row (2000 at H = 20: 100 outer syncs)")
     p.add_argument("--inner-steps", type=int, default=20, help="H")
     p.add_argument("--micro", type=int, default=16, help="sequences a replica step")
-    p.add_argument("--seq", type=int, default=256, help="tokens a sequence (without --data)")
-    p.add_argument("--vocab", type=int, default=8192, help="default tokenizer's vocabulary (without --data)")
-    p.add_argument("--data", default="", help="bench/make_corpus.py's blocks instead of the stdlib corpus")
-    p.add_argument("--lr", type=float, default=2e-3, help="inner AdamW lr (warmup 5%%, cosine to 10%%)")
-    p.add_argument("--eval-batches", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    add_corpus_args(p)
     p.add_argument("--attacks", default=",".join(ATTACKS))
     p.add_argument("--unscreened", action="store_true", help="also each attack without the screen")
     p.add_argument("--het-ratio", type=int, default=0, help="> 1: add row het_clean_screen at this ratio")
     p.add_argument("--outer-timing", action="store_true", help="time the outer step with the screen off and on")
     p.add_argument("--rows", default="", help="only these rows (comma-separated names)")
     p.add_argument("--sparseloco", default="{}", help="JSON of hetloco.sparseloco fields every row sets")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the batched simulator's forward")
-    p.add_argument("--out", required=True, help="the JSON to write")
-    p.add_argument("--resume", action="store_true", help="keep the rows --out already holds for these settings")
+    add_run_args(p)
     p.add_argument("--cpu-smoke", action="store_true",
                    help="preset tiny, vocab 512, M 4 x S 2, H 2, 6 steps, micro 2 x seq 32, rows honest_alone, "
                         "clean_screen, scale_screen, scale, the outer-step timing, CPU, 1 thread")
