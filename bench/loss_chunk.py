@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hetloco_ds.model import HeadInput, causal_lm_loss, chunked_lm_loss  # noqa: E402
+from hetloco_ds.model import (HeadInput, causal_lm_loss, chunked_lm_loss, head_dtype,  # noqa: E402
+                              next_token_targets)
 
 SHAPES = {"8B": (4096, 128256), "1B": (2048, 128256), "tiny": (64, 512)}
 
@@ -44,28 +45,28 @@ def ways(chunks: list[int]) -> dict:
         out[f"ours:{n}"] = lambda h, w, y, n=n: chunked_lm_loss(HeadInput(h, w), y, n)
     options = getattr(torch.nn, "LinearCrossEntropyOptions", None) or getattr(F, "LinearCrossEntropyOptions", None)
     if hasattr(F, "linear_cross_entropy") and options is not None:
-        def torch_way(h, w, y, n):
-            target = F.pad(y[:, 1:].long(), (0, 1), value=-100).reshape(-1)
-            dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-            with torch.autocast(h.device.type, enabled=False):
-                return F.linear_cross_entropy(h.reshape(-1, h.shape[-1]).to(dtype), w.to(dtype), target,
-                                              ignore_index=-100, options=options(batch_chunk_size=n))
         for n in chunks:
-            out[f"torch:{n}"] = lambda h, w, y, n=n: torch_way(h, w, y, n)
+            out[f"torch:{n}"] = _on_flat(lambda h, w, t, n=n: F.linear_cross_entropy(
+                h, w, t, ignore_index=-100, options=options(batch_chunk_size=n)))
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         liger = LigerFusedLinearCrossEntropyLoss()
-
-        def liger_way(h, w, y):
-            target = F.pad(y[:, 1:].long(), (0, 1), value=-100).reshape(-1)
-            dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-            with torch.autocast(h.device.type, enabled=False):
-                return liger(w.to(dtype), h.reshape(-1, h.shape[-1]).to(dtype), target)
-        out["liger"] = liger_way
+        out["liger"] = _on_flat(lambda h, w, t: liger(w, h, t))
     except Exception:  # not installed, or no GPU for its kernels: the row says it is missing
         pass
     return out
+
+
+def _on_flat(loss):
+    """A library's fused head + loss(hidden [T, d], weight [V, d], targets [T]) as a way: the flat
+    hidden states and the weight in the head's dtype (`model.head_dtype`), the next-token targets
+    (`model.next_token_targets`), autocast off inside."""
+    def way(h, w, y):
+        dtype = head_dtype(h, w)
+        with torch.autocast(h.device.type, enabled=False):
+            return loss(h.reshape(-1, h.shape[-1]).to(dtype), w.to(dtype), next_token_targets(y))
+    return way
 
 
 def run_once(fn, h, w, y, device: str, bf16: bool) -> tuple[float, int, float, tuple]:

@@ -240,7 +240,7 @@ class _Writer:
     save's allocation again) and empties its type table, so that the next save fails on its first
     dict (KeyError: <class 'type'>; the second save of an 8B run on torch 2.11 did)."""
 
-    def __init__(self, device, staging: str = "host"):
+    def __init__(self, device, staging: str):
         self._stager = _stager_class()(pin_memory=torch.device(device).type == "cuda", share_memory=False)
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hetloco-ckpt")
         self.staging = staging
@@ -306,8 +306,7 @@ def committed(engine) -> list[dict]:
 
 def _writer(engine) -> _Writer:
     if getattr(engine, "_checkpoint_writer", None) is None:
-        run = getattr(engine, "run", None)
-        engine._checkpoint_writer = _Writer(engine.device, run.hetloco.train.checkpoint_staging if run else "host")
+        engine._checkpoint_writer = _Writer(engine.device, engine.run.hetloco.train.checkpoint_staging)
     return engine._checkpoint_writer
 
 

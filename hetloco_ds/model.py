@@ -223,12 +223,10 @@ def chunked_lm_loss(head: HeadInput, labels: torch.Tensor, chunk_tokens: int) ->
     its dtype, as `F.linear` would; the loss is fp32, as `causal_lm_loss`'s. The same value as
     `causal_lm_loss` up to the order of the sum over tokens."""
     hidden, weight = head
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(
-        hidden.dtype, weight.dtype)
-    target = F.pad(labels[:, 1:].long(), (0, 1), value=-100).reshape(-1)
+    dtype = head_dtype(hidden, weight)
+    target = next_token_targets(labels)
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(hidden.device.type, enabled=False):
         total = sum(checkpoint(_chunk_loss_sum, hidden[i:i + chunk_tokens], weight, target[i:i + chunk_tokens], dtype,
                                use_reentrant=False, preserve_rng_state=False)
                     for i in range(0, hidden.shape[0], chunk_tokens))
@@ -251,8 +249,20 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     The labels are shifted (the last position gets the ignore index), not the logits: slicing
     the [b, seq, vocab] logits would copy them forward and scatter their gradient back.
     """
-    target = F.pad(labels[:, 1:].long(), (0, 1), value=-100)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), next_token_targets(labels), ignore_index=-100)
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """[b, seq] labels as the flat [b * seq] targets of the positions' logits: each position's next
+    token, the ignore index (-100) at the last."""
+    return F.pad(labels[:, 1:].long(), (0, 1), value=-100).reshape(-1)
+
+
+def head_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the LM head's matmul runs in: autocast's where it is on, else the inputs' own."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.promote_types(
+        hidden.dtype, weight.dtype)
 
 
 @dataclass(frozen=True)
