@@ -305,6 +305,31 @@ def test_overlap_links_committed_predictions_are_the_plans(tmp_path):
     assert sl.agreement(shaped["points"]) == shaped["agreement"]
 
 
+def test_gpu_links_committed_predictions_are_the_plans():
+    """Breaks if gpu_links.py's predictions, its calibration or its agreement, or the cost model under
+    them, no longer give what bench/results/gpu_links_h200x2.json recorded from the 2 x H200 run (the
+    run needs two GPUs and root; its CPU stand-in, `--cpu-smoke`, takes about 2 minutes)."""
+    gl = bench_module("gpu_links")
+    result = json.loads((RESULTS / "gpu_links_h200x2.json").read_text())
+    setup = gl.Setup(result["settings"]["smoke"])
+    cal = result["calibration"]
+    assert setup.calibrate(96, "blocking", cal["unshaped_rate_bps"], cal["t_unshaped_step"]) == pytest.approx(
+        cal["tflops"], rel=1e-9)
+    assert setup.predict(96, cal["unshaped_rate_bps"], "blocking", cal["tflops"]).total_time == pytest.approx(
+        cal["t_unshaped_step"], rel=1e-6)
+    stage = [p for p in result["points"] if p["part"] == "a"]
+    assert len(stage) == 3 * 2 * 4 and {p["ratio"] for p in stage} == {96, 8, 1}
+    for p in stage:
+        pred = setup.predict(p["ratio"], p["predicted"]["rate_bps"], p["schedule"], cal["tflops"])
+        assert pred.total_time == pytest.approx(p["predicted"]["step_seconds"], rel=1e-9)
+        assert pred.stage_link_bytes_per_step == p["stage_link_payload_bytes_per_step"]  # the engine sent what plan counts
+    for p in (p for p in result["points"] if p["part"] == "b" and p["replica_bw_bps"]):
+        pred = setup.predict_replica(p["replica_bw_bps"])
+        assert pred.outer_sync_time == pytest.approx(p["predicted"]["outer_sync_seconds"], rel=1e-9)
+        assert pred.outer_payload_bytes[0] == p["payload_bytes"]
+    assert gl.agreement(result["points"]) == result["agreement"]
+
+
 def test_gpu_two_counts_the_stage_link_bytes_it_sends(tmp_path):
     """Breaks if gpu_two.py's measured stage-link bytes (two real ranks) stop equalling the analytic count."""
     _run([sys.executable, "bench/gpu_two.py", "--cpu-smoke", "--configs", "a_ours_r8", "--out", str(tmp_path / "g2.json")],
