@@ -109,23 +109,33 @@ def test_each_commit_is_one_metrics_row_with_what_it_cost(reference):
         assert r["seconds"] == manifest["seconds"]
 
 
-def test_a_kill_during_a_background_write_keeps_latest_and_the_resume_is_bitwise(reference, tmp_path):
+@pytest.mark.parametrize("staging", ["auto", "none"])
+def test_a_kill_during_a_write_keeps_latest_and_the_resume_is_bitwise(reference, tmp_path, staging):
     """Rank 3 (replica 1, stage 1) is SIGKILLed halfway through writing its file of the step-6
-    checkpoint, in the background thread, while the main thread trains on: `latest` still names
-    global_step3, complete (step 3's commit came first), the half-written step 6 is only a
-    `.partial` directory; `--resume` from step 3 reproduces the uninterrupted run's losses, every
-    replica's, and its export bit for bit. Breaks if `latest` moves before every rank's write
-    ended, if a partial checkpoint is picked, or if resuming loses any state stored once."""
+    checkpoint: under `train.checkpoint_staging` "auto" (a host copy here) in the background thread
+    while the main thread trains on, under "none" from the live tensors while training waits.
+    `latest` still names global_step3, complete (step 3's commit came first), the half-written step
+    6 is only a `.partial` directory; `--resume` from step 3 reproduces the uninterrupted run's
+    losses, every replica's, and its export bit for bit. Breaks if `latest` moves before every
+    rank's write ended, if a partial checkpoint is picked, or if resuming loses any state stored
+    once."""
     out, cache = tmp_path / "out", reference["cache"]
     ckpt_dir = out / "checkpoints"
+    files = list(reference["files"])
+    if staging != "auto":  # the same job, saving another way: the same bits train
+        cfg = json.loads(open(files[1]).read())
+        cfg["hetloco"]["train"]["checkpoint_staging"] = staging
+        files[1] = str(tmp_path / "run.json")
+        open(files[1], "w").write(json.dumps(cfg))
     # The 4 ranks as torchrun starts them, forked (a launcher's report of a dead rank is
     # test_faults.py's); when rank 3 dies the others are stopped, as a launcher stops them.
     log = tmp_path / "killed"
-    procs = fork_job(log, 4, ["train", *reference["files"], "--steps", STEPS, "--out", str(out)], runs.env(cache),
+    procs = fork_job(log, 4, ["train", *files, "--steps", STEPS, "--out", str(out)], runs.env(cache),
                      fault="3:ckpt:2")
     until_a_rank_ends(procs, 600)
     assert procs[3].exitcode == -9, f"exit codes {[p.exitcode for p in procs]}\n{job_stderr(log, 4)[-4000:]}"
     assert "[fault_inject] rank 3: kill at ckpt #2" in job_stderr(log, 4)
+    assert json.loads((out / "run_config.json").read_text())["hetloco"]["train"]["checkpoint_staging"] == staging
     assert checkpoint.latest_tag(str(ckpt_dir)) == "global_step3"
     assert checkpoint.verify(str(ckpt_dir), "global_step3", 4) is None
     assert not (ckpt_dir / "global_step6").exists()
