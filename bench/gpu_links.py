@@ -68,15 +68,15 @@ for p in (str(REPO), str(BENCH)):
         sys.path.insert(0, p)
 
 import shaped_links as sl  # noqa: E402
-from hetloco_ds import netlab, plan  # noqa: E402
+from hetloco_ds import netlab, plan, rehearse  # noqa: E402
 from hetloco_ds.presets import PRESETS  # noqa: E402
 
 LINK_EFF = sl.LINK_EFF
 UNSHAPED = sl.UNLIMITED
 RATES = (1e9, 300e6, 100e6)
 SCHEDULES = ("blocking", "overlapped")
-NCCL_SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
-                "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NCCL_SOCKETS = {**rehearse.NCCL_SOCKETS, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class Setup:

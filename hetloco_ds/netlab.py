@@ -397,7 +397,10 @@ class ShapedNetwork:
         """The environment of `rank`: torch.distributed's env:// variables and the gloo interface.
 
         LOCAL_RANK = rank: all namespaces share this host's devices. OMP_NUM_THREADS defaults
-        to 1 so W ranks do not oversubscribe the CPU.
+        to 1 so W ranks do not oversubscribe the CPU. HETLOCO_HOST = the rank's namespace: each
+        counts as a host of its own (`pipe.links.host_ids`), so the engine treats its shaped links
+        as the links between hosts they stand for (on GPUs "auto" then runs the overlapped schedule
+        over the process groups, as across hosts, not over the copy engines).
         """
         env = dict(os.environ if base is None else base)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -405,7 +408,7 @@ class ShapedNetwork:
         env.update(MASTER_ADDR=self.addresses[0], MASTER_PORT=str(master_port), RANK=str(rank),
                    WORLD_SIZE=str(self.world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(self.world),
                    GLOO_SOCKET_IFNAME=IFACE, TP_SOCKET_IFNAME=IFACE, NCCL_SOCKET_IFNAME=IFACE,
-                   HL_NETNS=self.namespaces[rank], HL_ADDR=self.addresses[rank],
+                   HL_NETNS=self.namespaces[rank], HL_ADDR=self.addresses[rank], HETLOCO_HOST=self.namespaces[rank],
                    HL_REPLICA=str(replica), HL_STAGE=str(stage))
         return env
 

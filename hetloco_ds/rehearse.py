@@ -21,9 +21,11 @@ the slowest replica's prediction counts: replicas wait for each other at every o
 
 Needs Linux, root, `ip` and `tc`: without them it stops with one line naming what is missing,
 before any rank starts. The shaping applies to TCP through each namespace's veth: gloo always;
-NCCL only over sockets, so the ranks get NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 (on GPUs the
-engine's compute seconds are host launch time, so the measured utilisation is only meaningful on
-CPU).
+NCCL only over sockets, so the ranks get NCCL_P2P_DISABLE, NCCL_SHM_DISABLE and NCCL_IB_DISABLE and
+NCCL_NET=Socket, and each namespace counts as a host of its own (netlab's HETLOCO_HOST), so the
+engine runs what it would run across hosts: "auto" is the overlapped schedule over process groups,
+never the copy engines (on GPUs the engine's compute seconds are host launch time, so the measured
+utilisation is only meaningful on CPU; bench/gpu_links.py measures GPUs on shaped links).
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ from .plan import model as plan
 from .plan.shapes import ModelShape
 
 LINK_CLASSES = ("stage", "replica")
+NCCL_SOCKETS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket"}
+"""NCCL kept to TCP sockets, the one path tc shapes."""
 TCP_GOODPUT = 1448 / 1514
 """TCP/IPv4 payload per 1514-byte Ethernet frame with timestamps (tests/test_netlab.py)."""
 
@@ -80,7 +84,7 @@ def run(nproc: int, argv: list[str], specs: list[str], out: str, stages: int, en
     default ours), then print the summary line."""
     rates = parse_links(specs)
     replicas = nproc // stages
-    env = dict(os.environ if env is None else env, NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")  # NCCL via the shaped sockets
+    env = dict(os.environ if env is None else env, **NCCL_SOCKETS)
     start = time.time()
     with netlab.ShapedNetwork(nproc, netlab.replica_coords([stages] * replicas), rates.get("stage"),
                               rates.get("replica")) as net, tempfile.TemporaryDirectory(prefix="hl-rehearse-") as tmp:

@@ -250,6 +250,26 @@ def _hosts_body(rank):
     return ids, meter.snapshot()["control"], nccl_link_options(1)
 
 
+def _named_hosts_body(rank):
+    from hetloco_ds.meter import ByteMeter
+    from hetloco_ds.pipe.links import HOST_ENV, host_ids
+
+    os.environ[HOST_ENV] = f"hl-ns-{rank % 2}"
+    return host_ids(torch.device("cpu"), ByteMeter())
+
+
+def test_a_rank_counts_itself_on_the_host_hetloco_host_names():
+    """$HETLOCO_HOST (netlab sets it to each rank's namespace) is the host a rank counts itself on:
+    ranks 0 and 2 share one, rank 1 has another, and a stage link between them crosses hosts. Breaks if
+    the engine goes back to the host name under --link, where every namespace shares it."""
+    from hetloco_ds.pipe.links import crossing_link
+
+    named = [hashlib.sha256(f"hl-ns-{r % 2}".encode()).digest() for r in range(3)]
+    for ids in run_ranks(_named_hosts_body, 3):
+        assert ids == named
+        assert crossing_link([[0, 1], [2]], ids) == (0, 1) and not crossing_link([[0, 2], [1]], ids)
+
+
 def test_host_ids_are_every_ranks_host_with_exact_control_bytes():
     """Three gloo ranks on this host: each learns the same three host ids, each the SHA-256 of this
     host's name, and meters 32 (W - 1) control bytes each way; gloo gets no NCCL options. Breaks if

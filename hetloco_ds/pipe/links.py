@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import socket
 from collections import deque
 from dataclasses import dataclass
@@ -71,12 +72,18 @@ def gemm_sm_carveout(setting: int | str, max_ctas: int | None, link_kernels: int
     return sms
 
 
+HOST_ENV = "HETLOCO_HOST"
+"""Where set, the host a rank counts itself on instead of its host name: netlab sets it to the rank's
+network namespace, which stands for a host of its own behind its shaped links (`hetloco-ds train --link`)."""
+
+
 def host_ids(device, meter: ByteMeter) -> list[bytes]:
-    """Every rank's host, as the SHA-256 of its host name, gathered over the world (collective).
-    A fixed 32 bytes a rank, so the control bytes metered are exact: a ring all-gather sends and
-    receives 32 (W - 1) bytes a rank."""
+    """Every rank's host, as the SHA-256 of its host name (or of $HETLOCO_HOST), gathered over the
+    world (collective). A fixed 32 bytes a rank, so the control bytes metered are exact: a ring
+    all-gather sends and receives 32 (W - 1) bytes a rank."""
     world = tdist.get_world_size()
-    mine = torch.frombuffer(bytearray(hashlib.sha256(socket.gethostname().encode()).digest()), dtype=torch.uint8)
+    host = os.environ.get(HOST_ENV) or socket.gethostname()
+    mine = torch.frombuffer(bytearray(hashlib.sha256(host.encode()).digest()), dtype=torch.uint8)
     every = torch.empty(world * 32, dtype=torch.uint8, device=device)
     tdist.all_gather_into_tensor(every, mine.to(device))
     meter.add("sent", 32 * (world - 1), "control")
