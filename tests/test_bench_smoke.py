@@ -328,6 +328,7 @@ def test_gpu_links_committed_predictions_are_the_plans():
         assert pred.outer_sync_time == pytest.approx(p["predicted"]["outer_sync_seconds"], rel=1e-9)
         assert pred.outer_payload_bytes[0] == p["payload_bytes"]
     assert gl.agreement(result["points"]) == result["agreement"]
+    assert gl.hidden_transfers(result["points"], result["settings"]["n_mb"]) == result["hidden_transfers"]
 
 
 def test_gpu_two_counts_the_stage_link_bytes_it_sends(tmp_path):
