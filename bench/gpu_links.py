@@ -132,57 +132,6 @@ class Setup:
 
 PROBE = r"""
 import json, os, sys, time, torch, torch.distributed as dist
-sizes, reps = [int(x) for x in sys.argv[1].split(",")], int(sys.argv[2])
-cuda = torch.cuda.is_available()
-dev = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-if cuda:
-    torch.cuda.set_device(dev)
-dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
-rank = dist.get_rank()
-sync = torch.cuda.synchronize if cuda else (lambda: None)
-for n in sizes:
-    x = torch.zeros(n // 2, dtype=torch.bfloat16, device=dev)
-    dist.send(x, 1) if rank == 0 else dist.recv(x, 0)  # connection up, out of slow start
-    for _ in range(reps):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        dist.send(x, 1) if rank == 0 else dist.recv(x, 0)
-        sync()
-        if rank == 1:
-            print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}), flush=True)
-dist.destroy_process_group()
-"""
-
-
-def link_probe(setup: Setup, tmp: str, env: dict, log) -> list[dict]:
-    prog = os.path.join(tmp, "probe.py")
-    Path(prog).write_text(PROBE)
-    sizes = sorted({setup.predict(r, 1e9, "blocking", 1.0).fwd_bytes_microbatch for r in setup.ratios})
-    out = []
-    for bw in (UNSHAPED, *setup.rates):
-        reps = 5 if bw >= 300e6 else 3
-        with netlab.ShapedNetwork(2, netlab.replica_coords([2]), stage_rate_bps=bw) as net:
-            res = net.run(lambda r: [sys.executable, prog, ",".join(map(str, sizes)), str(reps)], timeout=300,
-                          env=dict(env, PYTHONPATH=str(REPO)))
-        for r in res:
-            if r.returncode != 0:
-                raise RuntimeError(f"link probe rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-        rows = [json.loads(x) for x in res[1].stdout.splitlines() if x.startswith("{")]
-        for n in sizes:
-            secs = [r["seconds"] for r in rows if r["bytes"] == n]
-            med = statistics.median(secs)
-            model = n * 8 / (bw * LINK_EFF) if bw != UNSHAPED else None
-            out.append({"label": sl.label(bw), "rate_bps": None if bw == UNSHAPED else bw, "bytes": n,
-                        "one_way_seconds": sl.summary(secs), "goodput_bps": n * 8 / med,
-                        "link_model_seconds": model, "measured_over_link_model": med / model if model else None})
-            log(f"probe {sl.label(bw):>14} {n:>9} B: {med * 1e3:8.2f} ms, {n * 8 / med / 1e6:8.1f} Mbit/s"
-                + (f" ({med / model:.3f}x bytes / (rate x {LINK_EFF:.3f}))" if model else ""))
-    return out
-
-
-SEND_PROBE = r"""
-import json, os, sys, time, torch, torch.distributed as dist
 sizes, reps, late = [int(x) for x in sys.argv[1].split(",")], int(sys.argv[2]), float(sys.argv[3])
 cuda = torch.cuda.is_available()
 dev = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
@@ -193,7 +142,7 @@ rank = dist.get_rank()
 sync = torch.cuda.synchronize if cuda else (lambda: None)
 for n in sizes:
     x = torch.zeros(n // 2, dtype=torch.bfloat16, device=dev)
-    dist.send(x, 1) if rank == 0 else dist.recv(x, 0)
+    dist.send(x, 1) if rank == 0 else dist.recv(x, 0)  # connection up, out of slow start
     for _ in range(reps):
         dist.barrier()
         sync()
@@ -213,23 +162,47 @@ dist.destroy_process_group()
 """
 
 
+def probe_sends(tmp: str, env: dict, rate: float, sizes: list[int], reps: int, late: float) -> list[dict]:
+    """PROBE between two namespaces on a stage link of `rate`: per one-way send of each size, when it
+    ended on the sender and when its data were in (seconds from a barrier, each side after a device
+    sync), with the receive posted `late` seconds after the send."""
+    prog = os.path.join(tmp, "probe.py")
+    Path(prog).write_text(PROBE)
+    with netlab.ShapedNetwork(2, netlab.replica_coords([2]), stage_rate_bps=rate) as net:
+        res = net.run(lambda r: [sys.executable, prog, ",".join(map(str, sizes)), str(reps), str(late)], timeout=300,
+                      env=dict(env, PYTHONPATH=str(REPO)))
+    for r in res:
+        if r.returncode != 0:
+            raise RuntimeError(f"probe rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return [json.loads(x) for x in res[0].stdout.splitlines() if x.startswith("{")]
+
+
+def link_probe(setup: Setup, tmp: str, env: dict, log) -> list[dict]:
+    sizes = sorted({setup.predict(r, 1e9, "blocking", 1.0).fwd_bytes_microbatch for r in setup.ratios})
+    out = []
+    for bw in (UNSHAPED, *setup.rates):
+        rows = probe_sends(tmp, env, bw, sizes, 5 if bw >= 300e6 else 3, 0.0)
+        for n in sizes:
+            secs = [r["recv_done"] for r in rows if r["bytes"] == n]
+            med = statistics.median(secs)
+            model = n * 8 / (bw * LINK_EFF) if bw != UNSHAPED else None
+            out.append({"label": sl.label(bw), "rate_bps": None if bw == UNSHAPED else bw, "bytes": n,
+                        "one_way_seconds": sl.summary(secs), "goodput_bps": n * 8 / med,
+                        "link_model_seconds": model, "measured_over_link_model": med / model if model else None})
+            log(f"probe {sl.label(bw):>14} {n:>9} B: {med * 1e3:8.2f} ms, {n * 8 / med / 1e6:8.1f} Mbit/s"
+                + (f" ({med / model:.3f}x bytes / (rate x {LINK_EFF:.3f}))" if model else ""))
+    return out
+
+
 def send_probe(setup: Setup, tmp: str, env: dict, log, rate: float = 100e6) -> list[dict]:
     """When does a blocking send end on the sender's stream (host after a device sync), with the
     receive posted at once or 0.3 s late? plan's blocking schedule holds a sender until its receive
     is posted and, per tensor, the data are across; a transport that buffers lets it go sooner."""
-    prog = os.path.join(tmp, "send_probe.py")
-    Path(prog).write_text(SEND_PROBE)
     sizes = sorted({setup.predict(r, 1e9, "blocking", 1.0).fwd_bytes_microbatch for r in setup.ratios}
                    | {2**20, 2 * 2**20, 4 * 2**20, 2 * setup.predict(1, 1e9, "blocking", 1.0).fwd_bytes_microbatch})
     out = []
     for late in (0.0, 0.3):
-        with netlab.ShapedNetwork(2, netlab.replica_coords([2]), stage_rate_bps=rate) as net:
-            res = net.run(lambda r: [sys.executable, prog, ",".join(map(str, sizes)), "3", str(late)], timeout=300,
-                          env=dict(env, PYTHONPATH=str(REPO)))
-        for r in res:
-            if r.returncode != 0:
-                raise RuntimeError(f"send probe rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-        rows = [json.loads(x) for x in res[0].stdout.splitlines() if x.startswith("{")]
+        rows = probe_sends(tmp, env, rate, sizes, 3, late)
         for n in sizes:
             mine = [r for r in rows if r["bytes"] == n]
             T = n * 8 / (rate * LINK_EFF)
@@ -544,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     save()
     log(f"agreement: {json.dumps(result.get('agreement'))}")
     try:
-        plot(result, str(Path(a.out, f"{name}.png")))
+        if "calibration" in result:  # the figure needs the stage-link runs (part a)
+            plot(result, str(Path(a.out, f"{name}.png")))
     except Exception as e:  # the JSON is the record; a figure can be redrawn from it (--plot)
         log(f"plot failed: {e!r}")
     return 0
