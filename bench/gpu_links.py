@@ -1,6 +1,6 @@
 """The paper's Figure 2 on two GPUs: stage and replica links at internet rates, measured against `plan`.
 
-    OUT=... bash bench/gpu.sh --gpus 2 --timeout 560 gpu_links.py              # carry .whl and .netbin
+    OUT=... bash bench/gpu.sh --gpus 2 --timeout 550 gpu_links.py              # carry .whl and .netbin
     python bench/gpu_links.py --cpu-smoke --out /tmp/x                          # the same path on this CPU (root)
     python bench/gpu_links.py --plot bench/results/gpu_links_h200x2.json        # redraw the figure from the JSON
 
@@ -13,8 +13,8 @@ our overlapped schedule's stage-link messages on `process_group` (NCCL), not the
 would move them over NVLink, unshaped). The GPU machine has no iproute2: `.netbin/` carries the
 build machine's `ip` and `tc` with their libraries (bench/netbin.sh makes it; it goes on PATH here).
 
-Model: the 512M preset (d 1536, 12 layers; the largest of the two the issue names whose width 96
-divides), vocabulary 8192 (the default stdlib BPE and corpus), seq 2048, bf16 (activations and
+Model: the 512M preset (d 1536, 12 layers; the larger of the two the issue names, and the one whose
+width 96 divides), vocabulary 8192 (the default stdlib BPE and corpus), seq 2048, bf16 (activations and
 their gradients cross as bf16; a compressed boundary also sends the int16 token ids), micro-batch 1,
 8 micro-batches a step, AdamW, SparseLoCo with H beyond the run in (a).
 
@@ -45,7 +45,8 @@ link-free step / plan's step at the rate (the paper's Figure 2: the share of lin
 survives the link). Also recorded: the prediction calibrated on that run's own unshaped visits.
 (b): plan's outer-sync (link) time + the measured unshaped outer step less plan's unshaped link time.
 
-Writes gpu_links.json after every run (card, command, settings, probe, points) and gpu_links.png.
+Writes gpu_links.json after every run (card, command, settings, probes, points, agreement, and
+`hidden_transfers`: how much of each micro-batch's transfers a step did not pay) and gpu_links.png.
 """
 from __future__ import annotations
 
