@@ -37,9 +37,9 @@ Send probe (s): at 100 Mbit/s, when a blocking send of 64 KB to 12 MB ends on it
 
 Predictions: `plan.predict` with the run's shapes, schedule (overlap = schedule == "overlapped"),
 bf16 (act_bytes 2), link_efficiency 1448/1514 (TCP over Ethernet frames with timestamps). One
-device speed for every point: FLOP/s calibrated on the ratio-96 blocking run's unshaped visits
-(plan's step there, on the probe's unshaped rate, equals the measured one; at ratio 96 a transfer is
-under 1% of a step), so the unshaped points of ratio 8 and 1 are predictions too. Measured compute
+device speed for every point: FLOP/s calibrated on the first ratio's (96's) blocking run's unshaped
+visits (plan's step there, on the probe's unshaped rate, equals the measured one; at ratio 96 a
+transfer is under 1% of a step), so the unshaped points of ratio 8 and 1 are predictions too. Measured compute
 utilisation = plan's link-free step for that (ratio, schedule) / measured step; predicted = plan's
 link-free step / plan's step at the rate (the paper's Figure 2: the share of link-free speed that
 survives the link). Also recorded: the prediction calibrated on that run's own unshaped visits.
@@ -83,8 +83,9 @@ NCCL_SOCKETS = {**rehearse.NCCL_SOCKETS, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_ME
 class Setup:
     """What one invocation measures: the GPU shape, or (`--cpu-smoke`) a tiny CPU stand-in."""
 
-    def __init__(self, smoke: bool):
-        self.smoke = smoke
+    def __init__(self, smoke: bool, micro: int | None = None, ratios: tuple[int, ...] | None = None,
+                 compile: bool = False):
+        self.smoke, self.compile = smoke, compile
         if smoke:
             self.model = dict(sl.MODEL, max_position_embeddings=128)
             self.name, self.vocab, self.seq, self.micro, self.n_mb = "d256", 1024, 128, 4, 4
@@ -93,7 +94,15 @@ class Setup:
             self.model = dict(PRESETS["512M"])
             self.name, self.vocab, self.seq, self.micro, self.n_mb = "512M", 8192, 2048, 1, 8
             self.ratios, self.rates, self.bf16 = (96, 8, 1), RATES, True
+        self.micro = micro or self.micro
+        self.ratios = tuple(ratios or self.ratios)
         self.act_bytes = 2 if self.bf16 else 4
+
+    @classmethod
+    def of(cls, result: dict) -> "Setup":
+        """The setup a result's JSON was measured with."""
+        st = result["settings"]
+        return cls(st["smoke"], st["micro_batch"], tuple(st["ratios"]), st.get("compile", False))
 
     def shape(self) -> plan.ModelShape:
         return sl.model_shape(self.model, self.vocab, self.seq)
@@ -104,6 +113,7 @@ class Setup:
         cfg = sl.ds_config(stages, n_mb, ratio, inner_steps=replicas_h or 10**6, micro=self.micro, seq=self.seq,
                            vocab=self.vocab, schedule=schedule)
         cfg["bf16"] = {"enabled": self.bf16}
+        cfg["hetloco"]["train"]["compile"] = self.compile
         cfg["hetloco"]["pipeline"]["link_transport"] = "process_group"  # NCCL over the shaped veth, never NVLink
         return cfg
 
@@ -391,7 +401,7 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    setup = Setup(result["settings"]["smoke"])
+    setup = Setup.of(result)
     cal = result["calibration"]["tflops"]
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     lo = min(setup.rates) / 3
@@ -459,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", str(BENCH / "results")))
     ap.add_argument("--cpu-smoke", action="store_true", help="the tiny CPU stand-in (gloo), same path")
     ap.add_argument("--parts", default="psab", help="p: link probe, s: send probe, a: stage link, b: replica link")
+    ap.add_argument("--micro", type=int, default=None, help="sequences a micro-batch (GPU default 1: launch-bound "
+                    "at 512M in eager mode; larger, or --compile, moves the run towards device-bound)")
+    ap.add_argument("--ratios", default=None, help="comma-separated subspace ratios of (a) (GPU default 96,8,1)")
+    ap.add_argument("--compile", action="store_true", help="hetloco.train.compile in every run")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the figure beside JSON")
     a = ap.parse_args(argv)
     if "a" in a.parts and "p" not in a.parts:
@@ -473,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"gpu_links: {why}", file=sys.stderr)
         return 2
-    setup = Setup(a.cpu_smoke)
+    setup = Setup(a.cpu_smoke, a.micro, tuple(int(r) for r in a.ratios.split(",")) if a.ratios else None, a.compile)
     os.makedirs(a.out, exist_ok=True)
     name = "gpu_links_cpu_smoke" if a.cpu_smoke else "gpu_links"
     t_start = time.time()
@@ -491,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "settings": {"smoke": a.cpu_smoke, "model": setup.name, "model_config": setup.model, "vocab": setup.vocab,
                            "seq_len": setup.seq, "micro_batch": setup.micro, "n_mb": setup.n_mb, "bf16": setup.bf16,
+                           "compile": setup.compile,
                            "ratios": list(setup.ratios), "rates_bps": list(setup.rates), "schedules": list(SCHEDULES),
                            "link_efficiency": LINK_EFF, "margin_s": sl.MARGIN_S,
                            "nccl_env": {} if a.cpu_smoke else NCCL_SOCKETS, "netlab": "gso_max_segs 1, ack_priority"},

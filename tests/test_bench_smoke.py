@@ -311,7 +311,7 @@ def test_gpu_links_committed_predictions_are_the_plans():
     run needs two GPUs and root; its CPU stand-in, `--cpu-smoke`, takes about 2 minutes)."""
     gl = bench_module("gpu_links")
     result = json.loads((RESULTS / "gpu_links_h200x2.json").read_text())
-    setup = gl.Setup(result["settings"]["smoke"])
+    setup = gl.Setup.of(result)
     cal = result["calibration"]
     assert setup.calibrate(96, "blocking", cal["unshaped_rate_bps"], cal["t_unshaped_step"]) == pytest.approx(
         cal["tflops"], rel=1e-9)
