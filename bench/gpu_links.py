@@ -76,6 +76,8 @@ LINK_EFF = sl.LINK_EFF
 UNSHAPED = sl.UNLIMITED
 RATES = (1e9, 300e6, 100e6)
 SCHEDULES = ("blocking", "overlapped")
+KILL = 9
+"""How a run is stopped: at once, as a SIGTERM asks the engine for a preemption save nothing here reads."""
 NCCL_SOCKETS = {**rehearse.NCCL_SOCKETS, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -141,58 +143,11 @@ class Setup:
 
 # ----------------------------------------------------------------------------- the link probe
 
-PROBE = r"""
-import json, os, sys, time, torch, torch.distributed as dist
-sizes, reps, late = [int(x) for x in sys.argv[1].split(",")], int(sys.argv[2]), float(sys.argv[3])
-cuda = torch.cuda.is_available()
-dev = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-if cuda:
-    torch.cuda.set_device(dev)
-dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
-rank = dist.get_rank()
-sync = torch.cuda.synchronize if cuda else (lambda: None)
-for n in sizes:
-    x = torch.zeros(n // 2, dtype=torch.bfloat16, device=dev)
-    dist.send(x, 1) if rank == 0 else dist.recv(x, 0)  # connection up, out of slow start
-    for _ in range(reps):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(x, 1)
-        else:
-            time.sleep(late)
-            dist.recv(x, 0)
-        sync()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
-        both = [torch.zeros_like(dt) for _ in range(2)]
-        dist.all_gather(both, dt)
-        if rank == 0:
-            print(json.dumps({"bytes": n, "send_done": float(both[0]), "recv_done": float(both[1])}), flush=True)
-dist.destroy_process_group()
-"""
-
-
-def probe_sends(tmp: str, env: dict, rate: float, sizes: list[int], reps: int, late: float) -> list[dict]:
-    """PROBE between two namespaces on a stage link of `rate`: per one-way send of each size, when it
-    ended on the sender and when its data were in (seconds from a barrier, each side after a device
-    sync), with the receive posted `late` seconds after the send."""
-    prog = os.path.join(tmp, "probe.py")
-    Path(prog).write_text(PROBE)
-    with netlab.ShapedNetwork(2, netlab.replica_coords([2]), stage_rate_bps=rate) as net:
-        res = net.run(lambda r: [sys.executable, prog, ",".join(map(str, sizes)), str(reps), str(late)], timeout=300,
-                      env=dict(env, PYTHONPATH=str(REPO)))
-    for r in res:
-        if r.returncode != 0:
-            raise RuntimeError(f"probe rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    return [json.loads(x) for x in res[0].stdout.splitlines() if x.startswith("{")]
-
-
 def link_probe(setup: Setup, tmp: str, env: dict, log) -> list[dict]:
     sizes = sorted({setup.predict(r, 1e9, "blocking", 1.0).fwd_bytes_microbatch for r in setup.ratios})
     out = []
     for bw in (UNSHAPED, *setup.rates):
-        rows = probe_sends(tmp, env, bw, sizes, 5 if bw >= 300e6 else 3, 0.0)
+        rows = sl.probe_sends(tmp, env, bw, sizes, 5 if bw >= 300e6 else 3, 0.0)
         for n in sizes:
             secs = [r["recv_done"] for r in rows if r["bytes"] == n]
             med = statistics.median(secs)
@@ -213,7 +168,7 @@ def send_probe(setup: Setup, tmp: str, env: dict, log, rate: float = 100e6) -> l
                    | {2**20, 2 * 2**20, 4 * 2**20, 2 * setup.predict(1, 1e9, "blocking", 1.0).fwd_bytes_microbatch})
     out = []
     for late in (0.0, 0.3):
-        rows = probe_sends(tmp, env, rate, sizes, 3, late)
+        rows = sl.probe_sends(tmp, env, rate, sizes, 3, late)
         for n in sizes:
             mine = [r for r in rows if r["bytes"] == n]
             T = n * 8 / (rate * LINK_EFF)
@@ -235,18 +190,6 @@ def unshaped_bps(probe: list[dict]) -> float:
 # ----------------------------------------------------------------------------- engine runs
 
 
-class Run(sl.EngineRun):
-    def stop(self) -> None:
-        # SIGKILL at once: a SIGTERM asks the engine for a preemption save, which nothing here reads.
-        for p in self.procs:
-            if p.poll() is None:
-                netlab._signal_group(p, 9)
-        for p in self.procs:
-            p.wait()
-        for log in self.logs:
-            log.close()
-
-
 def engine_run(setup: Setup, tmp: str, name: str, cfg: dict, coords, link: str, schedule_rates: list[float],
                want, kind: str, replicas: int, env: dict, log) -> list[dict]:
     path = os.path.join(tmp, f"{name}.json")
@@ -257,17 +200,17 @@ def engine_run(setup: Setup, tmp: str, name: str, cfg: dict, coords, link: str, 
     Path(model_path).write_text(json.dumps(dict(setup.model, vocab_size=setup.vocab)))
     t0 = time.time()
     with netlab.ShapedNetwork(2, coords, **{f"{link}_rate_bps": UNSHAPED}) as net:
-        run = Run(net, sl.train_cmd(path, model_path, out, nice=setup.smoke), out, env)
+        run = sl.EngineRun(net, sl.train_cmd(path, model_path, out, nice=setup.smoke), out, env)
         try:
             sl.wait_steps(run, 3 if kind == "step" else 6, max_s=420)  # start-up, first allocations, NCCL groups
             log(f"{name}: up after {time.time() - t0:.0f} s")
             visits = sl.run_visits(net, run, schedule_rates, want, kind, replicas, log, name)
         except BaseException:
-            run.stop()
+            run.stop(KILL)
             for r in range(2):
                 log(f"{name} rank {r} log tail:\n" + Path(out, f"rank{r}.log").read_text()[-3000:])
             raise
-        run.stop()
+        run.stop(KILL)
     log(f"{name}: {time.time() - t0:.0f} s")
     return visits
 
@@ -348,7 +291,8 @@ def part_b(setup: Setup, tmp: str, env: dict, result: dict, save, log) -> None:
     for bw in (UNSHAPED, *setup.rates):
         secs = [min(r["seconds"] for r in v) for v in per[bw]]
         med = statistics.median(secs)
-        p = setup.predict_replica(unshaped if bw == UNSHAPED else bw)
+        rate = unshaped if bw == UNSHAPED else bw
+        p = setup.predict_replica(rate)
         pt = {"part": "b", "replica_bw_bps": None if bw == UNSHAPED else bw, "label": sl.label(bw),
               "outer_seconds": sl.summary(secs),
               "outer_seconds_slower_replica": sl.summary([max(r["seconds"] for r in v) for v in per[bw]]),
@@ -356,7 +300,7 @@ def part_b(setup: Setup, tmp: str, env: dict, result: dict, save, log) -> None:
               "tc_wire_bytes_in_visits": [x["wire"] for x in visits if x["bw"] == bw],
               "predicted": {"outer_sync_seconds": p.outer_sync_time, "payload_bytes": p.outer_payload_bytes[0],
                             "plus_measured_outer_work": p.outer_sync_time + compute, "outer_work_seconds": compute,
-                            "dense_fp32_sync_seconds": (p.dense_outer_bytes[0] * 8 / ((unshaped if bw == UNSHAPED else bw) * LINK_EFF))},
+                            "dense_fp32_sync_seconds": p.dense_outer_bytes[0] * 8 / (rate * LINK_EFF)},
               "measured_over_predicted": med / (p.outer_sync_time + compute)}
         result["points"].append(pt)
         log(f"b_m2 {sl.label(bw):>14}: outer step {med:.3f} s (n={len(secs)}); plan link {p.outer_sync_time:.3f} s + "
@@ -414,7 +358,7 @@ def plot(result: dict, path: str) -> None:
             pts = [p for p in a if p["ratio"] == ratio and p["schedule"] == schedule]
             if not pts:
                 continue
-            c = colors[ratio]
+            c = colors.get(ratio, "tab:purple")
             tag = f"1/{ratio}" if ratio > 1 else "uncompressed"
             preds = [setup.predict(ratio, g, schedule, cal) for g in grid]
             free = setup.predict(ratio, 1e15, schedule, cal).total_time

@@ -85,49 +85,17 @@ def crossover_rate(stages: int, ratio: int, compute_mb: float) -> float:
     return fwd * 8 / compute_mb / LINK_EFF
 
 
-SEND_PROBE = r"""
-import json, sys, time, torch, torch.distributed as dist
-nbytes, reps, late = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-dist.init_process_group("gloo")
-rank, x = dist.get_rank(), torch.zeros(int(sys.argv[1]) // 4)
-for _ in range(2):  # connection up, out of slow start
-    dist.send(x, 1) if rank == 0 else dist.recv(x, 0)
-out = []
-for _ in range(reps):
-    dist.barrier()
-    t0 = time.perf_counter()
-    if rank == 0:
-        dist.send(x, 1)
-    else:
-        time.sleep(late)
-        dist.recv(x, 0)
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    both = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]
-    dist.all_gather(both, dt)
-    out.append([float(b) for b in both])
-if rank == 0:
-    print(json.dumps(out))
-dist.destroy_process_group()
-"""
-
-
 def blocking_send_probe(tmp: str, env: dict, log) -> list[dict]:
     """gloo's blocking send on a shaped link: when does it return, when does the data arrive, with
     the receive posted at once or 0.1 s late? (The plan's blocking-send semantics rest on this.)"""
-    prog = os.path.join(tmp, "send_probe.py")
-    Path(prog).write_text(SEND_PROBE)
     out = []
     for nbytes, rate in ((67584, 4.65e6), (524288, 34.2e6)):  # one compressed / uncompressed message
         for late in (0.0, 0.1):
-            with netlab.ShapedNetwork(2, netlab.replica_coords([2]), stage_rate_bps=rate) as net:
-                res = net.run(lambda r: [sys.executable, prog, str(nbytes), "8", str(late)], timeout=300, env=env)
-            if any(r.returncode != 0 for r in res):
-                raise RuntimeError(f"send probe failed: {[r.stderr[-1000:] for r in res]}")
-            rows = json.loads(res[0].stdout.strip().splitlines()[-1])[1:]
+            rows = sl.probe_sends(tmp, env, rate, [nbytes], 8, late)[1:]
             T = nbytes * 8 / (rate * LINK_EFF)
             row = {"bytes": nbytes, "rate_bps": rate, "receive_posted_late_s": late, "transfer_s": T,
-                   "send_returns_s": statistics.median(r[0] for r in rows),
-                   "recv_done_s": statistics.median(r[1] for r in rows)}
+                   "send_returns_s": statistics.median(r["send_done"] for r in rows),
+                   "recv_done_s": statistics.median(r["recv_done"] for r in rows)}
             out.append(row)
             log(f"send probe {nbytes} B @ {rate / 1e6:g} Mbit/s, receive posted {late} s late: send returns "
                 f"{row['send_returns_s']:.4f} s, data in {row['recv_done_s']:.4f} s (transfer {T:.4f} s)")

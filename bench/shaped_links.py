@@ -175,6 +175,58 @@ def wire_bytes(net: netlab.ShapedNetwork) -> int:
     return sum(net.link_bytes().values())
 
 
+# ----------------------------------------------------------------------------- a blocking send, probed
+
+SEND_PROBE = r"""
+import json, os, sys, time, torch, torch.distributed as dist
+sizes, reps, late = [int(x) for x in sys.argv[1].split(",")], int(sys.argv[2]), float(sys.argv[3])
+cuda = torch.cuda.is_available()
+dev = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(dev)
+dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
+rank = dist.get_rank()
+sync = torch.cuda.synchronize if cuda else (lambda: None)
+for n in sizes:
+    x = torch.zeros(n // 2, dtype=torch.bfloat16, device=dev)
+    for _ in range(2):  # connection up, out of slow start
+        dist.send(x, 1) if rank == 0 else dist.recv(x, 0)
+    for _ in range(reps):
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(x, 1)
+        else:
+            time.sleep(late)
+            dist.recv(x, 0)
+        sync()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=dev)
+        both = [torch.zeros_like(dt) for _ in range(2)]
+        dist.all_gather(both, dt)
+        if rank == 0:
+            print(json.dumps({"bytes": n, "send_done": float(both[0]), "recv_done": float(both[1])}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def probe_sends(tmp: str, env: dict, rate: float, sizes: list[int], reps: int, late: float) -> list[dict]:
+    """SEND_PROBE between two namespaces on a stage link of `rate` (gloo on the CPU, NCCL on GPUs): per
+    one-way blocking send of each size, `reps` times, when it ended on the sender and when its data
+    were in (seconds from a barrier, each side after a device sync), with the receive posted `late`
+    seconds after the send; rows {"bytes", "send_done", "recv_done"} in order."""
+    prog = os.path.join(tmp, "send_probe.py")
+    Path(prog).write_text(SEND_PROBE)
+    with netlab.ShapedNetwork(2, netlab.replica_coords([2]), stage_rate_bps=rate) as net:
+        res = net.run(lambda r: [sys.executable, prog, ",".join(map(str, sizes)), str(reps), str(late)], timeout=300,
+                      env=dict(env, PYTHONPATH=str(REPO)))
+    for r in res:
+        if r.returncode != 0:
+            raise RuntimeError(f"probe rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return [json.loads(x) for x in res[0].stdout.splitlines() if x.startswith("{")]
+
+
+
 # ----------------------------------------------------------------------------- engine runs
 
 
@@ -218,10 +270,11 @@ class EngineRun:
                 tail = Path(self.logs[r].name).read_text()[-4000:]
                 raise RuntimeError(f"rank {r} exited ({p.returncode}) during the measurement:\n{tail}")
 
-    def stop(self) -> None:
+    def stop(self, first_signal: int = 15) -> None:
+        """`first_signal` to every rank's group, SIGKILL to any still running 10 s later."""
         for p in self.procs:
             if p.poll() is None:
-                netlab._signal_group(p, 15)
+                netlab._signal_group(p, first_signal)
         for p in self.procs:
             try:
                 p.wait(timeout=10)
