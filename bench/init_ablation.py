@@ -5,13 +5,18 @@
         bench/results/size_sweep/one_pass/micro8/20M/paper_tables_t4_g0p0.json \\
         bench/results/size_sweep/one_pass/micro8/20M/paper_tables_p65a11290840_1_g0p0.json
 
+    python bench/init_ablation.py --reference bench/models/tiny_emb0.02.json \\
+        --out bench/results/init_ablation/summary_tiny_cpu.json bench/results/init_ablation/tiny_cpu_*.json
+
 Each input (a paper_tables JSON or a folder of them) contributes its finished rows, grouped by the
 model they trained (`model`: a preset name or a bench/models/*.json config, which is where the init
 differs). Within a group and seed, every compressed row's penalty is against that group's own
-SparseLoCo row at the same lr: the init moves the baseline too, so a penalty is never taken across
-inits. Written: per row, the final held-out loss, the penalty in % and in nats, and the penalty at
-each validation step both rows share (`curve`); `baseline_vs_reference_pct` is each group's
-SparseLoCo loss against the `--reference` group's (the torch init by default).
+uncompressed row as paper_tables pairs them (`Variant.base_key`: PP and Het against SparseLoCo at the
+same lr, AdamW-PP and AdamW-Het against AdamW): the init moves the baseline too, so a penalty is
+never taken across inits. Written: per row, the final held-out loss, the penalty in % and in nats,
+and the penalty at each validation step both rows share (`curve`); `baseline_vs_reference_pct` is
+each group's uncompressed loss against the `--reference` group's (the torch init by default);
+`over_seeds`, each row's mean, lowest and highest penalty over its seeds.
 """
 from __future__ import annotations
 
@@ -19,8 +24,12 @@ import argparse
 import glob
 import json
 import os
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from hetloco_ds.sim.rows import Variant  # noqa: E402
 
 
 def _files(paths: list[str]) -> list[str]:
@@ -46,39 +55,54 @@ def _rows(paths: list[str]) -> tuple[dict, set]:
     return found, cards
 
 
+def _base_key(r: dict) -> tuple:
+    """The uncompressed row a row is measured against, as paper_tables' own table pairs them
+    (`Variant.base_key`: 'pp:8' against 'sparseloco', 'adamw-het:8' against 'adamw')."""
+    return Variant(**r["variant"]).base_key
+
+
 def summarize(paths: list[str], reference: str = "20M") -> dict:
     found, cards = _rows(paths)
+    bases = {(model, _base_key(r)): (r, f) for (model, _, _), (r, f) in found.items() if not r["variant"].get("compressed")}
     out = []
-    for (model, row, seed), (r, f) in sorted(found.items()):
+    for (model, row, seed), (r, f) in sorted(found.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         v = r["variant"]
-        if v["mode"] != "sparseloco" or not v.get("compressed"):
+        if not v.get("compressed") or (model, _base_key(r)) not in bases:
             continue
-        base_key = (model, f"sparseloco:lr={v['lr']:g}", seed)
-        if base_key not in found:
-            continue
-        b, bf = found[base_key]
+        b, bf = bases[(model, _base_key(r))]
         bc = {p["step"]: p["loss"] for p in b.get("val_curve") or []}
         curve = [{"step": p["step"], "penalty_pct": 100 * (p["loss"] - bc[p["step"]]) / bc[p["step"]]}
                  for p in r.get("val_curve") or [] if p["step"] in bc]
-        ref = found.get((reference, f"sparseloco:lr={v['lr']:g}", seed))
+        ref = bases.get((reference, _base_key(r)))
         out.append({
             "model": model, "row": row, "seed": seed, "ratio": v.get("ratio"), "kind": row.split(":")[0],
-            "val_loss": r["val_loss"], "sparseloco_val_loss": b["val_loss"],
+            "val_loss": r["val_loss"], "base_row": b["variant"]["name"].split("@")[0], "base_val_loss": b["val_loss"],
             "penalty_pct": 100 * (r["val_loss"] - b["val_loss"]) / b["val_loss"],
             "penalty_nats": r["val_loss"] - b["val_loss"],
             "baseline_vs_reference_pct": (100 * (b["val_loss"] - ref[0]["val_loss"]) / ref[0]["val_loss"]
                                           if ref else None),
             "outer_steps": r.get("outer_steps"), "curve": curve, "files": [f, bf]})
-    return {"what": "compression penalty per init, each against its own init's SparseLoCo row",
-            "cards": sorted(c for c in cards if c), "reference": reference, "rows": out}
+    return {"what": "compression penalty per init, each against its own init's uncompressed row (SparseLoCo's; "
+                    "AdamW's for the adamw rows)",
+            "cards": sorted(c for c in cards if c), "reference": reference, "rows": out, "over_seeds": over_seeds(out)}
+
+
+def over_seeds(rows: list[dict]) -> list[dict]:
+    """Per model and row, the penalty's mean, lowest and highest over the seeds that have it."""
+    out = []
+    for model, row in sorted({(r["model"], r["row"]) for r in rows}):
+        p = [r["penalty_pct"] for r in rows if (r["model"], r["row"]) == (model, row)]
+        out.append({"model": model, "row": row, "seeds": sorted(r["seed"] for r in rows if (r["model"], r["row"]) == (model, row)),
+                    "penalty_pct_mean": sum(p) / len(p), "penalty_pct_min": min(p), "penalty_pct_max": max(p)})
+    return out
 
 
 def table(s: dict) -> str:
-    lines = ["| model (init) | row | val loss | its SparseLoCo | penalty | SparseLoCo vs reference |",
+    lines = ["| model (init) | row | val loss | its uncompressed row | penalty | that row vs reference |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in s["rows"]:
         ref = "" if r["baseline_vs_reference_pct"] is None else f"{r['baseline_vs_reference_pct']:+.2f}%"
-        lines.append(f"| {r['model']} | {r['row']} | {r['val_loss']:.4f} | {r['sparseloco_val_loss']:.4f} | "
+        lines.append(f"| {r['model']} | {r['row']} | {r['val_loss']:.4f} | {r['base_row']} {r['base_val_loss']:.4f} | "
                      f"{r['penalty_pct']:+.2f}% ({r['penalty_nats']:+.3f} nats) | {ref} |")
     return "\n".join(lines)
 

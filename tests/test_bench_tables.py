@@ -1338,20 +1338,32 @@ def test_init_ablation_sets_each_compressed_row_against_its_own_inits_sparseloco
 
     (tmp_path / "a.json").write_text(json.dumps({"model": "20M", "card": "X", "rows": [
         row("sparseloco:lr=0.001", "sparseloco", 0, 0, 2.0, [(100, 3.0), (200, 2.0)]),
-        row("pp:8:lr=0.001", "sparseloco", 8, 0, 2.4, [(100, 3.3), (200, 2.4)])]}))
+        row("pp:8:lr=0.001", "sparseloco", 8, 0, 2.4, [(100, 3.3), (200, 2.4)]),
+        row("sparseloco:lr=0.001", "sparseloco", 0, 1, 2.0, [(200, 2.0)]),
+        row("pp:8:lr=0.001", "sparseloco", 8, 1, 2.2, [(200, 2.2)])]}))
     (tmp_path / "b.json").write_text(json.dumps({"model": "m/emb1.json", "card": "X", "rows": [
         row("sparseloco:lr=0.001", "sparseloco", 0, 0, 2.2, [(100, 3.2), (150, 2.9), (200, 2.2)]),
         row("pp:8:lr=0.001", "sparseloco", 8, 0, 2.31, [(150, 3.0), (200, 2.31)]),
         row("pp:8:lr=0.001", "sparseloco", 8, 1, 2.0, [(200, 2.0)]),  # no SparseLoCo at seed 1: left out
-        row("adamw:lr=0.001", "adamw", 0, 0, 1.9, [(200, 1.9)])]}))
+        row("adamw:lr=0.001", "adamw", 0, 0, 1.9, [(200, 1.9)]),
+        row("adamw-pp:8:lr=0.001", "adamw", 8, 0, 2.09, [(200, 2.09)])]}))  # against AdamW, not SparseLoCo
     s = ia.summarize([str(tmp_path)])
-    got = {(r["model"], r["seed"]): r for r in s["rows"]}
-    assert set(got) == {("20M", 0), ("m/emb1.json", 0)} and s["cards"] == ["X"]
-    assert abs(got[("20M", 0)]["penalty_pct"] - 20.0) < 1e-9 and got[("20M", 0)]["baseline_vs_reference_pct"] == 0
-    e = got[("m/emb1.json", 0)]
+    got = {(r["model"], r["row"].split(":")[0], r["seed"]): r for r in s["rows"]}
+    assert set(got) == {("20M", "pp", 0), ("20M", "pp", 1), ("m/emb1.json", "pp", 0), ("m/emb1.json", "adamw-pp", 0)}
+    assert s["cards"] == ["X"]
+    assert abs(got[("20M", "pp", 0)]["penalty_pct"] - 20.0) < 1e-9 and got[("20M", "pp", 0)]["baseline_vs_reference_pct"] == 0
+    e = got[("m/emb1.json", "pp", 0)]
     assert abs(e["penalty_pct"] - 5.0) < 1e-9 and abs(e["penalty_nats"] - 0.11) < 1e-9
-    assert abs(e["baseline_vs_reference_pct"] - 10.0) < 1e-9
+    assert abs(e["baseline_vs_reference_pct"] - 10.0) < 1e-9 and e["base_row"] == "sparseloco:lr=0.001"
     assert [p["step"] for p in e["curve"]] == [150, 200] and abs(e["curve"][0]["penalty_pct"] - 100 * 0.1 / 2.9) < 1e-9
+    a = got[("m/emb1.json", "adamw-pp", 0)]
+    assert a["base_row"] == "adamw:lr=0.001" and abs(a["penalty_pct"] - 10.0) < 1e-9
+    assert a["baseline_vs_reference_pct"] is None  # the reference model has no AdamW row
+    means = {(m["model"], m["row"]): m for m in s["over_seeds"]}
+    assert means[("m/emb1.json", "pp:8:lr=0.001")]["seeds"] == [0]
+    m20 = means[("20M", "pp:8:lr=0.001")]
+    assert m20["seeds"] == [0, 1] and abs(m20["penalty_pct_mean"] - 15.0) < 1e-9
+    assert abs(m20["penalty_pct_min"] - 10.0) < 1e-9 and abs(m20["penalty_pct_max"] - 20.0) < 1e-9
 
     committed = BENCH / "results" / "init_ablation" / "summary_20m_h200.json"
     doc = json.loads(committed.read_text())
