@@ -243,6 +243,8 @@ def run_row(args, v, run, llama, corpus, device, state, meta: dict) -> tuple[dic
     compiler failure reruns it eager (noted in `meta`). In a group of --gpus-per-row processes
     every one calls it for the same row."""
     t0 = time.time()
+    if getattr(args, "probe", None):
+        args.probe.take()  # a curve left by a row that stopped or failed is not this row's
     if args.compile:
         # Each row compiles from scratch: a second row's simulator otherwise recompiles under the
         # guards and vmap state the first row's left on the same code objects (on 2 H100s,
@@ -321,6 +323,11 @@ def worker(args) -> int:
     device = init_group(args.gpus_per_row, args.device) if args.gpus_per_row > 1 else torch.device(args.device)
     group = Shards.of_world(args.replicas, args.gpus_per_row)
     corpus, run, llama = load(args)
+    if args.probe_boundaries:
+        if args.gpus_per_row > 1:
+            raise SystemExit("--probe-boundaries measures a row run by one process (--gpus-per-row 1)")
+        import boundary_probe  # bench/, beside this script
+        args.probe = boundary_probe.install()
     if not group.rank0:
         by_name = {v.name: v for v in ordered_variants(args)}
         while (name := group.first(None)) is not None:
@@ -388,6 +395,8 @@ def record_row(args, r: dict, mark: str | None, results: list) -> None:
     if mark:
         checkpoint.replace_text(mark, f"{r['val_loss']}\n")
     r.pop("replica_losses")
+    if getattr(args, "probe", None):
+        r["boundary_probe"] = args.probe.take()
     r["train_losses"] = r["train_losses"][::TRAIN_LOSSES_EVERY]
     r["train_losses_every"] = TRAIN_LOSSES_EVERY
     results.append(r)
@@ -441,6 +450,7 @@ def spawn(args, n: int, gpus: list[str], role: list[str], outs: list[str], claim
     forward = [x for k in FORWARD if getattr(args, k) not in (None, "")
                for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     forward += ["--compile"] if args.compile else []
+    forward += ["--probe-boundaries"] if args.probe_boundaries else []
     forward += ["--resume-only"] if args.resume_only else []
     forward += ["--gpus-per-row", str(g)] if g > 1 else []
     procs = []
@@ -548,6 +558,9 @@ def main(argv=None) -> int:
     p.add_argument("--aggregation", default="", help="sparseloco.aggregation of every SparseLoCo row")
     p.add_argument("--outer-lr", type=float, default=0.0, help="sparseloco.outer_lr of every SparseLoCo row (0: 1.0)")
     p.add_argument("--compile", action="store_true", help="torch.compile the batched simulator's forward")
+    p.add_argument("--probe-boundaries", action="store_true",
+                   help="at each validation, record each boundary's dropped and exactly rebuilt share of the "
+                        "activation (bench/boundary_probe.py): the row's 'boundary_probe'")
     p.add_argument("--device", default="cuda")
     p.add_argument("--gpu-ids", help="comma-separated CUDA_VISIBLE_DEVICES entries to run on (default: every "
                                      "visible GPU), for runs that share one machine's GPUs side by side")

@@ -1380,3 +1380,53 @@ def test_init_ablation_sets_each_compressed_row_against_its_own_inits_sparseloco
     emb1 = next(r for r in doc["rows"] if r["model"].endswith("20M_emb1.json") and r["row"] == "pp:8:lr=0.001")
     assert points["20M, embedding N(0, 1)"]["penalty_pct"]["pp:8"] == emb1["penalty_pct"]
     assert points["20M, embedding N(0, 1)"]["d"] == 384
+
+
+def test_boundary_probe_reads_what_the_link_drops_and_rebuilds(monkeypatch):
+    """bench/boundary_probe.py on a Het row (M = 4 x S = 2, replicas 2-3 at ratio 4) after two inner
+    steps and an outer step (T_S moved, T_perp re-split): a compressed replica's `dropped` is
+    ||(I - U U^T)(X - T_perp[x])|| / ||X|| and `exact` ||T_perp[x]|| / ||X||, recomputed in float64
+    from the stage's output, the codec's basis and the T_perp the receiver holds; an uncompressed one
+    drops 0 and has no exact part. Installed, a validation records its step and returns the same
+    losses. Breaks if the probe measured the wrong tensors, or disturbed the validation."""
+    import torch
+    from test_sim_sharded import _setup
+
+    from hetloco_ds.sim.batched import BatchedSimulation
+    from hetloco_ds.sim.rows import parse_variants
+
+    probe = bench_module("boundary_probe")
+    run, llama = _setup()
+    variant = parse_variants(["het:4"], 4, [0])[0]
+    hetloco = variant.hetloco(run.hetloco, 4)
+    sim = BatchedSimulation(variant.run(run), hetloco, llama, 4, 2, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        sim.train_step([[(ids, ids) for ids in torch.randint(0, 96, (run.grad_accum, 2, 16), generator=g)]
+                        for _ in range(4)])
+    sim.outer_step()
+    val = [tuple([torch.randint(0, 96, (2, 16), generator=g)] * 2) for _ in range(3)]
+
+    got = probe.measure(sim, val[:2])[0]
+    assert got["dropped"][:2] == [0.0, 0.0] and got["exact"][:2] == [None, None]
+    for m in (2, 3):
+        u = sim.replicas[m].algorithms[0].codec.basis.double()
+        perp = sim.perp[1][m].double()
+        x2 = lost2 = exact2 = 0.0
+        for ids, _ in val[:2]:
+            with torch.no_grad():
+                x = sim._stage_fns[0](sim.stage_tensors[0], ids.expand(4, *ids.shape))[0][m].double()
+            r = x - perp[ids]
+            lost = r - r @ u @ u.T
+            x2, lost2, exact2 = x2 + x.pow(2).sum(), lost2 + lost.pow(2).sum(), exact2 + perp[ids].pow(2).sum()
+        assert 0.05 < got["dropped"][m] < 1.0
+        assert abs(got["dropped"][m] - float((lost2 / x2).sqrt())) < 1e-5, (m, got)
+        assert abs(got["exact"][m] - float((exact2 / x2).sqrt())) < 1e-5, (m, got)
+
+    monkeypatch.setattr(BatchedSimulation, "validation_losses", BatchedSimulation.validation_losses)
+    plain = sim.validation_losses(val)
+    rec = probe.install()
+    assert sim.validation_losses(val) == plain
+    curve = rec.take()
+    assert [p["step"] for p in curve] == [2] and curve[0]["boundaries"][0]["dropped"] == got["dropped"]
+    assert rec.take() == []
