@@ -50,9 +50,22 @@ def _rows(paths: list[str]) -> tuple[dict, set]:
                 continue
             v = r["variant"]
             row = v["name"].split("@")[0]
-            found[(d["model"], row, v["seed"])] = (r, os.path.relpath(os.path.abspath(f), REPO))
+            found[(_model(d), row, v["seed"])] = (r, os.path.relpath(os.path.abspath(f), REPO))
             cards.add(d.get("card"))
     return found, cards
+
+
+def _model(doc: dict) -> str:
+    """The run's `model`; a config file outside the checkout (a run made before it was committed) as
+    the committed bench/models/ file of its name, where every field that file sets is the run's."""
+    model = doc["model"]
+    mine = os.path.join(REPO, "bench", "models", os.path.basename(model))
+    if os.path.isabs(model) and os.path.exists(mine):
+        with open(mine) as fh:
+            fields = json.load(fh)
+        if all(doc.get("model_config", {}).get(k) == v for k, v in fields.items()):
+            return os.path.relpath(mine, REPO)
+    return model
 
 
 def _base_key(r: dict) -> tuple:

@@ -1347,7 +1347,18 @@ def test_init_ablation_sets_each_compressed_row_against_its_own_inits_sparseloco
         row("pp:8:lr=0.001", "sparseloco", 8, 1, 2.0, [(200, 2.0)]),  # no SparseLoCo at seed 1: left out
         row("adamw:lr=0.001", "adamw", 0, 0, 1.9, [(200, 1.9)]),
         row("adamw-pp:8:lr=0.001", "adamw", 8, 0, 2.09, [(200, 2.09)])]}))  # against AdamW, not SparseLoCo
+    # Runs made before their config was committed name it where it was: the same fields count as the
+    # committed file, others stay apart.
+    fields = json.loads((BENCH / "models" / "20M_emb1.json").read_text())
+    (tmp_path / "c.json").write_text(json.dumps({"model": "/elsewhere/20M_emb1.json", "model_config": fields, "rows": [
+        row("sparseloco:lr=0.001", "sparseloco", 0, 3, 2.0, []), row("pp:8:lr=0.001", "sparseloco", 8, 3, 2.1, [])]}))
+    (tmp_path / "d.json").write_text(json.dumps({"model": "/elsewhere/20M_emb1.json",
+                                                 "model_config": {**fields, "initializer_range": 0.5}, "rows": [
+        row("sparseloco:lr=0.001", "sparseloco", 0, 4, 2.0, []), row("pp:8:lr=0.001", "sparseloco", 8, 4, 2.1, [])]}))
     s = ia.summarize([str(tmp_path)])
+    moved = {(r["model"], r["seed"]) for r in s["rows"] if r["seed"] in (3, 4)}
+    assert moved == {("bench/models/20M_emb1.json", 3), ("/elsewhere/20M_emb1.json", 4)}, moved
+    s["rows"] = [r for r in s["rows"] if r["seed"] not in (3, 4)]
     got = {(r["model"], r["row"].split(":")[0], r["seed"]): r for r in s["rows"]}
     assert set(got) == {("20M", "pp", 0), ("20M", "pp", 1), ("m/emb1.json", "pp", 0), ("m/emb1.json", "adamw-pp", 0)}
     assert s["cards"] == ["X"]
