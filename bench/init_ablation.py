@@ -16,7 +16,9 @@ same lr, AdamW-PP and AdamW-Het against AdamW): the init moves the baseline too,
 never taken across inits. Written: per row, the final held-out loss, the penalty in % and in nats,
 and the penalty at each validation step both rows share (`curve`); `baseline_vs_reference_pct` is
 each group's uncompressed loss against the `--reference` group's (the torch init by default);
-`over_seeds`, each row's mean, lowest and highest penalty over its seeds.
+`over_seeds`, each row's mean, lowest and highest penalty over its seeds; `boundary_probe`, where the
+row ran with paper_tables --probe-boundaries, each boundary's dropped and exactly rebuilt shares of the
+activation at each validation (the mean over the compressed replicas).
 """
 from __future__ import annotations
 
@@ -95,9 +97,25 @@ def summarize(paths: list[str], reference: str = "20M") -> dict:
             "baseline_vs_reference_pct": (100 * (b["val_loss"] - ref[0]["val_loss"]) / ref[0]["val_loss"]
                                           if ref else None),
             "outer_steps": r.get("outer_steps"), "curve": curve, "files": [f, bf]})
+        if r.get("boundary_probe"):
+            out[-1]["boundary_probe"] = probe_means(r["boundary_probe"])
     return {"what": "compression penalty per init, each against its own init's uncompressed row (SparseLoCo's; "
                     "AdamW's for the adamw rows)",
             "cards": sorted(c for c in cards if c), "reference": reference, "rows": out, "over_seeds": over_seeds(out)}
+
+
+def probe_means(curve: list[dict]) -> list[dict]:
+    """bench/boundary_probe.py's curve, each boundary's shares as the mean over the compressed replicas."""
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    out = []
+    for p in curve:
+        on = [[e is not None for e in b["exact"]] for b in p["boundaries"]]
+        out.append({"step": p["step"],
+                    "dropped": [mean([d for d, c in zip(b["dropped"], k) if c]) for b, k in zip(p["boundaries"], on)],
+                    "exact": [mean([e for e in b["exact"] if e is not None]) for b in p["boundaries"]]})
+    return out
 
 
 def over_seeds(rows: list[dict]) -> list[dict]:

@@ -1343,7 +1343,9 @@ def test_init_ablation_sets_each_compressed_row_against_its_own_inits_sparseloco
         row("pp:8:lr=0.001", "sparseloco", 8, 1, 2.2, [(200, 2.2)])]}))
     (tmp_path / "b.json").write_text(json.dumps({"model": "m/emb1.json", "card": "X", "rows": [
         row("sparseloco:lr=0.001", "sparseloco", 0, 0, 2.2, [(100, 3.2), (150, 2.9), (200, 2.2)]),
-        row("pp:8:lr=0.001", "sparseloco", 8, 0, 2.31, [(150, 3.0), (200, 2.31)]),
+        {**row("pp:8:lr=0.001", "sparseloco", 8, 0, 2.31, [(150, 3.0), (200, 2.31)]),
+         "boundary_probe": [{"step": 200, "boundaries": [{"boundary": 0, "dropped": [0.0, 0.4, 0.6],
+                                                          "exact": [None, 0.2, 0.1]}]}]},
         row("pp:8:lr=0.001", "sparseloco", 8, 1, 2.0, [(200, 2.0)]),  # no SparseLoCo at seed 1: left out
         row("adamw:lr=0.001", "adamw", 0, 0, 1.9, [(200, 1.9)]),
         row("adamw-pp:8:lr=0.001", "adamw", 8, 0, 2.09, [(200, 2.09)])]}))  # against AdamW, not SparseLoCo
@@ -1367,6 +1369,8 @@ def test_init_ablation_sets_each_compressed_row_against_its_own_inits_sparseloco
     assert abs(e["penalty_pct"] - 5.0) < 1e-9 and abs(e["penalty_nats"] - 0.11) < 1e-9
     assert abs(e["baseline_vs_reference_pct"] - 10.0) < 1e-9 and e["base_row"] == "sparseloco:lr=0.001"
     assert [p["step"] for p in e["curve"]] == [150, 200] and abs(e["curve"][0]["penalty_pct"] - 100 * 0.1 / 2.9) < 1e-9
+    (probed,) = e["boundary_probe"]  # the mean over the compressed replicas only
+    assert probed["step"] == 200 and abs(probed["dropped"][0] - 0.5) < 1e-9 and abs(probed["exact"][0] - 0.15) < 1e-9
     a = got[("m/emb1.json", "adamw-pp", 0)]
     assert a["base_row"] == "adamw:lr=0.001" and abs(a["penalty_pct"] - 10.0) < 1e-9
     assert a["baseline_vs_reference_pct"] is None  # the reference model has no AdamW row
