@@ -262,26 +262,40 @@ def size_sweep_points() -> list[dict]:
     return out
 
 
-INIT_ABLATION = os.path.join(HERE, "results", "init_ablation", "summary_20m_h200.json")
+INIT_ABLATIONS = {
+    # bench/init_ablation.py's summaries: what each model config is called, and the regime its rows ran in
+    os.path.join(HERE, "results", "init_ablation", "summary_20m_h200.json"): (
+        {"20M_emb1": "20M, embedding N(0, 1)", "20M_torchtitan": "20M, TorchTitan's init"}, "as 20M's row above"),
+    os.path.join(HERE, "results", "init_ablation", "summary_tiny_cpu.json"): (
+        {"tiny_emb0.02": "tiny, embedding N(0, 0.02)", "tiny_emb1.0": "tiny, embedding N(0, 1)",
+         "tiny_torchtitan": "tiny, TorchTitan's init"},
+        "CPU: M = 4 x S = 2, H = 10, 1,024 tokens a replica step, 400 steps, inner lr 2e-3 (not tuned)"),
+}
+INIT_ABLATION = next(iter(INIT_ABLATIONS))
 
 
-def init_ablation_points(path: str = INIT_ABLATION) -> list[dict]:
-    """The 20M penalty rows under another init (bench/init_ablation.py's summary), each against its
-    own init's SparseLoCo row, in the penalty regime's schedule."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        rows = [r for r in json.load(f)["rows"] if r["model"].endswith(".json")]
+def init_ablation_points(*paths: str) -> list[dict]:
+    """The penalty rows under another init (bench/init_ablation.py's summaries; by default every one
+    in INIT_ABLATIONS), each against its own init's uncompressed row, as the mean over its seeds."""
     out = []
-    for model in sorted({r["model"] for r in rows}):
-        mine = [r for r in rows if r["model"] == model]
-        name = os.path.splitext(os.path.basename(model))[0]
-        label = {"20M_emb1": "20M, embedding N(0, 1)", "20M_torchtitan": "20M, TorchTitan's init"}.get(name, name)
-        out.append({"size": label, "d": width(os.path.join(os.path.dirname(HERE), model)),
-                    "regime": f"as 20M's row above, {mine[0]['outer_steps']} syncs, final, seeds "
-                              + ",".join(str(s) for s in sorted({r["seed"] for r in mine})),
-                    "penalty_pct": {r["row"].split(":lr=")[0]: r["penalty_pct"] for r in mine},
-                    "sparseloco_minus_adamw_pct": None, "diloco_minus_adamw_pct": None})
+    for path in paths or tuple(INIT_ABLATIONS):
+        if not os.path.exists(path):
+            continue
+        labels, regime = INIT_ABLATIONS.get(os.path.abspath(path), INIT_ABLATIONS[INIT_ABLATION])
+        with open(path) as f:
+            doc = json.load(f)
+        rows = [r for r in doc["rows"] if r["model"].endswith(".json")]
+        for model in sorted({r["model"] for r in rows}):
+            mine = [r for r in rows if r["model"] == model]
+            means = [o for o in doc["over_seeds"] if o["model"] == model]
+            seeds = sorted({r["seed"] for r in mine})
+            name = os.path.splitext(os.path.basename(model))[0]
+            out.append({"size": labels.get(name, name), "d": width(os.path.join(os.path.dirname(HERE), model)),
+                        "regime": f"{regime}, {max(r['outer_steps'] for r in mine)} syncs, final, "
+                                  + ("seeds " if len(seeds) == 1 else "mean of seeds ") + ",".join(map(str, seeds)),
+                        "penalty_pct": {o["row"].split(":lr=")[0]: o["penalty_pct_mean"] for o in means},
+                        "seeds": {o["row"].split(":lr=")[0]: o["seeds"] for o in means},
+                        "sparseloco_minus_adamw_pct": None, "diloco_minus_adamw_pct": None})
     return out
 
 
@@ -310,13 +324,14 @@ def paper_points() -> list[dict]:
     return [{"size": "paper 178M", "d": 1024, "regime": "DCLM, 5.8K steps, 116 syncs (Table 1)",
              "penalty_pct": {k: pct(t1["178M"][k], t1["178M"]["sparseloco"]) for k in ("pp:8", "het:8")},
              "sparseloco_minus_adamw_pct": None, "diloco_minus_adamw_pct": None},
-            {"size": "paper 512M", "d": 1536, "regime": "DCLM, 19.5K steps, 391 syncs (Tables 1, 2, 4)",
-             "penalty_pct": {f"{kind}:{ratio}": t2[kind][ratio] for kind in ("pp", "het") for ratio in (8, 96)},
+            {"size": "paper 512M", "d": 1536, "regime": "DCLM, 19.5K steps, 391 syncs (Tables 1, 2, 4; AdamW's H = 1)",
+             "penalty_pct": {**{f"{kind}:{ratio}": t2[kind][ratio] for kind in ("pp", "het") for ratio in (8, 96)},
+                             **{k: summarize_tables.PAPER[k] for k in ("adamw-pp:8", "adamw-het:8")}},
              "sparseloco_minus_adamw_pct": pct(t1["512M"]["sparseloco"], t1["512M"]["adamw"]),
              "diloco_minus_adamw_pct": None}]
 
 
-COLUMNS = ("pp:8", "het:8", "pp:96", "het:96", "pp:16")
+COLUMNS = ("pp:8", "het:8", "pp:96", "het:96", "pp:16", "adamw-pp:8", "adamw-het:8")
 
 
 def fidelity(args) -> int:
@@ -334,7 +349,7 @@ def fidelity(args) -> int:
     def cell(x: float | None) -> str:
         return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.1f}%"
 
-    names = {"pp": "PP-Compress", "het": "Het"}
+    names = {"pp": "PP-Compress", "het": "Het", "adamw-pp": "AdamW-PP", "adamw-het": "AdamW-Het"}
     print("| size (d) | regime | " + " | ".join(f"{names[c.split(':')[0]]} 1/{c.split(':')[1]}" for c in COLUMNS)
           + " | SparseLoCo - AdamW | DiLoCo - AdamW |")
     print("| --- " * (len(COLUMNS) + 4) + "|")

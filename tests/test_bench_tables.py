@@ -1380,21 +1380,30 @@ def test_init_ablation_sets_each_compressed_row_against_its_own_inits_sparseloco
     assert m20["seeds"] == [0, 1] and abs(m20["penalty_pct_mean"] - 15.0) < 1e-9
     assert abs(m20["penalty_pct_min"] - 10.0) < 1e-9 and abs(m20["penalty_pct_max"] - 20.0) < 1e-9
 
+    for name, cards in (("summary_20m_h200.json", ["NVIDIA H200"]), ("summary_tiny_cpu.json", ["cpu"])):
+        committed = BENCH / "results" / "init_ablation" / name
+        doc = json.loads(committed.read_text())
+        argv = shlex.split(doc["command"])[1:]
+        out = tmp_path / "rebuilt.json"
+        argv[argv.index("--out") + 1] = str(out)
+        subprocess.run([sys.executable] + argv, cwd=BENCH.parent, check=True, capture_output=True)
+        rebuilt = json.loads(out.read_text())
+        rebuilt["command"] = doc["command"]
+        assert rebuilt == doc and doc["cards"] == cards, name
+    tiny = doc
     committed = BENCH / "results" / "init_ablation" / "summary_20m_h200.json"
     doc = json.loads(committed.read_text())
-    argv = shlex.split(doc["command"])[1:]
-    out = tmp_path / "rebuilt.json"
-    argv[argv.index("--out") + 1] = str(out)
-    subprocess.run([sys.executable] + argv, cwd=BENCH.parent, check=True, capture_output=True)
-    rebuilt = json.loads(out.read_text())
-    rebuilt["command"] = doc["command"]
-    assert rebuilt == doc and doc["cards"] == ["NVIDIA H200"]
 
     pr = bench_module("paper_regime")
     points = {p["size"]: p for p in pr.init_ablation_points(str(committed))}
     emb1 = next(r for r in doc["rows"] if r["model"].endswith("20M_emb1.json") and r["row"] == "pp:8:lr=0.001")
     assert points["20M, embedding N(0, 1)"]["penalty_pct"]["pp:8"] == emb1["penalty_pct"]
     assert points["20M, embedding N(0, 1)"]["d"] == 384
+    every = {p["size"]: p for p in pr.init_ablation_points()}  # both summaries, the tiny rows as seed means
+    mean = next(o for o in tiny["over_seeds"] if o["model"] == "bench/models/tiny_emb1.0.json" and o["row"] == "adamw-het:8")
+    assert every["tiny, embedding N(0, 1)"]["penalty_pct"]["adamw-het:8"] == mean["penalty_pct_mean"]
+    assert every["tiny, embedding N(0, 1)"]["seeds"]["adamw-het:8"] == mean["seeds"] and len(mean["seeds"]) > 1
+    assert every["20M, embedding N(0, 1)"] == points["20M, embedding N(0, 1)"]
 
 
 def test_boundary_probe_reads_what_the_link_drops_and_rebuilds(monkeypatch):
