@@ -187,7 +187,7 @@ def test_corpus_then_paper_tables_then_summary(tmp_path, capfd):
     # steps, where the smoke's own default is 2
     passes = 3.5 * 128 / blob["train"].numel()
     assert bench_module("paper_tables").main(["--data", str(corpus), "--cpu-smoke", "--val-every", "1",
-                                              "--passes", repr(passes), "--out", str(out)]) == 0
+                                              "--passes", repr(passes), "--probe-boundaries", "--out", str(out)]) == 0
     run = json.loads((out / "paper_tables_smoke_g0p0.json").read_text())
     # a row judged (--s-per-step) not to finish within the budget is not started; with no --state-dir
     # nothing is saved either, and the call ends at once (size_sweep.py run --whole-rows)
@@ -226,6 +226,13 @@ def test_corpus_then_paper_tables_then_summary(tmp_path, capfd):
     for r in run["rows"]:  # the worker process got --val-every: a point a step, the last the final one
         assert r["train_losses_every"] == 10 and len(r["train_losses"]) == 1  # step 1 of 3
         assert [p["step"] for p in r["val_curve"]] == [1, 2, 3] and r["val_curve"][-1]["loss"] == r["val_loss"]
+        # and --probe-boundaries: each validation's boundary shares, in the row's own record
+        assert [p["step"] for p in r["boundary_probe"]] == [1, 2, 3]
+        (b,) = r["boundary_probe"][-1]["boundaries"]  # M = 2 x S = 2: one boundary, the second replica compressed
+        if r["variant"]["compressed"]:
+            assert b["dropped"][0] == 0.0 and 0.0 < b["dropped"][1] < 1.0 and b["exact"][0] is None and b["exact"][1] > 0
+        else:
+            assert b["dropped"] == [0.0, 0.0] and b["exact"] == [None, None]
     assert run["n_params"] == _hf_params("tiny", blob["vocab_size"])
     rows = {r["variant"]["name"].split("@")[0]: r for r in run["rows"]}
     assert sorted(rows) == ["het:8", "sparseloco"] and all(math.isfinite(r["val_loss"]) for r in rows.values())
