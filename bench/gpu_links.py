@@ -55,6 +55,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -76,7 +77,7 @@ LINK_EFF = sl.LINK_EFF
 UNSHAPED = sl.UNLIMITED
 RATES = (1e9, 300e6, 100e6)
 SCHEDULES = ("blocking", "overlapped")
-KILL = 9
+KILL = signal.SIGKILL
 """How a run is stopped: at once, as a SIGTERM asks the engine for a preemption save nothing here reads."""
 NCCL_SOCKETS = {**rehearse.NCCL_SOCKETS, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}

@@ -80,7 +80,7 @@ def summarize(paths: list[str], reference: str = "20M") -> dict:
     found, cards = _rows(paths)
     bases = {(model, _base_key(r)): (r, f) for (model, _, _), (r, f) in found.items() if not r["variant"].get("compressed")}
     out = []
-    for (model, row, seed), (r, f) in sorted(found.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+    for (model, row, seed), (r, f) in sorted(found.items()):
         v = r["variant"]
         if not v.get("compressed") or (model, _base_key(r)) not in bases:
             continue
@@ -105,25 +105,25 @@ def summarize(paths: list[str], reference: str = "20M") -> dict:
 
 
 def probe_means(curve: list[dict]) -> list[dict]:
-    """bench/boundary_probe.py's curve, each boundary's shares as the mean over the compressed replicas."""
-    def mean(xs):
-        return sum(xs) / len(xs)
-
+    """bench/boundary_probe.py's curve, each boundary's shares as the mean over the compressed replicas
+    (those with an exact share)."""
     out = []
     for p in curve:
-        on = [[e is not None for e in b["exact"]] for b in p["boundaries"]]
-        out.append({"step": p["step"],
-                    "dropped": [mean([d for d, c in zip(b["dropped"], k) if c]) for b, k in zip(p["boundaries"], on)],
-                    "exact": [mean([e for e in b["exact"] if e is not None]) for b in p["boundaries"]]})
+        pairs = [[(d, e) for d, e in zip(b["dropped"], b["exact"]) if e is not None] for b in p["boundaries"]]
+        out.append({"step": p["step"], "dropped": [sum(d for d, _ in x) / len(x) for x in pairs],
+                    "exact": [sum(e for _, e in x) / len(x) for x in pairs]})
     return out
 
 
 def over_seeds(rows: list[dict]) -> list[dict]:
     """Per model and row, the penalty's mean, lowest and highest over the seeds that have it."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["row"]), []).append(r)
     out = []
-    for model, row in sorted({(r["model"], r["row"]) for r in rows}):
-        p = [r["penalty_pct"] for r in rows if (r["model"], r["row"]) == (model, row)]
-        out.append({"model": model, "row": row, "seeds": sorted(r["seed"] for r in rows if (r["model"], r["row"]) == (model, row)),
+    for (model, row), mine in sorted(groups.items()):
+        p = [r["penalty_pct"] for r in mine]
+        out.append({"model": model, "row": row, "seeds": sorted(r["seed"] for r in mine),
                     "penalty_pct_mean": sum(p) / len(p), "penalty_pct_min": min(p), "penalty_pct_max": max(p)})
     return out
 

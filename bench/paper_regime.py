@@ -271,7 +271,6 @@ INIT_ABLATIONS = {
          "tiny_torchtitan": "tiny, TorchTitan's init"},
         "CPU: M = 4 x S = 2, H = 10, 1,024 tokens a replica step, 400 steps, inner lr 2e-3 (not tuned)"),
 }
-INIT_ABLATION = next(iter(INIT_ABLATIONS))
 
 
 def init_ablation_points(*paths: str) -> list[dict]:
@@ -281,7 +280,7 @@ def init_ablation_points(*paths: str) -> list[dict]:
     for path in paths or tuple(INIT_ABLATIONS):
         if not os.path.exists(path):
             continue
-        labels, regime = INIT_ABLATIONS.get(os.path.abspath(path), INIT_ABLATIONS[INIT_ABLATION])
+        labels, regime = INIT_ABLATIONS[os.path.abspath(path)]
         with open(path) as f:
             doc = json.load(f)
         rows = [r for r in doc["rows"] if r["model"].endswith(".json")]

@@ -226,7 +226,6 @@ def probe_sends(tmp: str, env: dict, rate: float, sizes: list[int], reps: int, l
     return [json.loads(x) for x in res[0].stdout.splitlines() if x.startswith("{")]
 
 
-
 # ----------------------------------------------------------------------------- engine runs
 
 
